@@ -1,0 +1,1 @@
+"""Pallas GPU attention kernels, each beside a plain-jnp reference and behind one function."""

