@@ -1,0 +1,302 @@
+"""Dense attention over a per-layer GPU KV ring buffer (+ optional sink tokens), decode and append.
+
+Layout (per layer):
+  q          [B, Tq, Hq, D]   Tq = 1 for decode, up to 64 for append / chunked prefill
+  k_ring     [B, Hkv, W, D]   ring buffer; slot ``(ring_start + j) % W`` holds logical token j,
+  v_ring     [B, Hkv, W, D]   j = 0 the oldest valid token, j = length - 1 the newest
+  lengths    [B] int32        valid tokens in the ring (0..W)
+  ring_start [B] int32        physical slot of logical token 0
+  sink_k/v   [B, Hkv, S, D]   optional attention-sink tokens kept outside the ring (older than every
+  sink_lengths [B] int32      ring token; every query sees all valid sinks)
+
+Causality for Tq > 1: the chunk's own K/V are already the newest Tq ring tokens, so query t sees
+logical tokens j <= length - Tq + t. Tq = 1 sees the whole valid ring.
+
+Result: the partial state of shared/DESIGN.md over sinks + valid ring tokens:
+  o   [B, Tq, Hq, D] in q.dtype (0 for an empty window), lse [B, Tq, Hq] float32 natural log
+  (-inf for an empty window), and with ``return_probs`` probs [B, Hkv, W] float32: per physical ring
+  slot, the attention probability (normalised over this call's token set) summed over the query
+  heads of the KV group and the Tq queries; 0 for invalid slots. HGCA's moving average consumes it.
+
+The GPU kernel is flash-decoding: grid (B, Hkv, row tiles, KV splits); each program folds the KV
+group's query heads (and queries) into one row block, so K/V are read once per group, streams its
+split of the ring in ``block_k`` slices with an online softmax, and writes an unnormalised partial;
+``combine_splits`` merges the splits. Slot validity is computed from (slot - ring_start) mod W, so a
+wrapped ring needs no gather.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _common as C
+
+MAX_TQ = 64
+
+
+def window_attention(
+    q: jax.Array,
+    k_ring: jax.Array,
+    v_ring: jax.Array,
+    lengths: jax.Array,
+    ring_start: jax.Array,
+    *,
+    sink_k: jax.Array | None = None,
+    sink_v: jax.Array | None = None,
+    sink_lengths: jax.Array | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    return_probs: bool = False,
+    backend: str | None = None,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+):
+    """Attention of ``q`` over the ring window (+ sinks). See the module docstring for shapes.
+
+    Returns ``(o, lse)`` or ``(o, lse, probs)`` when ``return_probs``.
+    ``block_k``, ``num_splits``, ``num_warps``, ``num_stages`` tune the GPU kernel (None = heuristic).
+    """
+    _validate(q, k_ring, v_ring, lengths, ring_start, sink_k, sink_v, sink_lengths)
+    backend = C.resolve_backend(backend)
+    d = q.shape[-1]
+    scale = float(d**-0.5 if scale is None else scale)
+    lengths = lengths.astype(jnp.int32)
+    ring_start = ring_start.astype(jnp.int32)
+    if backend == "reference":
+        return window_attention_reference(
+            q, k_ring, v_ring, lengths, ring_start, sink_k=sink_k, sink_v=sink_v,
+            sink_lengths=sink_lengths, scale=scale, softcap=softcap, return_probs=return_probs,
+        )
+    tune = dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    o_acc, m, l, scores = _ring_partials(
+        q, k_ring, v_ring, lengths, ring_start, causal=q.shape[1] > 1, scale=scale, softcap=softcap,
+        want_scores=return_probs, interpret=backend == "interpret", **tune,
+    )
+    if sink_k is not None:
+        zeros = jnp.zeros_like(sink_lengths, dtype=jnp.int32)
+        so, sm, sl, _ = _ring_partials(
+            q, sink_k, sink_v, sink_lengths.astype(jnp.int32), zeros, causal=False, scale=scale,
+            softcap=softcap, want_scores=False, interpret=backend == "interpret", **tune,
+        )
+        o_acc = jnp.concatenate([o_acc, so], axis=2)
+        m = jnp.concatenate([m, sm], axis=2)
+        l = jnp.concatenate([l, sl], axis=2)
+    o_rows, lse_rows = C.combine_splits(o_acc, m, l, split_axis=-2)  # [B, Hkv, R_pad, D], [B, Hkv, R_pad]
+    tq, hq = q.shape[1], q.shape[2]
+    o = C.ungroup_rows(o_rows, tq, hq).astype(q.dtype)
+    lse = C.ungroup_rows(lse_rows, tq, hq)
+    if not return_probs:
+        return o, lse
+    rows = tq * (hq // k_ring.shape[1])
+    lse_real = lse_rows[:, :, :rows, None]  # [B, Hkv, R, 1]
+    p = jnp.where(jnp.isfinite(lse_real), jnp.exp(scores - jnp.where(jnp.isfinite(lse_real), lse_real, 0.0)), 0.0)
+    return o, lse, jnp.sum(p, axis=2)
+
+
+def _validate(q, k_ring, v_ring, lengths, ring_start, sink_k, sink_v, sink_lengths):
+    if q.ndim != 4:
+        raise ValueError(f"q.shape={tuple(q.shape)}; expected [B, Tq, Hq, D]")
+    b, tq, hq, d = q.shape
+    if k_ring.ndim != 4:
+        raise ValueError(f"k_ring.shape={tuple(k_ring.shape)}; expected [B, Hkv, W, D]")
+    if v_ring.shape != k_ring.shape:
+        raise ValueError(f"v_ring.shape={tuple(v_ring.shape)} differs from k_ring.shape={tuple(k_ring.shape)}")
+    kb, hkv, w, kd = k_ring.shape
+    if kb != b or kd != d:
+        raise ValueError(f"k_ring.shape={tuple(k_ring.shape)} does not match q.shape={tuple(q.shape)} (B, D)")
+    if not 1 <= tq <= MAX_TQ:
+        raise ValueError(f"Tq={tq}; expected 1 <= Tq <= {MAX_TQ} (decode or an append chunk)")
+    if w < 1:
+        raise ValueError(f"ring size W={w}; expected W >= 1")
+    C.check_head_dim(d)
+    C.check_gqa(hq, hkv)
+    for name, x in (("q", q), ("k_ring", k_ring), ("v_ring", v_ring)):
+        C.check_float_dtype(name, x)
+    if k_ring.dtype != v_ring.dtype:
+        raise ValueError(f"k_ring.dtype={k_ring.dtype} differs from v_ring.dtype={v_ring.dtype}")
+    C.check_int_vector("lengths", lengths, b)
+    C.check_int_vector("ring_start", ring_start, b)
+    given = [x is not None for x in (sink_k, sink_v, sink_lengths)]
+    if any(given) and not all(given):
+        raise ValueError("sink_k, sink_v and sink_lengths must be given together")
+    if all(given):
+        if sink_k.ndim != 4 or sink_k.shape[:2] != (b, hkv) or sink_k.shape[3] != d:
+            raise ValueError(f"sink_k.shape={tuple(sink_k.shape)}; expected [B={b}, Hkv={hkv}, S, D={d}]")
+        if sink_v.shape != sink_k.shape:
+            raise ValueError(f"sink_v.shape={tuple(sink_v.shape)} differs from sink_k.shape={tuple(sink_k.shape)}")
+        if sink_k.dtype != k_ring.dtype or sink_v.dtype != k_ring.dtype:
+            raise ValueError(f"sink dtypes ({sink_k.dtype}, {sink_v.dtype}) differ from k_ring.dtype={k_ring.dtype}")
+        C.check_int_vector("sink_lengths", sink_lengths, b)
+
+
+def _default_tuning(batch, hkv, w, row_tiles, block_k, num_splits, num_warps, num_stages, d):
+    if block_k is None:
+        block_k = 64 if d >= 256 else 128
+    block_k = min(block_k, C.next_pow2(w)) if w >= 16 else 16
+    if num_splits is None:
+        # Enough programs to fill the H100's 132 SMs a few times over; never splits under block_k.
+        target_programs = 528
+        want = max(1, target_programs // max(1, batch * hkv * row_tiles))
+        num_splits = min(want, -(-w // block_k))
+    split_size = -(-w // num_splits)
+    split_size = -(-split_size // block_k) * block_k
+    num_splits = -(-w // split_size)
+    return block_k, num_splits, split_size, num_warps or 4, num_stages or 3
+
+
+def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, softcap, want_scores,
+                   interpret, block_k, num_splits, num_warps, num_stages):
+    """Run the split-KV kernel. Returns o_acc [B,Hkv,S,Rp,D], m/l [B,Hkv,S,Rp], scores [B,Hkv,R,W]|None."""
+    b, tq, hq, d = q.shape
+    _, hkv, w, _ = k_ring.shape
+    g = hq // hkv
+    rows = tq * g
+    row_tile = min(64, max(16, C.next_pow2(rows)))
+    qg, rows = C.group_queries(q, hkv, row_tile)
+    r_pad = qg.shape[2]
+    row_tiles = r_pad // row_tile
+    block_k, num_splits, split_size, num_warps, num_stages = _default_tuning(
+        b, hkv, w, row_tiles, block_k, num_splits, num_warps, num_stages, d)
+    kernel = functools.partial(
+        _ring_kernel, scale=scale, softcap=softcap, block_k=block_k, split_size=split_size, ring=w,
+        group=g, tq=tq, causal=causal, row_tile=row_tile, rows=rows, want_scores=want_scores,
+        exact_fp32=q.dtype == jnp.float32,
+    )
+    scalar = pl.BlockSpec((None,), lambda bi, hi, ri, si: (bi,))
+    out_shape = [
+        jax.ShapeDtypeStruct((b, hkv, num_splits, r_pad, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, num_splits, r_pad), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, num_splits, r_pad), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, row_tile, d), lambda bi, hi, ri, si: (bi, hi, si, ri, 0)),
+        pl.BlockSpec((None, None, None, row_tile), lambda bi, hi, ri, si: (bi, hi, si, ri)),
+        pl.BlockSpec((None, None, None, row_tile), lambda bi, hi, ri, si: (bi, hi, si, ri)),
+    ]
+    if want_scores:
+        # Row blocks of the score output span the whole (real-row) array; stores are masked.
+        out_shape.append(jax.ShapeDtypeStruct((b, hkv, rows, w), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, rows, w), lambda bi, hi, ri, si: (bi, hi, 0, 0)))
+    extra = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, row_tiles, num_splits),
+        in_specs=[
+            scalar,
+            scalar,
+            pl.BlockSpec((None, None, row_tile, d), lambda bi, hi, ri, si: (bi, hi, ri, 0)),
+            pl.BlockSpec((None, None, w, d), lambda bi, hi, ri, si: (bi, hi, 0, 0)),
+            pl.BlockSpec((None, None, w, d), lambda bi, hi, ri, si: (bi, hi, 0, 0)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        name="jhybrid_window_attention",
+        **extra,
+    )(lengths, ring_start, qg, k_ring, v_ring)
+    if want_scores:
+        o_acc, m, l, scores = outs
+    else:
+        (o_acc, m, l), scores = outs, None
+    return o_acc, m, l, scores
+
+
+def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *score_refs, scale,
+                 softcap, block_k, split_size, ring, group, tq, causal, row_tile, rows, want_scores,
+                 exact_fp32):
+    from jax.experimental.pallas import triton as plgpu
+
+    row_idx = pl.program_id(2)
+    split = pl.program_id(3)
+    length = len_ref[()]
+    start = start_ref[()]
+    d = q_ref.shape[-1]
+    q = q_ref[...]
+    row_ids = row_idx * row_tile + jnp.arange(row_tile, dtype=jnp.int32)
+    # Logical index of the newest token query row r may see (causal inside the chunk).
+    last_visible = (length - tq + row_ids // group) if causal else jnp.full((row_tile,), length - 1, jnp.int32)
+    split_lo = split * split_size
+    n_blocks = jnp.minimum(split_size, ring - split_lo + block_k - 1) // block_k
+    col = jnp.arange(block_k, dtype=jnp.int32)
+    dot_kw = dict(allow_tf32=False) if exact_fp32 else {}
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        slot0 = split_lo + i * block_k
+        slots = slot0 + col
+        in_ring = slots < ring
+        kv = plgpu.load(k_ref.at[pl.ds(slot0, block_k), :], mask=in_ring[:, None], other=0.0)
+        s = pl.dot(q, kv, trans_b=True, **dot_kw) * scale  # [row_tile, block_k] float32
+        s = C.softcap_scores(s, softcap)
+        logical = slots - start + jnp.where(slots < start, ring, 0)
+        valid = (in_ring & (logical < length))[None, :] & (logical[None, :] <= last_visible[:, None])
+        if want_scores:
+            plgpu.store(
+                score_refs[0].at[pl.ds(row_idx * row_tile, row_tile), pl.ds(slot0, block_k)],
+                jnp.where(valid, s, -jnp.inf),
+                mask=(row_ids < rows)[:, None] & in_ring[None, :],
+            )
+        m_cur = jnp.max(jnp.where(valid, s, C.NEG_BIG), axis=1)
+        m_next = jnp.maximum(m_prev, m_cur)
+        corr = jnp.exp(m_prev - m_next)
+        p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
+        vv = plgpu.load(v_ref.at[pl.ds(slot0, block_k), :], mask=in_ring[:, None], other=0.0)
+        acc = acc * corr[:, None] + pl.dot(p.astype(vv.dtype), vv, **dot_kw)
+        return acc, m_next, l_prev * corr + jnp.sum(p, axis=1)
+
+    init = (
+        jnp.zeros((row_tile, d), jnp.float32),
+        jnp.full((row_tile,), C.NEG_BIG, jnp.float32),
+        jnp.zeros((row_tile,), jnp.float32),
+    )
+    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def window_attention_reference(q, k_ring, v_ring, lengths, ring_start, *, sink_k=None, sink_v=None,
+                               sink_lengths=None, scale=None, softcap=None, return_probs=False):
+    """Plain-jnp reference with the same contract (float32 math); also the CPU execution path."""
+    b, tq, hq, d = q.shape
+    _, hkv, w, _ = k_ring.shape
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    qf = q.astype(jnp.float32).reshape(b, tq, hkv, g, d)
+    s = jnp.einsum("bthgd,bhwd->bhtgw", qf, k_ring.astype(jnp.float32), precision="highest") * scale
+    s = C.softcap_scores(s, softcap)
+    slots = jnp.arange(w, dtype=jnp.int32)
+    logical = (slots[None, :] - ring_start[:, None]) % w  # [B, W]
+    t = jnp.arange(tq, dtype=jnp.int32)
+    last = (lengths[:, None] - tq + t[None, :]) if tq > 1 else jnp.broadcast_to(lengths[:, None] - 1, (b, 1))
+    valid = (logical[:, None, :] < lengths[:, None, None]) & (logical[:, None, :] <= last[:, :, None])  # [B,Tq,W]
+    s = jnp.where(valid[:, None, :, None, :], s, -jnp.inf)
+    values = [v_ring.astype(jnp.float32)]
+    if sink_k is not None:
+        ss = jnp.einsum("bthgd,bhsd->bhtgs", qf, sink_k.astype(jnp.float32), precision="highest") * scale
+        ss = C.softcap_scores(ss, softcap)
+        sv = jnp.arange(sink_k.shape[2])[None, :] < sink_lengths[:, None]
+        ss = jnp.where(sv[:, None, None, None, :], ss, -jnp.inf)
+        s_all = jnp.concatenate([s, ss], axis=-1)
+        values.append(sink_v.astype(jnp.float32))
+    else:
+        s_all = s
+    lse = jax.nn.logsumexp(s_all, axis=-1)  # [B, Hkv, Tq, G]
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
+    p_all = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(s_all - safe), 0.0)
+    o = jnp.einsum("bhtgw,bhwd->bthgd", p_all, jnp.concatenate(values, axis=2), precision="highest")
+    o = o.reshape(b, tq, hq, d).astype(q.dtype)
+    lse_out = lse.transpose(0, 2, 1, 3).reshape(b, tq, hq)
+    if not return_probs:
+        return o, lse_out
+    return o, lse_out, jnp.sum(p_all[..., :w], axis=(2, 3))
