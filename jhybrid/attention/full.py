@@ -1,0 +1,87 @@
+"""The `full` backend: every token's K/V in one static-shape device buffer per layer.
+
+Cache of one layer: {"k": [B, max_len, Hkv, D], "v": [B, max_len, Hkv, D]}. New tokens are
+scattered to their positions (padding, position -1, is dropped), then attention runs in plain jnp
+over the whole buffer with a mask built from positions and lengths — exact, float32 softmax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jhybrid.attention.base import AttentionBackend, LayerContext
+from jhybrid.models.config import ModelConfig
+
+
+def store_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Writes new [B, T, H, D] into cache [B, L, H, D] at positions [B, T]; -1 (or >= L) is dropped."""
+    max_len = cache.shape[1]
+    index = jnp.where(positions >= 0, positions, max_len)  # out of bounds -> dropped
+    batch = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[batch, index].set(new.astype(cache.dtype), mode="drop")
+
+
+def masked_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    lengths: jax.Array,
+    scale: float,
+    sliding_window: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal GQA attention of q [B, T, Hq, D] over a cache [B, L, Hkv, D] (plain jnp reference).
+
+    Key j is visible to a query at position p when j <= p, j < lengths[b] and (with a window)
+    p - j < sliding_window. Returns o [B, T, Hq, D] in q's dtype (zero for padding queries) and
+    lse [B, T, Hq] float32 in natural log (the partial-attention contract of shared/DESIGN.md).
+    """
+    batch, steps, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    q = q.reshape(batch, steps, num_kv_heads, group, head_dim)
+    scores = jnp.einsum(
+        "btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32
+    ) * jnp.float32(scale)  # [B, Hkv, G, T, L]
+    key_pos = jnp.arange(k_cache.shape[1])[None, None, :]  # [1, 1, L]
+    query_pos = positions[:, :, None]  # [B, T, 1]
+    visible = (key_pos <= query_pos) & (key_pos < lengths[:, None, None]) & (query_pos >= 0)
+    if sliding_window is not None:
+        visible &= query_pos - key_pos < sliding_window
+    visible = visible[:, None, None]  # [B, 1, 1, T, L]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    max_score = jnp.max(scores, axis=-1, keepdims=True)
+    max_score = jnp.where(jnp.isfinite(max_score), max_score, 0.0)
+    weights = jnp.exp(scores - max_score)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_cache.dtype), v_cache,
+                     preferred_element_type=jnp.float32)
+    lse = (jnp.log(denom) + max_score)[..., 0]  # [B, Hkv, G, T]; -inf where nothing is visible
+    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, steps, num_heads)
+    return out.reshape(batch, steps, num_heads, head_dim).astype(q.dtype), lse
+
+
+class FullAttention(AttentionBackend):
+    """All KV on the device; the reference every other backend must match with keep-everything."""
+
+    name = "full"
+
+    def __eq__(self, other):
+        return type(other) is FullAttention
+
+    def __hash__(self):
+        return hash(FullAttention)
+
+    def init_layer_cache(self, config: ModelConfig, layer_idx: int, batch_size: int, max_len: int,
+                         dtype):
+        shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache, context: LayerContext):
+        k_cache = store_kv(layer_cache["k"], k, positions)
+        v_cache = store_kv(layer_cache["v"], v, positions)
+        out, _ = masked_attention(q, k_cache, v_cache, positions, lengths, context.scale,
+                                  context.sliding_window)
+        return out, {"k": k_cache, "v": v_cache}

@@ -1,0 +1,149 @@
+"""The decoder: DecoderLayer (one transformer block) and CausalLM (embeddings, layers, head).
+
+One set of modules serves every family; ModelConfig's switches pick the norm, MLP, residual layout
+and position handling. The cache is an explicit `KVCache` pytree that goes in and comes out of
+every call, so a whole step can be jitted with the cache buffers donated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jhybrid.attention.base import AttentionBackend, LayerContext
+from jhybrid.attention.full import FullAttention
+from jhybrid.models.config import ModelConfig
+from jhybrid.models.layers import MLP, Attention, make_norm
+
+
+@struct.dataclass
+class KVCache:
+    """Generation state: one backend-defined cache per layer + tokens held per sequence.
+
+    layers: tuple (num_layers) of backend layer caches (for `full`: {"k", "v"} [B, max_len, Hkv, D]).
+    lengths: [B] int32, number of tokens each sequence has stored (= next position to write).
+    """
+
+    layers: tuple
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return jax.tree_util.tree_leaves(self.layers)[0].shape[1]
+
+
+class DecoderLayer(nnx.Module):
+    """Attention + MLP with the family's residual layout:
+    pre-LN (Llama, OPT, NeoX sequential): h = x + attn(n1(x)); out = h + mlp(n2(h))
+    post-LN (OPT-350m style):             h = n1(x + attn(x)); out = n2(h + mlp(h))
+    parallel (GPT-NeoX):                  out = x + attn(n1(x)) + mlp(n2(x))
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        self.config = config
+        self.layer_idx = layer_idx
+        self.input_norm = make_norm(config, rngs)
+        self.attention = Attention(config, layer_idx, rngs=rngs)
+        self.post_attention_norm = make_norm(config, rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def attention_input(self, x: jax.Array) -> jax.Array:
+        """What the attention projections see: the normed input (or x itself for post-LN)."""
+        return self.input_norm(x) if self.config.norm_before else x
+
+    def __call__(self, x, positions, lengths, layer_cache, backend: AttentionBackend, next_layer):
+        context = LayerContext(layer_input=x, next_layer=next_layer,
+                               scale=self.config.head_dim ** -0.5,
+                               sliding_window=self.config.sliding_window)
+        attn, layer_cache = self.attention(self.attention_input(x), positions, lengths, layer_cache,
+                                           backend, context)
+        if self.config.parallel_residual:
+            return x + attn + self.mlp(self.post_attention_norm(x)), layer_cache
+        if not self.config.norm_before:
+            h = self.input_norm(x + attn)
+            return self.post_attention_norm(h + self.mlp(h)), layer_cache
+        h = x + attn
+        return h + self.mlp(self.post_attention_norm(h)), layer_cache
+
+
+def kv_from_hidden(layer: DecoderLayer, hidden: jax.Array, positions: jax.Array):
+    """Recomputes a layer's K, V from its saved input hidden state (HCache restore).
+
+    layer: the DecoderLayer (NNX modules carry their parameters), e.g. `model.layers[i]`.
+    hidden: [B, T, d_model] the layer's input as returned with `return_hidden_states=True`.
+    positions: [B, T] int32. Returns k, v [B, T, Hkv, D] exactly as that layer stored them
+    (norm, K/V projections with biases, RoPE on k).
+    """
+    return layer.attention.project_kv(layer.attention_input(hidden), positions)
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only language model.
+
+    Parameters: embed [vocab, d_model] (nnx.Embed), position_embed [max_pos + 2, d_model] (OPT only),
+    layers (nnx.List of DecoderLayer), final_norm, lm_head [d_model, vocab] (absent when tied).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=config.dtype, rngs=rngs)
+        self.position_embed = (
+            nnx.Embed(config.max_position_embeddings + config.learned_position_offset,
+                      config.d_model, dtype=config.dtype, rngs=rngs)
+            if config.position_type == "learned" else None)
+        self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
+        self.final_norm = make_norm(config, rngs) if config.norm_before else None
+        self.lm_head = (
+            None if config.tie_embeddings else
+            nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=config.dtype,
+                       rngs=rngs))
+
+    def init_cache(self, batch_size: int, max_len: int, backend: AttentionBackend | None = None,
+                   dtype=None) -> KVCache:
+        """An empty cache for `batch_size` sequences of up to `max_len` tokens."""
+        backend = backend or FullAttention()
+        dtype = dtype or self.config.dtype
+        layers = tuple(backend.init_layer_cache(self.config, i, batch_size, max_len, dtype)
+                       for i in range(self.config.num_layers))
+        return KVCache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    def hidden_states(self, tokens, positions, cache: KVCache, backend: AttentionBackend | None = None,
+                      *, return_hidden_states: bool = False):
+        """Runs the decoder without the LM head.
+
+        tokens, positions: [B, T] int32 (position -1 marks padding; see jhybrid.attention.base).
+        Returns (final [B, T, d_model] after the final norm, new cache, layer_inputs), with
+        layer_inputs [num_layers, B, T, d_model] (each layer's input) or None.
+        """
+        backend = backend or FullAttention()
+        x = self.embed(tokens)
+        if self.position_embed is not None:
+            index = jnp.maximum(positions, 0) + self.config.learned_position_offset
+            x = x + self.position_embed(index)
+        lengths = jnp.maximum(cache.lengths, jnp.max(positions, axis=1) + 1).astype(jnp.int32)
+        new_layers, layer_inputs = [], []
+        for i, layer in enumerate(self.layers):
+            layer_inputs.append(x)
+            next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            x, layer_cache = layer(x, positions, lengths, cache.layers[i], backend, next_layer)
+            new_layers.append(layer_cache)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        stacked = jnp.stack(layer_inputs) if return_hidden_states else None
+        return x, KVCache(layers=tuple(new_layers), lengths=lengths), stacked
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[..., d_model] -> [..., vocab] float32."""
+        if self.lm_head is None:
+            return self.embed.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def __call__(self, tokens, positions, cache: KVCache, backend: AttentionBackend | None = None,
+                 *, return_hidden_states: bool = False):
+        """Returns (logits [B, T, vocab] float32, new cache[, layer_inputs [L, B, T, d_model]])."""
+        hidden, cache, layer_inputs = self.hidden_states(
+            tokens, positions, cache, backend, return_hidden_states=return_hidden_states)
+        if return_hidden_states:
+            return self.logits(hidden), cache, layer_inputs
+        return self.logits(hidden), cache
