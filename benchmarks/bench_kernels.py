@@ -41,15 +41,25 @@ def rel_err(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def timed_per_call(fn, arg_sets, calls, repeats):
-    """Median µs per call of ``fn`` over ``calls`` back-to-back calls inside one jit."""
+def timed_per_call(fn, arg_sets, calls, repeats, perturb=0):
+    """Median µs per call of ``fn`` over ``calls`` back-to-back calls inside one jit.
+
+    Call i uses ``arg_sets[i % len(arg_sets)]`` with argument ``perturb`` scaled by (1 + 1e-3 i),
+    computed outside the timed program: no two calls are identical, so XLA cannot merge them.
+    """
     n_sets = len(arg_sets)
+    call_args = []
+    for i in range(calls):
+        a = list(arg_sets[i % n_sets])
+        if perturb is not None:
+            a[perturb] = jax.block_until_ready((a[perturb] * (1 + 1e-3 * i)).astype(a[perturb].dtype))
+        call_args.append(tuple(a))
 
     @jax.jit
-    def many(sets):
-        return [fn(*sets[i % n_sets]) for i in range(calls)]
+    def many(all_args):
+        return [fn(*a) for a in all_args]
 
-    run = lambda: jax.block_until_ready(many(arg_sets))  # noqa: E731
+    run = lambda: jax.block_until_ready(many(call_args))  # noqa: E731
     return time_fn(run, warmup=3, repeats=repeats) / calls
 
 
@@ -58,10 +68,13 @@ def n_sets_for(bytes_per_set, calls):
 
 
 def copy_gbps(nbytes, calls, repeats):
+    """Device-to-device copy bandwidth (bytes read + written) over ``nbytes``: y = x + c."""
     n = nbytes // 2
     xs = [jax.random.normal(jax.random.key(i), (n,), jnp.bfloat16) for i in range(n_sets_for(nbytes, calls))]
-    us = timed_per_call(lambda x: x + 1, [(x,) for x in xs], calls, repeats)
-    return 2 * nbytes / us / 1e3  # read + write, GB/s
+    # c = 1 + 2^-k differs per call (exact in bf16 for k <= 7) so no two calls are identical.
+    sets = [(xs[i % len(xs)], jnp.asarray(1 + 2.0 ** -(i % 8), jnp.bfloat16)) for i in range(calls)]
+    us = timed_per_call(lambda x, c: x + c, sets, calls, repeats, perturb=None)
+    return 2 * nbytes / us / 1e3
 
 
 def bench_dense(args, rows):
@@ -112,6 +125,39 @@ def bench_dense(args, rows):
             print(row, flush=True)
 
 
+def sweep_dense(args, rows):
+    """Tuning sweep of the dense kernel's launch parameters at a few shapes (rows kernel=dense_sweep)."""
+    hq, hkv, d = 32, 8, 128
+    for batch, ctx in ((1, 32768), (8, 32768), (32, 32768)):
+        key = jax.random.key(batch)
+        kq, kk, kvv = jax.random.split(key, 3)
+        q = jax.random.normal(kq, (batch, 1, hq, d), jnp.bfloat16)
+        k = jax.random.normal(kk, (batch, hkv, ctx, d), jnp.bfloat16)
+        v = jax.random.normal(kvv, (batch, hkv, ctx, d), jnp.bfloat16)
+        lengths = jnp.full((batch,), ctx, jnp.int32)
+        start = jnp.full((batch,), ctx // 3, jnp.int32)
+        kv_bytes = 2 * batch * hkv * ctx * d * 2
+        sets = [(q, k, v, lengths, start)]
+        base_programs = batch * hkv
+        for block_k in (64, 128):
+            for num_warps in (4, 8):
+                for num_stages in (2, 3, 4):
+                    for programs in (264, 528, 1056):
+                        splits = max(1, min(programs // base_programs, ctx // block_k))
+                        tune = dict(block_k=block_k, num_warps=num_warps, num_stages=num_stages, num_splits=splits)
+                        row = dict(kernel="dense_sweep", batch=batch, context=ctx, **tune)
+                        try:
+                            us = timed_per_call(lambda *a, t=tune: window_attention(*a, backend="triton", **t),
+                                                sets, args.calls, args.repeats)
+                            row.update(median_us=us, achieved_GBps=kv_bytes / us / 1e3)
+                        except Exception as e:  # noqa: BLE001
+                            row["error"] = f"{type(e).__name__}: {e}"[:200]
+                        rows.append(row)
+        best = min((r for r in rows if r["kernel"] == "dense_sweep" and r["batch"] == batch and "median_us" in r),
+                   key=lambda r: r["median_us"], default=None)
+        print("best", best, flush=True)
+
+
 def bench_block_sparse(args, rows):
     hq, hkv, d, bs = 32, 8, 128, args.sparse_block
     batch, ctx = args.sparse_batch, args.sparse_context
@@ -138,8 +184,8 @@ def bench_block_sparse(args, rows):
             o_ref, lse_ref = jax.jit(lambda *a: block_sparse_attention_reference(*a))(*args_)
             row["rel_err_o"] = rel_err(o, o_ref)
             row["max_err_lse"] = float(jnp.max(jnp.abs(lse - lse_ref)))
-            qs = [(q * (1 + 0.01 * i),) + args_[1:] for i in range(args.calls)]
-            us = timed_per_call(lambda *a: block_sparse_attention(*a, backend="triton"), qs, args.calls, args.repeats)
+            us = timed_per_call(lambda *a: block_sparse_attention(*a, backend="triton"), [args_], args.calls,
+                                args.repeats)
             row["median_us"] = us
             row["achieved_GBps"] = sel_bytes / us / 1e3
             row["copy_GBps"] = copy_gbps(sel_bytes, args.calls, args.repeats)
@@ -169,13 +215,13 @@ def bench_digest(args, rows):
         s_ref = jax.jit(block_scores_reference)(q, kmin, kmax, num_blocks)
         row["rel_err_scores"] = rel_err(jnp.where(jnp.isfinite(s_ref), s, 0), jnp.where(jnp.isfinite(s_ref), s_ref, 0))
         f = lambda q, mn, mx, n: select_blocks(block_scores(q, mn, mx, n, backend="triton"), n, budget_blocks)  # noqa: E731
-        row["median_us"] = timed_per_call(f, [(q * (1 + 0.01 * i), kmin, kmax, num_blocks) for i in range(4)],
+        row["median_us"] = timed_per_call(f, [(q, kmin, kmax, num_blocks)],
                                           args.calls, args.repeats)
         g = lambda q, mn, mx, n: block_scores(q, mn, mx, n, backend="triton")  # noqa: E731
-        row["score_only_us"] = timed_per_call(g, [(q * (1 + 0.01 * i), kmin, kmax, num_blocks) for i in range(4)],
+        row["score_only_us"] = timed_per_call(g, [(q, kmin, kmax, num_blocks)],
                                               args.calls, args.repeats)
         h = lambda q, mn, mx, n: select_blocks(block_scores_reference(q, mn, mx, n), n, budget_blocks)  # noqa: E731
-        row["jnp_reference_us"] = timed_per_call(h, [(q * (1 + 0.01 * i), kmin, kmax, num_blocks) for i in range(4)],
+        row["jnp_reference_us"] = timed_per_call(h, [(q, kmin, kmax, num_blocks)],
                                                  args.calls, args.repeats)
         row["achieved_GBps"] = row["kv_bytes"] / row["score_only_us"] / 1e3
     except Exception as e:  # noqa: BLE001
@@ -200,19 +246,22 @@ def main():
     p.add_argument("--sparse-block", type=int, default=64)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     p.add_argument("--digest-batch", type=int, default=8)
-    p.add_argument("--only", choices=["dense", "sparse", "digest"], nargs="+", default=["dense", "sparse", "digest"])
+    p.add_argument("--only", choices=["dense", "sweep", "sparse", "digest"], nargs="+",
+                   default=["dense", "sparse", "digest"])
     args = p.parse_args()
     print("devices:", jax.devices(), flush=True)
     rows: list[dict] = []
     if "dense" in args.only:
         bench_dense(args, rows)
+    if "sweep" in args.only:
+        sweep_dense(args, rows)
     if "sparse" in args.only:
         bench_block_sparse(args, rows)
     if "digest" in args.only:
         bench_digest(args, rows)
     write_results(args.out, "kernels", vars(args), rows)
     print()
-    print_table(rows, ["kernel", "batch", "context", "selected_frac", "median_us", "achieved_GBps", "copy_GBps",
+    print_table([r for r in rows if r["kernel"] != "dense_sweep"], ["kernel", "batch", "context", "selected_frac", "median_us", "achieved_GBps", "copy_GBps",
                       "cudnn_us", "cudnn_GBps", "xla_us", "rel_err_o", "error"])
 
 

@@ -124,5 +124,15 @@ def combine_splits(o_acc: jnp.ndarray, m: jnp.ndarray, l: jnp.ndarray, split_axi
     return o, lse
 
 
+def dot_f32(a, b, *, trans_b: bool = False, exact: bool = False):
+    """2-D matmul with float32 accumulation inside a kernel (``pl.dot`` is gone in JAX 0.12).
+
+    ``exact`` forces full float32 (no tf32) for float32 operands, as the parity tests require.
+    """
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    precision = jax.lax.Precision.HIGHEST if exact else None
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
 def softcap_scores(s: jnp.ndarray, softcap: float | None) -> jnp.ndarray:
     return s if softcap is None else softcap * jnp.tanh(s / softcap)

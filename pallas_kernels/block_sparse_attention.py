@@ -157,7 +157,6 @@ def _sparse_kernel(count_ref, ids_ref, blen_ref, q_ref, k_ref, v_ref, o_ref, m_r
     n_iter = jnp.maximum(hi - lo + block_k - 1, 0) // block_k
     col = jnp.arange(block_k, dtype=jnp.int32)
     dcol = jnp.arange(d, dtype=jnp.int32)
-    dot_kw = dict(allow_tf32=False) if exact_fp32 else {}
 
     def body(i, carry):
         acc, m_prev, l_prev = carry
@@ -170,13 +169,13 @@ def _sparse_kernel(count_ref, ids_ref, blen_ref, q_ref, k_ref, v_ref, o_ref, m_r
         valid = listed & (row_in_block < blen)
         flat_row = (pool_id * hkv + head) * bs + row_in_block
         kv = plgpu.load(k_ref.at[flat_row[:, None], dcol[None, :]], mask=valid[:, None], other=0.0)
-        s = C.softcap_scores(pl.dot(q, kv, trans_b=True, **dot_kw) * scale, softcap)
+        s = C.softcap_scores(C.dot_f32(q, kv, trans_b=True, exact=exact_fp32) * scale, softcap)
         m_cur = jnp.max(jnp.where(valid[None, :], s, C.NEG_BIG), axis=1)
         m_next = jnp.maximum(m_prev, m_cur)
         corr = jnp.exp(m_prev - m_next)
         p = jnp.where(valid[None, :], jnp.exp(s - m_next[:, None]), 0.0)
         vv = plgpu.load(v_ref.at[flat_row[:, None], dcol[None, :]], mask=valid[:, None], other=0.0)
-        acc = acc * corr[:, None] + pl.dot(p.astype(vv.dtype), vv, **dot_kw)
+        acc = acc * corr[:, None] + C.dot_f32(p.astype(vv.dtype), vv, exact=exact_fp32)
         return acc, m_next, l_prev * corr + jnp.sum(p, axis=1)
 
     init = (

@@ -228,7 +228,6 @@ def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
     split_lo = split * split_size
     n_blocks = jnp.minimum(split_size, ring - split_lo + block_k - 1) // block_k
     col = jnp.arange(block_k, dtype=jnp.int32)
-    dot_kw = dict(allow_tf32=False) if exact_fp32 else {}
 
     def body(i, carry):
         acc, m_prev, l_prev = carry
@@ -236,7 +235,7 @@ def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
         slots = slot0 + col
         in_ring = slots < ring
         kv = plgpu.load(k_ref.at[pl.ds(slot0, block_k), :], mask=in_ring[:, None], other=0.0)
-        s = pl.dot(q, kv, trans_b=True, **dot_kw) * scale  # [row_tile, block_k] float32
+        s = C.dot_f32(q, kv, trans_b=True, exact=exact_fp32) * scale  # [row_tile, block_k] float32
         s = C.softcap_scores(s, softcap)
         logical = slots - start + jnp.where(slots < start, ring, 0)
         valid = (in_ring & (logical < length))[None, :] & (logical[None, :] <= last_visible[:, None])
@@ -251,7 +250,7 @@ def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
         corr = jnp.exp(m_prev - m_next)
         p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
         vv = plgpu.load(v_ref.at[pl.ds(slot0, block_k), :], mask=in_ring[:, None], other=0.0)
-        acc = acc * corr[:, None] + pl.dot(p.astype(vv.dtype), vv, **dot_kw)
+        acc = acc * corr[:, None] + C.dot_f32(p.astype(vv.dtype), vv, exact=exact_fp32)
         return acc, m_next, l_prev * corr + jnp.sum(p, axis=1)
 
     init = (
