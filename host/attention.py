@@ -1,0 +1,332 @@
+"""CPU attention over offloaded KV (Numba, parallel, nogil), returning partial states `(o, lse)`.
+
+Contract (DESIGN.md): queries `[B, Tq, Hq, D]` float32; query head `hq` attends KV head
+`hq // (Hq // Hkv)`. Returns `o [B, Tq, Hq, D]` float32 normalised over the attended tokens and
+`lse [B, Tq, Hq]` float32 = natural log of sum_j exp(s_j), with s_j = scale * q . k_j
+(scale = 1/sqrt(D) unless given). An empty token set gives o = 0, lse = -inf. No causal mask: all
+offloaded tokens precede the queries.
+
+Three entry points, one kernel (see `host.paged_view`):
+  (a) `attend_context`  the packed sparse context cache (HGCA's CPU sparse attention)
+  (b) `attend_all`      every stored token (re-evaluation; keep-all exactness), optional probabilities
+  (c) `attend_blocks`   chosen block numbers per (sequence, KV head) (ScoutAttention's CPU part)
+
+Inside the kernel the Hq/Hkv query heads of a group (x Tq queries) are processed together, so each
+K/V row is read from memory once per group; bf16 is widened by `bits << 16`, fp16 by an exact
+bit-level conversion; accumulation is float32 with an online softmax per work item and an exact LSE
+merge of the items of a unit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from host.numba_threads import configure_threading_layer
+from host.paged_view import PagedKV, plan_work_items
+
+THREADING_LAYER = configure_threading_layer()
+
+# Fast-math without 'nnan'/'ninf': lse = -inf and max(-inf, x) must stay exact.
+_FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
+_TWO_POW_112 = np.float32(2.0 ** 112)
+ITEMS_PER_THREAD = 4
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _widen_rows(src, n, fmt, dst):
+    """dst[:n] = float32 values of src[:n] ([page_tokens, D]); fmt 0 fp32, 1 bf16 bits, 2 fp16 bits."""
+    d_size = src.shape[1]
+    if fmt == 0:
+        for j in range(n):
+            for d in range(d_size):
+                dst[j, d] = np.float32(src[j, d])
+        return
+    bits = dst.view(np.uint32)
+    if fmt == 1:
+        for j in range(n):
+            for d in range(d_size):
+                bits[j, d] = np.uint32(src[j, d]) << 16
+        return
+    # fp16: exponent/mantissa shifted into float32 position, then scaled by 2^112 (exact for normal
+    # and subnormal halves); inf/nan patched; sign or-ed in.
+    for j in range(n):
+        for d in range(d_size):
+            bits[j, d] = (np.uint32(src[j, d]) & np.uint32(0x7FFF)) << 13
+        for d in range(d_size):
+            dst[j, d] = dst[j, d] * _TWO_POW_112
+        for d in range(d_size):
+            h = np.uint32(src[j, d])
+            b = bits[j, d]
+            if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):
+                b = np.uint32(0x7F800000) | ((h & np.uint32(0x3FF)) << 13)
+            bits[j, d] = b | ((h & np.uint32(0x8000)) << 16)
+
+
+@njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
+def _partial_states(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_heads, scale,
+                    item_unit, item_page_lo, item_page_hi, part_acc, part_max, part_sum):
+    """Per work item: unnormalised accumulator [R, D], running max [R], sum of exp [R] (R = Tq*G)."""
+    _, tq, hq, d_size = q.shape
+    group = hq // n_kv_heads
+    n_rows = tq * group
+    page_tokens = k_pages.shape[1]
+    for it in prange(item_unit.shape[0]):
+        u = item_unit[it]
+        b = u // n_kv_heads
+        h = u % n_kv_heads
+        qs = np.empty((n_rows, d_size), np.float32)
+        for t in range(tq):
+            for g in range(group):
+                for d in range(d_size):
+                    qs[t * group + g, d] = q[b, t, h * group + g, d] * scale
+        acc = np.zeros((n_rows, d_size), np.float32)
+        run_max = np.full(n_rows, -np.inf, np.float32)
+        run_sum = np.zeros(n_rows, np.float32)
+        kf = np.empty((page_tokens, d_size), np.float32)
+        vf = np.empty((page_tokens, d_size), np.float32)
+        s = np.empty((n_rows, page_tokens), np.float32)
+        for pi in range(item_page_lo[it], item_page_hi[it]):
+            page = page_ids[page_ptr[u] + pi]
+            n = min(page_tokens, unit_tokens[u] - pi * page_tokens)
+            if n <= 0:
+                break
+            _widen_rows(k_pages[page], n, fmt, kf)
+            _widen_rows(v_pages[page], n, fmt, vf)
+            for r in range(n_rows):
+                m_new = run_max[r]
+                for j in range(n):
+                    a = np.float32(0.0)
+                    for d in range(d_size):
+                        a += qs[r, d] * kf[j, d]
+                    s[r, j] = a
+                    m_new = max(m_new, a)
+                corr = np.exp(run_max[r] - m_new)
+                run_max[r] = m_new
+                total = np.float32(0.0)
+                for j in range(n):
+                    p = np.exp(s[r, j] - m_new)
+                    s[r, j] = p
+                    total += p
+                run_sum[r] = run_sum[r] * corr + total
+                for d in range(d_size):
+                    acc[r, d] *= corr
+                for j in range(n):
+                    p = s[r, j]
+                    for d in range(d_size):
+                        acc[r, d] += p * vf[j, d]
+        part_acc[it] = acc
+        part_max[it] = run_max
+        part_sum[it] = run_sum
+
+
+@njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
+def _merge_items(part_acc, part_max, part_sum, unit_item_ptr, n_kv_heads, o, lse):
+    """Exact LSE merge of the items of each unit into o [B, Tq, Hq, D], lse [B, Tq, Hq]."""
+    _, tq, hq, d_size = o.shape
+    group = hq // n_kv_heads
+    n_units = unit_item_ptr.shape[0] - 1
+    for u in prange(n_units):
+        b = u // n_kv_heads
+        h = u % n_kv_heads
+        lo, hi = unit_item_ptr[u], unit_item_ptr[u + 1]
+        for r in range(tq * group):
+            t = r // group
+            head = h * group + r % group
+            m = -np.inf
+            for it in range(lo, hi):
+                m = max(m, part_max[it, r])
+            if m == -np.inf:
+                for d in range(d_size):
+                    o[b, t, head, d] = 0.0
+                lse[b, t, head] = -np.inf
+                continue
+            total = np.float32(0.0)
+            out = np.zeros(d_size, np.float32)
+            for it in range(lo, hi):
+                if part_max[it, r] == -np.inf:
+                    continue
+                w = np.exp(part_max[it, r] - m)
+                total += w * part_sum[it, r]
+                for d in range(d_size):
+                    out[d] += w * part_acc[it, r, d]
+            inv = np.float32(1.0) / total
+            for d in range(d_size):
+                o[b, t, head, d] = out[d] * inv
+            lse[b, t, head] = m + np.log(total)
+
+
+@njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
+def _token_probabilities(q, k_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_heads, scale, lse,
+                         item_unit, item_page_lo, item_page_hi, probs):
+    """probs[u, j] = mean over the Tq queries of the sum over the group's query heads of
+    exp(s - lse): each token's attention probability, combined per KV head (see host.sparsify)."""
+    _, tq, hq, d_size = q.shape
+    group = hq // n_kv_heads
+    n_rows = tq * group
+    page_tokens = k_pages.shape[1]
+    for it in prange(item_unit.shape[0]):
+        u = item_unit[it]
+        b = u // n_kv_heads
+        h = u % n_kv_heads
+        qs = np.empty((n_rows, d_size), np.float32)
+        row_lse = np.empty(n_rows, np.float32)
+        for t in range(tq):
+            for g in range(group):
+                row_lse[t * group + g] = lse[b, t, h * group + g]
+                for d in range(d_size):
+                    qs[t * group + g, d] = q[b, t, h * group + g, d] * scale
+        kf = np.empty((page_tokens, d_size), np.float32)
+        for pi in range(item_page_lo[it], item_page_hi[it]):
+            page = page_ids[page_ptr[u] + pi]
+            n = min(page_tokens, unit_tokens[u] - pi * page_tokens)
+            if n <= 0:
+                break
+            _widen_rows(k_pages[page], n, fmt, kf)
+            for j in range(n):
+                total = np.float32(0.0)
+                for r in range(n_rows):
+                    a = np.float32(0.0)
+                    for d in range(d_size):
+                        a += qs[r, d] * kf[j, d]
+                    total += np.exp(a - row_lse[r])
+                probs[u, pi * page_tokens + j] = total / tq
+
+
+def check_queries(queries, n_batch: int, n_kv_heads: int, head_dim: int) -> np.ndarray:
+    """Validate queries [B, Tq, Hq, D] float32 against the batch and the store's head shape."""
+    if not isinstance(queries, np.ndarray):
+        raise ValueError(f"queries must be a NumPy array, got {type(queries).__name__}")
+    if queries.dtype != np.float32:
+        raise ValueError(f"queries dtype {queries.dtype}; expected float32")
+    if queries.ndim != 4:
+        raise ValueError(f"queries have shape {queries.shape}; expected [B, Tq, Hq, D]")
+    b, tq, hq, d = queries.shape
+    if b != n_batch:
+        raise ValueError(f"queries batch {b}; expected {n_batch} (one row per seq_id)")
+    if d != head_dim:
+        raise ValueError(f"queries head dim {d}; expected D={head_dim}")
+    if hq == 0 or hq % n_kv_heads:
+        raise ValueError(f"queries have Hq={hq} heads; expected a positive multiple of Hkv={n_kv_heads}")
+    if tq == 0:
+        raise ValueError("queries have Tq=0 positions; expected at least one")
+    return np.ascontiguousarray(queries)
+
+
+def paged_attention(queries: np.ndarray, view: PagedKV, scale: float | None = None,
+                    return_probs: bool = False, n_items: int | None = None):
+    """Attention of queries [B, Tq, Hq, D] float32 over a `PagedKV` with B * Hkv units.
+
+    Returns (o, lse), plus probs float32 [B, Hkv, max unit tokens] (0 beyond each unit's tokens)
+    when `return_probs`. Runs on `numba.get_num_threads()` threads of the calling thread.
+    """
+    b, tq, hq, d = queries.shape
+    if view.n_units != b * view.n_kv_heads:
+        raise ValueError(f"{view.n_units} (sequence, KV head) units for a batch of {b} x Hkv={view.n_kv_heads}")
+    scale = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale={scale}; expected a finite float")
+    n_target = n_items or ITEMS_PER_THREAD * numba.get_num_threads()
+    item_unit, lo, hi, unit_item_ptr = plan_work_items(view, n_target)
+    n_rows = tq * (hq // view.n_kv_heads)
+    part_acc = np.empty((item_unit.shape[0], n_rows, d), np.float32)
+    part_max = np.empty((item_unit.shape[0], n_rows), np.float32)
+    part_sum = np.empty((item_unit.shape[0], n_rows), np.float32)
+    o = np.full((b, tq, hq, d), np.nan, np.float32)  # poisoned: unwritten elements would show
+    lse = np.full((b, tq, hq), np.nan, np.float32)
+    _partial_states(queries, view.k_pages, view.v_pages, view.fmt, view.page_ptr, view.page_ids,
+                    view.unit_tokens, view.n_kv_heads, scale, item_unit, lo, hi, part_acc, part_max, part_sum)
+    _merge_items(part_acc, part_max, part_sum, unit_item_ptr, view.n_kv_heads, o, lse)
+    if not return_probs:
+        return o, lse
+    max_tokens = int(view.unit_tokens.max()) if view.n_units else 0
+    probs = np.zeros((view.n_units, max_tokens), np.float32)
+    _token_probabilities(queries, view.k_pages, view.fmt, view.page_ptr, view.page_ids, view.unit_tokens,
+                         view.n_kv_heads, scale, lse, item_unit, lo, hi, probs)
+    return o, lse, probs.reshape(b, view.n_kv_heads, max_tokens)
+
+
+# ---- views of the store -------------------------------------------------------------------------
+
+def _store_view_locked(store, layer: int, seq_ids, block_ids=None) -> PagedKV:
+    """Pages of the KV store: every block (block_ids None) or the chosen block numbers
+    block_ids [B, Hkv, n] (int, -1 = no block) of each sequence and KV head."""
+    cfg = store.config
+    hkv, bs = cfg.n_kv_heads, cfg.block_size
+    arrays = store.layers[layer].arrays
+    page_lists, unit_tokens = [], []
+    for bi, s in enumerate(seq_ids):
+        slots = store.block_slots(layer, s)
+        for h in range(hkv):
+            if block_ids is None:
+                chosen = slots
+            else:
+                ids = block_ids[bi, h]
+                ids = ids[ids >= 0]
+                if ids.size and ids.max() >= slots.shape[0]:
+                    raise ValueError(f"block id {int(ids.max())} for seq_id={s!r} head {h}; the sequence has "
+                                     f"{slots.shape[0]} blocks in layer {layer}")
+                if np.unique(ids).size != ids.size:
+                    raise ValueError(f"duplicate block ids {ids.tolist()} for seq_id={s!r} head {h}: "
+                                     "a token must be attended at most once")
+                chosen = slots[ids]
+            page_lists.append(chosen * hkv + h)
+            unit_tokens.append(chosen.shape[0] * bs)
+    page_ptr = np.zeros(len(page_lists) + 1, np.int64)
+    np.cumsum([p.shape[0] for p in page_lists], out=page_ptr[1:])
+    page_ids = np.concatenate(page_lists).astype(np.int64) if page_lists else np.zeros(0, np.int64)
+    d = cfg.head_dim
+    from host.kv_store import FORMAT_CODE
+    return PagedKV(arrays["k"].reshape(-1, bs, d), arrays["v"].reshape(-1, bs, d), FORMAT_CODE[cfg.kv_dtype],
+                   page_ptr, page_ids, np.asarray(unit_tokens, np.int64), hkv)
+
+
+def _run(store, layer, seq_ids, queries, make_view, scale, return_probs=False):
+    seq_ids = list(seq_ids)
+    cfg = store.config
+    queries = check_queries(queries, len(seq_ids), cfg.n_kv_heads, cfg.head_dim)
+    with store.lock:
+        store.check_layer(layer)
+        for s in seq_ids:
+            store.check_sequence(s)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids {seq_ids} contain duplicates")
+        view = make_view()
+        store.begin_read()
+    try:
+        return paged_attention(queries, view, scale, return_probs)
+    finally:
+        store.end_read()
+
+
+def attend_context(store, layer: int, seq_ids, queries: np.ndarray, scale: float | None = None):
+    """(a) Attention over each (sequence, KV head)'s kept tokens in the sparse context cache.
+    queries [B, Tq, Hq, D] float32 with B = len(seq_ids) -> (o, lse)."""
+    return _run(store, layer, seq_ids, queries, lambda: store.context.snapshot_locked(layer, list(seq_ids)), scale)
+
+
+def attend_all(store, layer: int, seq_ids, queries: np.ndarray, scale: float | None = None,
+               return_probs: bool = False):
+    """(b) Attention over every stored token of each sequence -> (o, lse) or (o, lse, probs) with
+    probs float32 [B, Hkv, max tokens]: token j of sequence b (block j // block_size, row
+    j % block_size, in block-number order) gets the sum over the group's query heads of its
+    probability, averaged over the Tq queries."""
+    return _run(store, layer, seq_ids, queries, lambda: _store_view_locked(store, layer, list(seq_ids)),
+                scale, return_probs)
+
+
+def attend_blocks(store, layer: int, seq_ids, queries: np.ndarray, block_ids: np.ndarray,
+                  scale: float | None = None):
+    """(c) Attention over chosen blocks: block_ids int [B, Hkv, n] of sequence-local block numbers
+    (0 = first offloaded block), -1 for padding (ragged counts per head), no duplicates."""
+    block_ids = np.asarray(block_ids)
+    hkv = store.config.n_kv_heads
+    if block_ids.ndim != 3 or block_ids.shape[:2] != (len(list(seq_ids)), hkv):
+        raise ValueError(f"block_ids shape {block_ids.shape}; expected [B={len(list(seq_ids))}, Hkv={hkv}, n]")
+    if not np.issubdtype(block_ids.dtype, np.integer):
+        raise ValueError(f"block_ids dtype {block_ids.dtype}; expected an integer dtype")
+    return _run(store, layer, seq_ids, queries,
+                lambda: _store_view_locked(store, layer, list(seq_ids), block_ids.astype(np.int64)), scale)

@@ -1,0 +1,192 @@
+"""The sparse context cache (HGCA's KV_ctx): per (layer, sequence, KV head), the offloaded tokens
+currently selected for CPU attention, packed contiguously so the kernel streams memory.
+
+Layout, one arena per layer (all sequences and heads share it):
+
+    k, v       [pages, page_tokens, D]  storage dtype, the kept tokens' K/V copied out of the store
+    weight     [pages, page_tokens]     float32, the token's salience score when it was kept (MAW at
+                                        eviction, or the re-evaluation score)
+    positions  [pages, page_tokens]     int64, absolute positions
+    token_index [pages, page_tokens]    int64, block_number * block_size + row of the token in the store
+
+Each (sequence, head) owns an ordered page list; its kept tokens fill the pages front to back, so a
+head's tokens are `page_tokens` contiguous rows at a time (256 rows x D=128 x bf16 = 64 KiB runs).
+Kept tokens are copies: the store still holds every offloaded token for re-evaluation.
+
+Owned by `KVStore` (it shares the store's lock, memory budget and reader bracketing); use it through
+`store.context`. Methods ending in `_locked` expect the caller to hold the lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from host.kv_store import (FORMAT_CODE, STORAGE_DTYPE, HostMemoryBudget, SlotPool, StoreConfig,
+                           arrays_nbytes, grow_arrays)
+from host.paged_view import PagedKV
+
+
+class _PageArena:
+    def __init__(self, cfg: StoreConfig, budget: HostMemoryBudget, layer: int):
+        self.budget, self.layer = budget, layer
+        self.pool = SlotPool()
+        p, d = cfg.context_page_tokens, cfg.head_dim
+        n = max(4, cfg.initial_blocks_per_layer * cfg.n_kv_heads * cfg.block_size // p)
+        sd = STORAGE_DTYPE[cfg.kv_dtype]
+        templates = {"k": np.empty((1, p, d), sd), "v": np.empty((1, p, d), sd),
+                     "weight": np.empty((1, p), np.float32), "positions": np.empty((1, p), np.int64),
+                     "token_index": np.empty((1, p), np.int64)}
+        budget.reserve(arrays_nbytes(n, templates), f"context cache of layer {layer}")
+        self.arrays = {name: np.zeros((n,) + t.shape[1:], t.dtype) for name, t in templates.items()}
+
+    @property
+    def capacity(self) -> int:
+        return self.arrays["k"].shape[0]
+
+    def take(self, n: int) -> np.ndarray:
+        needed = self.pool.needed_capacity(n)
+        if needed > self.capacity:
+            new_cap = max(needed, 2 * self.capacity)
+            try:
+                self.budget.reserve(arrays_nbytes(new_cap - self.capacity, self.arrays),
+                                    f"context cache of layer {self.layer}")
+            except MemoryError:
+                new_cap = needed
+                self.budget.reserve(arrays_nbytes(new_cap - self.capacity, self.arrays),
+                                    f"context cache of layer {self.layer}")
+            self.arrays = grow_arrays(self.arrays, new_cap)
+        return self.pool.take(n)
+
+
+class _HeadPages:
+    """Page lists of one (layer, sequence): table [Hkv, capacity] int64, n_pages / n_kept [Hkv]."""
+
+    def __init__(self, n_kv_heads: int):
+        self.table = np.empty((n_kv_heads, 8), np.int64)
+        self.n_pages = np.zeros(n_kv_heads, np.int64)
+        self.n_kept = np.zeros(n_kv_heads, np.int64)
+
+
+class ContextCache:
+    def __init__(self, cfg: StoreConfig, budget: HostMemoryBudget, lock):
+        self.cfg, self.lock = cfg, lock
+        self.layers = [_PageArena(cfg, budget, i) for i in range(cfg.n_layers)]
+        self._heads: dict[int, list[_HeadPages]] = {}
+
+    def add_sequence(self, seq_id) -> None:
+        self._heads[seq_id] = [_HeadPages(self.cfg.n_kv_heads) for _ in range(self.cfg.n_layers)]
+
+    def free_sequence(self, seq_id) -> None:
+        for layer, hp in enumerate(self._heads.pop(seq_id)):
+            for h in range(self.cfg.n_kv_heads):
+                self.layers[layer].pool.retired.extend(int(p) for p in hp.table[h, : hp.n_pages[h]])
+
+    def recycle_retired(self) -> None:
+        for arena in self.layers:
+            arena.pool.free.extend(arena.pool.retired)
+            arena.pool.retired.clear()
+
+    def bytes_used(self) -> int:
+        return sum(arrays_nbytes(a.pool.n_in_use(), a.arrays) for a in self.layers)
+
+    # ---- writing (lock held) ----------------------------------------------------------------
+    def append_locked(self, layer: int, seq_id, heads: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
+                      weights: np.ndarray, positions: np.ndarray, token_index: np.ndarray) -> None:
+        """Append kept tokens of one sequence, several heads at once, each head's rows in order.
+
+        heads [m] int64 (KV head of each row), k_rows, v_rows [m, D] storage dtype, weights [m]
+        float32, positions [m] int64, token_index [m] int64 (the token's index among the sequence's
+        stored tokens: block_number * block_size + row). Pages are allocated before any write and
+        the counts are published last.
+        """
+        m = heads.shape[0]
+        if m == 0:
+            return
+        hp = self._heads[seq_id][layer]
+        arena = self.layers[layer]
+        p = self.cfg.context_page_tokens
+        counts = np.bincount(heads, minlength=self.cfg.n_kv_heads)
+        pages_needed = -(-(hp.n_kept + counts) // p) - hp.n_pages
+        if pages_needed.max() > 0:
+            new_pages = arena.take(int(pages_needed.clip(0).sum()))
+            width = int((hp.n_pages + pages_needed.clip(0)).max())
+            if width > hp.table.shape[1]:
+                grown = np.empty((hp.table.shape[0], max(2 * hp.table.shape[1], width)), np.int64)
+                grown[:, : hp.table.shape[1]] = hp.table
+                hp.table = grown
+            used = 0
+            for h in np.flatnonzero(pages_needed > 0):
+                n_h, start = int(pages_needed[h]), int(hp.n_pages[h])
+                hp.table[h, start:start + n_h] = new_pages[used:used + n_h]
+                used += n_h
+            hp.n_pages += pages_needed.clip(0)
+        order = np.argsort(heads, kind="stable")
+        heads_sorted = heads[order]
+        head_start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        rows = hp.n_kept[heads_sorted] + np.arange(m) - head_start[heads_sorted]
+        page_of_row = hp.table[heads_sorted, rows // p]
+        offset = rows % p
+        a = arena.arrays
+        a["k"][page_of_row, offset] = k_rows[order]
+        a["v"][page_of_row, offset] = v_rows[order]
+        a["weight"][page_of_row, offset] = weights[order]
+        a["positions"][page_of_row, offset] = positions[order]
+        a["token_index"][page_of_row, offset] = token_index[order]
+        hp.n_kept += counts
+
+    def clear_head_locked(self, layer: int, seq_id, head: int) -> None:
+        """Drop one head's selection (pages retire until no reader is in flight)."""
+        hp = self._heads[seq_id][layer]
+        self.layers[layer].pool.retired.extend(int(x) for x in hp.table[head, : hp.n_pages[head]])
+        hp.n_pages[head] = 0
+        hp.n_kept[head] = 0
+
+    # ---- reading ----------------------------------------------------------------------------
+    def kept_counts(self, layer: int, seq_id) -> np.ndarray:
+        """Number of kept tokens per KV head, int64 [Hkv]."""
+        with self.lock:
+            self._check(layer, seq_id)
+            return self._heads[seq_id][layer].n_kept.copy()
+
+    def kept(self, layer: int, seq_id, head: int) -> dict[str, np.ndarray]:
+        """Copies of one head's kept tokens, in order: k, v [n, D] storage dtype, positions [n] int64,
+        token_index [n] int64 (block_number * block_size + row in the store),
+        weight [n] float32 (raw score) and weight_normalised [n] float64 (sums to 1, HGCA's
+        renormalised MAW; empty when nothing is kept)."""
+        with self.lock:
+            self._check(layer, seq_id)
+            if not 0 <= head < self.cfg.n_kv_heads:
+                raise ValueError(f"head={head!r}; expected [0, {self.cfg.n_kv_heads})")
+            hp = self._heads[seq_id][layer]
+            n, p = int(hp.n_kept[head]), self.cfg.context_page_tokens
+            rows = np.arange(n)
+            pages = hp.table[head, rows // p]
+            a = self.layers[layer].arrays
+            out = {name: a[name][pages, rows % p].copy() for name in ("k", "v", "weight", "positions", "token_index")}
+        w = out["weight"].astype(np.float64)
+        out["weight_normalised"] = w / w.sum() if n else w
+        return out
+
+    def snapshot_locked(self, layer: int, seq_ids) -> PagedKV:
+        """The page lists of `seq_ids` (in batch order) for the attention kernel."""
+        hkv = self.cfg.n_kv_heads
+        tables, counts = [], []
+        for s in seq_ids:
+            self._check(layer, s)
+            hp = self._heads[s][layer]
+            for h in range(hkv):
+                tables.append(hp.table[h, : hp.n_pages[h]])
+            counts.append(hp.n_kept)
+        unit_tokens = np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, np.int64)
+        page_ptr = np.zeros(len(tables) + 1, np.int64)
+        np.cumsum([t.shape[0] for t in tables], out=page_ptr[1:])
+        page_ids = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+        a = self.layers[layer].arrays
+        return PagedKV(a["k"], a["v"], FORMAT_CODE[self.cfg.kv_dtype], page_ptr, page_ids.astype(np.int64),
+                       unit_tokens, hkv)
+
+    def _check(self, layer, seq_id) -> None:
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.cfg.n_layers:
+            raise ValueError(f"layer={layer!r}; expected an int in [0, {self.cfg.n_layers})")
+        if seq_id not in self._heads:
+            raise ValueError(f"unknown seq_id={seq_id!r}; sequences in the store: {sorted(self._heads)[:20]}")

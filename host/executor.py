@@ -1,0 +1,113 @@
+"""Run CPU attention and sparsification in worker threads while JAX runs on the calling thread.
+
+    executor = HostExecutor(store, n_workers=1, n_threads=15)
+    handle = executor.submit(layer, queries, seq_ids)                    # (a) context cache
+    handle = executor.submit(layer, queries, seq_ids, block_ids=ids)     # (c) chosen blocks
+    handle = executor.submit(layer, queries, seq_ids, mode="all")        # (b) every stored token
+    o, lse = executor.collect(handle)
+    executor.submit_task(sparsify_evicted, store, layer, seq_ids, blocks, beta, window_tokens)
+
+The Numba kernels release the GIL (`nogil=True`), so a worker computes while the caller's thread
+keeps dispatching JAX work. Each worker sets its own `numba.set_num_threads` (the setting is
+thread-local). Tasks run in submission order when `n_workers == 1` (the default), so attention
+submitted after a sparsification task sees its result. A task's exception is re-raised by
+`collect` as the same exception object (type kept: bad input stays a ValueError), its traceback
+running through the worker's frames and the worker's formatted traceback added as a note.
+Queries are validated on the caller's thread at submit. An abandoned
+handle costs nothing: its task finishes on its own and its result is dropped with the handle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import traceback
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from host.attention import THREADING_LAYER, attend_all, attend_blocks, attend_context, check_queries
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Handle:
+    future: cf.Future
+    what: str
+
+
+def _run_capturing(fn, args, kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as exc:
+        exc.add_note(f"--- raised in host worker thread ---\n{traceback.format_exc()}")
+        raise
+
+
+class HostExecutor:
+    def __init__(self, store, n_workers: int = 1, n_threads: int | None = None):
+        if not isinstance(n_workers, int) or n_workers < 1:
+            raise ValueError(f"n_workers={n_workers!r}; expected an int >= 1")
+        max_threads = numba.config.NUMBA_NUM_THREADS
+        if n_threads is None:
+            n_threads = max(1, max_threads // n_workers)
+        if not isinstance(n_threads, int) or not 1 <= n_threads <= max_threads:
+            raise ValueError(f"n_threads={n_threads!r}; expected an int in [1, {max_threads}] "
+                             "(NUMBA_NUM_THREADS caps it)")
+        self.store = store
+        self.n_workers, self.n_threads = n_workers, n_threads
+        self.threading_layer = THREADING_LAYER
+        self._pool = cf.ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="host-attn",
+                                           initializer=numba.set_num_threads, initargs=(n_threads,))
+        log.info("HostExecutor: %d worker(s) x %d Numba threads, threading layer %s",
+                 n_workers, n_threads, THREADING_LAYER)
+
+    def submit(self, layer: int, queries: np.ndarray, seq_ids, mode: str = "context",
+               block_ids: np.ndarray | None = None, scale: float | None = None) -> Handle:
+        """Queue one attention. mode "context" (a), "all" (b) or "blocks" (c; also implied by
+        passing block_ids). `queries` is used as is by the worker: do not modify it until collected."""
+        seq_ids = list(seq_ids)
+        cfg = self.store.config
+        check_queries(queries, len(seq_ids), cfg.n_kv_heads, cfg.head_dim)
+        if block_ids is not None:
+            mode = "blocks"
+        if mode == "context":
+            return self.submit_task(attend_context, self.store, layer, seq_ids, queries, scale,
+                                    what=f"attend_context(layer={layer})")
+        if mode == "all":
+            return self.submit_task(attend_all, self.store, layer, seq_ids, queries, scale,
+                                    what=f"attend_all(layer={layer})")
+        if mode == "blocks":
+            if block_ids is None:
+                raise ValueError("mode='blocks' needs block_ids [B, Hkv, n]")
+            return self.submit_task(attend_blocks, self.store, layer, seq_ids, queries, block_ids, scale,
+                                    what=f"attend_blocks(layer={layer})")
+        raise ValueError(f"mode={mode!r}; expected 'context', 'all' or 'blocks'")
+
+    def submit_task(self, fn, *args, what: str | None = None, **kwargs) -> Handle:
+        """Queue any host function (e.g. host.sparsify.sparsify_evicted) on a worker."""
+        future = self._pool.submit(_run_capturing, fn, args, kwargs)
+        return Handle(future, what or getattr(fn, "__name__", repr(fn)))
+
+    def collect(self, handle: Handle, timeout: float | None = None):
+        """Wait for a task and return its result ((o, lse) for attention). Re-raises the task's
+        exception (with the worker traceback); TimeoutError after `timeout` seconds."""
+        try:
+            return handle.future.result(timeout)
+        except cf.TimeoutError:
+            raise TimeoutError(f"{handle.what} not done after {timeout} s") from None
+        except BaseException as exc:
+            log.error("host task %s failed: %s: %s", handle.what, type(exc).__name__, exc)
+            raise
+
+    def close(self, wait: bool = True) -> None:
+        """Stop accepting work; with wait, let queued tasks finish first."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

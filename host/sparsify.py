@@ -1,0 +1,128 @@
+"""Per-head sparsification (HGCA §3.2.2): which offloaded tokens the CPU attends.
+
+Rule, per (layer, sequence, KV head): keep token j iff  A_j > beta / A.size, strictly.
+
+- At eviction (`sparsify_evicted`), A_j is the token's MAW as stored with its block, and
+  **A.size = `window_tokens`, the GPU window size in tokens** (`RingConfig.window_tokens` = sink +
+  blk_num * block_size): the number of GPU-side entries the MAW was spread over. Only the newly
+  evicted blocks are examined; their kept tokens are appended to the head's context cache.
+- At re-evaluation (`reevaluate`, after an append / new user turn), A_j is the new queries'
+  attention probability computed over *all* host-stored tokens of the sequence (kernel (b)), and
+  **A.size = the number of tokens stored on the host for that (layer, sequence)**. The head's
+  context cache is rebuilt: tokens that now pass are reinstated, tokens that fail are dropped from
+  attention (never from the store).
+
+Grouped-query attention: A per KV head is the **sum over the group's query heads** of their
+probabilities (so a token that any head of the group relies on stays), and at re-evaluation the
+mean over the Tq new queries. The bridge must hand `KVStore.append_blocks` MAW combined the same
+way (sum over the group's query heads of each head's moving-average weight).
+
+Renormalisation: the kept tokens' scores are stored raw; `ContextCache.kept(...)["weight_normalised"]`
+gives them renormalised to sum to 1 per head, as HGCA's context cache holds them.
+
+Both functions are meant to run in an executor worker (`HostExecutor.submit_task`), off the
+decode critical path; they take the store lock only to read the new blocks and to publish.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from host.attention import attend_all
+
+
+def salience_threshold(beta: float, a_size: int) -> float:
+    """beta / A.size after validating both."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating, np.integer)) \
+            or not (0.0 < float(beta) < math.inf):
+        raise ValueError(f"beta={beta!r}; expected a float in (0, inf)")
+    if not isinstance(a_size, (int, np.integer)) or a_size <= 0:
+        raise ValueError(f"A.size={a_size!r}; expected a positive int (window tokens or stored tokens)")
+    return float(beta) / float(a_size)
+
+
+def _gather_kept_locked(store, layer: int, seq_id, block_numbers: np.ndarray, keep: np.ndarray,
+                        scores: np.ndarray):
+    """Rows of kept tokens, head-major then in token order.
+    keep, scores [Hkv, n_blocks, block_size] for the blocks `block_numbers`."""
+    arrays = store.layers[layer].arrays
+    slots = store.block_slots(layer, seq_id)[block_numbers]
+    heads, bi, rows = np.nonzero(keep)
+    k_rows = arrays["k"][slots[bi], heads, rows]
+    v_rows = arrays["v"][slots[bi], heads, rows]
+    positions = arrays["positions"][slots[bi], rows]
+    token_index = block_numbers[bi] * store.config.block_size + rows
+    return heads.astype(np.int64), k_rows, v_rows, scores[heads, bi, rows].astype(np.float32), positions, token_index
+
+
+def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, window_tokens: int) -> np.ndarray:
+    """Select the salient tokens of newly evicted blocks into the context cache.
+
+    seq_ids: sequence ids; block_numbers: for each sequence, an int array of its block numbers to
+    examine (as returned by `KVStore.append_blocks`). Returns kept-token counts int64 [B, Hkv]
+    added by this call.
+    """
+    threshold = salience_threshold(beta, window_tokens)
+    seq_ids = list(seq_ids)
+    if len(block_numbers) != len(seq_ids):
+        raise ValueError(f"{len(block_numbers)} block-number lists for {len(seq_ids)} seq_ids; expected one each")
+    added = np.zeros((len(seq_ids), store.config.n_kv_heads), np.int64)
+    with store.lock:
+        store.check_layer(layer)
+        for s in seq_ids:
+            store.check_sequence(s)
+        for i, (s, blocks) in enumerate(zip(seq_ids, block_numbers)):
+            blocks = np.asarray(blocks, np.int64).reshape(-1)
+            n_have = store.n_blocks(layer, s)
+            if blocks.size and (blocks.min() < 0 or blocks.max() >= n_have):
+                raise ValueError(f"block numbers {blocks.tolist()} for seq_id={s!r}; expected [0, {n_have})")
+            slots = store.block_slots(layer, s)[blocks]
+            maw = store.layers[layer].arrays["maw"][slots].transpose(1, 0, 2)  # [Hkv, n, bs]
+            keep = maw > threshold
+            rows = _gather_kept_locked(store, layer, s, blocks, keep, maw)
+            store.context.append_locked(layer, s, *rows)
+            added[i] = keep.sum(axis=(1, 2))
+    return added
+
+
+def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, scale: float | None = None) -> np.ndarray:
+    """Rescore every stored token with the new queries [B, Tq, Hq, D] float32 and rebuild each
+    head's context cache. Blocks appended after the scoring snapshot keep their current selection.
+    Returns kept-token counts int64 [B, Hkv] after the rebuild."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating, np.integer)) \
+            or not (0.0 < float(beta) < math.inf):
+        raise ValueError(f"beta={beta!r}; expected a float in (0, inf)")
+    seq_ids = list(seq_ids)
+    with store.lock:
+        n_blocks = [store.n_blocks(layer, s) for s in seq_ids]
+    _, _, probs = attend_all(store, layer, seq_ids, queries, scale, return_probs=True)
+    cfg = store.config
+    bs, hkv = cfg.block_size, cfg.n_kv_heads
+    kept = np.zeros((len(seq_ids), hkv), np.int64)
+    with store.lock:
+        for i, s in enumerate(seq_ids):
+            store.check_sequence(s)  # it may have been freed meanwhile
+            nb = n_blocks[i]
+            if nb == 0:
+                kept[i] = store.context.kept_counts(layer, s)
+                continue
+            n_tok = nb * bs
+            scores = probs[i, :, :n_tok].reshape(hkv, nb, bs)
+            keep = scores > salience_threshold(beta, n_tok)
+            fresh = _gather_kept_locked(store, layer, s, np.arange(nb, dtype=np.int64), keep, scores)
+            # Tokens of blocks evicted after the snapshot: keep what eviction-time sparsify chose.
+            newer = [store.context.kept(layer, s, h) for h in range(hkv)]
+            newer_rows = []
+            for h, d in enumerate(newer):
+                sel = d["token_index"] >= n_tok
+                newer_rows.append((np.full(int(sel.sum()), h, np.int64), d["k"][sel], d["v"][sel],
+                                   d["weight"][sel], d["positions"][sel], d["token_index"][sel]))
+            for h in range(hkv):
+                store.context.clear_head_locked(layer, s, h)
+            store.context.append_locked(layer, s, *fresh)
+            for rows in newer_rows:
+                store.context.append_locked(layer, s, *rows)
+            kept[i] = store.context.kept_counts(layer, s)
+    return kept

@@ -1,0 +1,202 @@
+"""CPU attention kernels (a) context cache, (b) all stored tokens, (c) chosen blocks vs the float64
+reference: random index sets, ragged heads, empty sets, GQA groups, Tq > 1, storage dtypes."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from host import KVStore, StoreConfig, attend_all, attend_blocks, attend_context, from_storage, to_storage
+from host.paged_view import PagedKV
+from host.attention import paged_attention
+from host.reference import context_tokens, norm_relative_error, reference_attention, stored_tokens
+
+TOL = 2e-5  # norm-relative, float32 accumulation vs float64 on the same (rounded) inputs
+
+
+def make_store(rng, *, n_seq=3, hkv=2, d=32, bs=8, kv_dtype="bf16", blocks=None, layers=2):
+    store = KVStore(StoreConfig(n_layers=layers, n_kv_heads=hkv, head_dim=d, block_size=bs, kv_dtype=kv_dtype,
+                                initial_blocks_per_layer=2, context_page_tokens=16))
+    blocks = blocks if blocks is not None else [int(rng.integers(1, 6)) for _ in range(n_seq)]
+    for s, nb in enumerate(blocks):
+        store.add_sequence(100 + s)
+        for layer in range(layers):
+            # several appends per sequence, interleaved with others, so slots are not contiguous
+            for part in np.array_split(np.arange(nb), 2):
+                n = part.size
+                if n == 0:
+                    continue
+                k = rng.standard_normal((n, bs, hkv, d)).astype(np.float32) * 2
+                v = rng.standard_normal((n, bs, hkv, d)).astype(np.float32)
+                store.append_blocks(layer, 100 + s, k, v, rng.random((n, bs, hkv)),
+                                    (part[:, None] * bs + np.arange(bs)).astype(np.int64))
+    return store, [100 + s for s in range(len(blocks))]
+
+
+def queries(rng, b, tq, hq, d):
+    return (rng.standard_normal((b, tq, hq, d)) * 1.5).astype(np.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("group,tq", [(1, 1), (4, 3), (8, 1)])
+def test_all_tokens_matches_reference(rng, kv_dtype, group, tq):
+    hkv, d = 2, 32
+    store, seqs = make_store(rng, hkv=hkv, d=d, kv_dtype=kv_dtype)
+    q = queries(rng, len(seqs), tq, hkv * group, d)
+    o, lse, probs = attend_all(store, 1, seqs, q, return_probs=True)
+    ks, vs = zip(*[stored_tokens(store, 1, s) for s in seqs])
+    ro, rl, rp = reference_attention(q, ks, vs, hkv, return_probs=True)
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    assert norm_relative_error(o, ro) < TOL
+    assert norm_relative_error(lse, rl) < TOL
+    for b, s in enumerate(seqs):
+        n = store.n_tokens(1, s)
+        for h in range(hkv):
+            np.testing.assert_allclose(probs[b, h, :n], rp[b][h], rtol=1e-4, atol=1e-6)
+            assert np.all(probs[b, h, n:] == 0)
+        # each query head's probabilities sum to 1: the group sum sums to G
+        np.testing.assert_allclose(probs[b, :, :n].sum(-1), group, rtol=1e-4)
+
+
+def test_given_scale_is_used(rng):
+    store, seqs = make_store(rng)
+    q = queries(rng, len(seqs), 1, 4, 32)
+    o, lse = attend_all(store, 0, seqs, q, scale=0.3)
+    ks, vs = zip(*[stored_tokens(store, 0, s) for s in seqs])
+    ro, rl = reference_attention(q, ks, vs, 2, scale=0.3)
+    assert norm_relative_error(o, ro) < TOL and norm_relative_error(lse, rl) < TOL
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_chosen_blocks_random_ragged_sets(rng, group):
+    hkv, d, bs = 4, 64, 8
+    store, seqs = make_store(rng, n_seq=3, hkv=hkv, d=d, bs=bs, blocks=[7, 1, 5])
+    width = 5
+    block_ids = np.full((len(seqs), hkv, width), -1, np.int64)
+    for b, s in enumerate(seqs):
+        nb = store.n_blocks(0, s)
+        for h in range(hkv):
+            k = int(rng.integers(0, min(nb, width) + 1))  # ragged, sometimes empty
+            chosen = rng.choice(nb, size=k, replace=False)
+            block_ids[b, h, rng.choice(width, size=k, replace=False)] = chosen  # padding anywhere
+    block_ids[1, 0] = -1  # at least one empty head
+    q = queries(rng, len(seqs), 2, hkv * group, d)
+    o, lse = attend_blocks(store, 0, seqs, q, block_ids)
+    keys, values = [], []
+    for b, s in enumerate(seqs):
+        kh, vh = [], []
+        for h in range(hkv):
+            ids = block_ids[b, h][block_ids[b, h] >= 0]
+            k_all, v_all = stored_tokens(store, 0, s)
+            kh.append(k_all[h].reshape(-1, bs, d)[ids].reshape(-1, d))
+            vh.append(v_all[h].reshape(-1, bs, d)[ids].reshape(-1, d))
+        keys.append(kh)
+        values.append(vh)
+    ro, rl = reference_attention(q, keys, values, hkv)
+    assert norm_relative_error(o, ro) < TOL
+    assert norm_relative_error(lse, rl) < TOL
+    assert np.all(lse[1, :, :group] == -np.inf) and np.all(o[1, :, :group] == 0)
+
+
+def test_context_cache_random_index_sets(rng):
+    hkv, d, bs = 2, 32, 8
+    store, seqs = make_store(rng, hkv=hkv, d=d, bs=bs, blocks=[6, 3, 4])
+    layer = 1
+    for s in seqs:
+        nb = store.n_blocks(layer, s)
+        keep = rng.random((hkv, nb, bs)) < rng.random((hkv, 1, 1))  # per-head density: ragged sizes
+        keep[0] = False if s == seqs[1] else keep[0]                  # one empty head
+        from host.sparsify import _gather_kept_locked
+        with store.lock:
+            rows = _gather_kept_locked(store, layer, s, np.arange(nb), keep, np.ones(keep.shape, np.float32))
+            store.context.append_locked(layer, s, *rows)
+        counts = store.context.kept_counts(layer, s)
+        np.testing.assert_array_equal(counts, keep.sum(axis=(1, 2)))
+    q = queries(rng, len(seqs), 1, hkv * 4, d)
+    o, lse = attend_context(store, layer, seqs, q)
+    ks, vs = zip(*[context_tokens(store, layer, s) for s in seqs])
+    ro, rl = reference_attention(q, ks, vs, hkv)
+    assert norm_relative_error(o, ro) < TOL and norm_relative_error(lse, rl) < TOL
+    assert np.all(lse[1, 0, :4] == -np.inf) and np.all(o[1, 0, :4] == 0)
+    assert not np.isnan(o).any()
+
+
+def test_empty_store_and_sequence(rng):
+    store, _ = make_store(rng, blocks=[])
+    store.add_sequence(7)
+    q = queries(rng, 1, 2, 4, 32)
+    for o, lse in (attend_all(store, 0, [7], q), attend_context(store, 0, [7], q),
+                   attend_blocks(store, 0, [7], q, np.zeros((1, 2, 0), np.int64))):
+        assert np.all(o == 0) and np.all(lse == -np.inf)
+
+
+def test_work_split_does_not_change_result(rng):
+    """One unit split over many work items (cores > batch*heads) equals one item per unit."""
+    store, seqs = make_store(rng, n_seq=1, hkv=1, d=32, blocks=[9])
+    with store.lock:
+        from host.attention import _store_view_locked
+        view = _store_view_locked(store, 0, seqs)
+    q = queries(rng, 1, 1, 2, 32)
+    one = paged_attention(q, view, n_items=1)
+    many = paged_attention(q, view, n_items=64)
+    assert norm_relative_error(many[0], one[0]) < 1e-6 and norm_relative_error(many[1], one[1]) < 1e-6
+
+
+def test_bf16_and_fp16_round_trip_exact(rng):
+    x = rng.standard_normal((5, 4, 3, 16)).astype(np.float32) * 100
+    for kv_dtype, np_type in (("bf16", ml_dtypes.bfloat16), ("fp16", np.float16)):
+        rounded = x.astype(np_type)
+        back = from_storage(to_storage(rounded, kv_dtype), kv_dtype)
+        np.testing.assert_array_equal(back, rounded.astype(np.float32))
+        np.testing.assert_array_equal(from_storage(to_storage(x, kv_dtype), kv_dtype), rounded.astype(np.float32))
+    # the kernel widens exactly: attention over one token returns that token's V bit for bit
+    specials = np.array([1.0, -2.5, 3.0e-5, 6.0e-8, 65504.0, -0.0, 1e-3, 7.0], np.float32)  # incl. fp16 subnormals
+    for kv_dtype in ("bf16", "fp16"):
+        store = KVStore(StoreConfig(n_layers=1, n_kv_heads=1, head_dim=8, block_size=1, kv_dtype=kv_dtype))
+        store.add_sequence(0)
+        v = specials.reshape(1, 1, 1, 8)
+        store.append_blocks(0, 0, np.zeros_like(v), v, np.ones((1, 1, 1)), np.zeros((1, 1), np.int64))
+        o, lse = attend_all(store, 0, [0], np.ones((1, 1, 1, 8), np.float32))
+        expected = from_storage(to_storage(v, kv_dtype), kv_dtype).reshape(8)
+        np.testing.assert_array_equal(o.reshape(8), expected)
+        assert lse[0, 0, 0] == 0.0
+
+
+def test_uint16_bits_accepted_as_is(rng):
+    x = rng.standard_normal((1, 8, 2, 32)).astype(ml_dtypes.bfloat16)
+    store, _ = make_store(rng, blocks=[])
+    store.add_sequence(1)
+    store.append_blocks(0, 1, x.view(np.uint16), x, np.ones((1, 8, 2)), np.zeros((1, 8), np.int64))
+    d = store.read_blocks(0, 1)
+    np.testing.assert_array_equal(d["k"], d["v"])
+    np.testing.assert_array_equal(d["k"], x.view(np.uint16))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q: q.astype(np.float64), "float32"),
+    (lambda q: q[..., :16], "head dim"),
+    (lambda q: q[:, :, :3], "multiple of Hkv"),
+    (lambda q: q[:1], "batch"),
+    (lambda q: q[0], "shape"),
+])
+def test_bad_queries_name_the_problem(rng, bad, match):
+    store, seqs = make_store(rng)
+    q = queries(rng, len(seqs), 1, 4, 32)
+    with pytest.raises(ValueError, match=match):
+        attend_all(store, 0, seqs, bad(q))
+
+
+def test_bad_ids_name_the_problem(rng):
+    store, seqs = make_store(rng, blocks=[2, 2])
+    q = queries(rng, 2, 1, 4, 32)
+    with pytest.raises(ValueError, match="unknown seq_id=12345"):
+        attend_context(store, 0, [seqs[0], 12345], q)
+    with pytest.raises(ValueError, match="layer=5"):
+        attend_all(store, 5, seqs, q)
+    with pytest.raises(ValueError, match="block id 2"):
+        attend_blocks(store, 0, seqs, q, np.array([[[0, 2], [0, 1]], [[0, 1], [1, -1]]]))
+    with pytest.raises(ValueError, match="duplicate"):
+        attend_blocks(store, 0, seqs, q, np.array([[[1, 1], [0, 1]], [[0, 1], [1, -1]]]))
+    with pytest.raises(ValueError, match="block_ids shape"):
+        attend_blocks(store, 0, seqs, q, np.zeros((2, 3, 1), np.int64))
