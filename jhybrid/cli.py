@@ -1,4 +1,4 @@
-"""The `jhybrid` console script."""
+"""The `jhybrid` console script: `jhybrid version`, `jhybrid generate`, `jhybrid convert`."""
 
 from __future__ import annotations
 
@@ -6,16 +6,120 @@ import argparse
 import sys
 
 
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text, streaming tokens as they are produced")
+    p.add_argument("prompt", help="the prompt (wrapped in the model's chat template unless --raw)")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (embedded GGUF, default), a .gguf file, a Hugging Face folder "
+                        "or a folder written by `jhybrid convert`")
+    p.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill step")
+    p.add_argument("--attention", default="full", help="attention backend (default full)")
+    p.add_argument("--dtype", default=None, help="parameter/activation dtype, e.g. bfloat16")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="convert a model to an Orbax folder for fast reloads")
+    p.add_argument("model", help="'smollm2', a .gguf file or a Hugging Face folder")
+    p.add_argument("output", help="folder to write")
+
+
+def _load_with_progress(name: str, dtype):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from jhybrid.loading.pretrained import load_pretrained
+
+    with Progress(TextColumn("[bold]loading {task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} tensors"), TimeElapsedColumn(),
+                  transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(name, total=None)
+        return load_pretrained(name, dtype=dtype,
+                               progress=lambda done, total: bar.update(task, completed=done,
+                                                                       total=total))
+
+
+def _generate(args) -> int:
+    import time
+
+    import jax
+
+    from jhybrid.attention import get_backend
+    from jhybrid.generation import Generator, SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              seed=args.seed)  # validates before the slow load
+    backend = get_backend(args.attention)
+    start = time.perf_counter()
+    pretrained = _load_with_progress(args.model, args.dtype)
+    if pretrained.tokenizer is None:
+        print(f"error: {pretrained.source} has no tokenizer", file=sys.stderr)
+        return 2
+    load_seconds = time.perf_counter() - start
+    text = args.prompt if args.raw else pretrained.chat_prompt(args.prompt)
+    prompt_ids = pretrained.tokenizer.encode(text).ids
+    device = jax.devices()[0]
+    print(f"[{pretrained.source} loaded in {load_seconds:.1f} s on {device.platform}: "
+          f"{len(prompt_ids)} prompt tokens]", file=sys.stderr)
+
+    produced: list[int] = []
+    shown = ""
+
+    def stream(tokens, emitted):
+        nonlocal shown
+        if emitted[0]:
+            produced.append(int(tokens[0]))
+            full = pretrained.tokenizer.decode(produced)
+            if not full.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(full[len(shown):])
+                sys.stdout.flush()
+                shown = full
+
+    generator = Generator(pretrained.model, backend, prefill_chunk=args.prefill_chunk)
+    result = generator.generate([prompt_ids], max_new_tokens=args.max_tokens, sampling=sampling,
+                                stop_tokens=pretrained.stop_token_ids, on_tokens=stream)
+    print()
+    print(f"[prefill: {result.prompt_tokens} tokens, {result.prefill_tokens_per_second:.1f} tok/s | "
+          f"decode: {len(result.tokens[0])} tokens, {result.decode_tokens_per_second:.1f} tok/s | "
+          f"compile {result.compile_seconds:.1f} s | finish: {result.finish_reasons[0]}]",
+          file=sys.stderr)
+    return 0
+
+
+def _convert(args) -> int:
+    import time
+
+    start = time.perf_counter()
+    pretrained = _load_with_progress(args.model, None)
+    loaded = time.perf_counter()
+    pretrained.save(args.output)
+    print(f"loaded {pretrained.source} in {loaded - start:.1f} s, wrote {args.output} in "
+          f"{time.perf_counter() - loaded:.1f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jhybrid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version")
+    _add_generate(sub)
+    _add_convert(sub)
     args = parser.parse_args(argv)
     if args.command == "version":
         import jhybrid
 
         print(jhybrid.__version__)
-    return 0
+        return 0
+    try:
+        return _generate(args) if args.command == "generate" else _convert(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ from typing import Any
 
 import jax
 
-from jhybrid.models.config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the models import the attention package, not the other way round
+    from jhybrid.models.config import ModelConfig
 
 LayerCache = Any  # a backend-defined pytree of arrays with static shapes
 

@@ -11,7 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from jhybrid.attention.base import AttentionBackend, LayerContext
-from jhybrid.models.config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the models import the attention package, not the other way round
+    from jhybrid.models.config import ModelConfig
 
 
 def store_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:

@@ -157,7 +157,7 @@ def _check_layer_count(config: ModelConfig, names: list[str], folder: str) -> No
                          f"num_hidden_layers is {config.num_layers}")
 
 
-def load_hf_model(folder: str, dtype: str | None = None) -> CausalLM:
+def load_hf_model(folder: str, dtype: str | None = None, progress=None) -> CausalLM:
     """Loads a Hugging Face folder (config.json + safetensors) into a CausalLM.
 
     dtype: e.g. "bfloat16" for parameters and activations (default float32).
@@ -167,4 +167,5 @@ def load_hf_model(folder: str, dtype: str | None = None) -> CausalLM:
         config = config.replace(dtype=str(dtype))
     files = SafetensorsFiles(folder)
     _check_layer_count(config, files.names(), folder)
-    return build_model(config, hf_param_sources(config), files, folder, param_dtype=dtype)
+    return build_model(config, hf_param_sources(config), files, folder, param_dtype=dtype,
+                       progress=progress)

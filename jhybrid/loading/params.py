@@ -68,16 +68,21 @@ def build_model(
     read: Callable[[str], np.ndarray],
     where: str,
     param_dtype=None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> CausalLM:
     """Creates CausalLM(config) with every parameter read from `sources`.
 
     sources: our parameter path (e.g. ("layers", 0, "attention", "q_proj", "kernel")) -> ParamSource.
     read: source tensor name -> array (raises KeyError when the tensor is absent).
     where: the file or folder named in errors. param_dtype: cast parameters (None keeps float32).
+    progress(done, total) is called after each parameter (for a progress bar).
     """
     model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
     missing = []
-    for path in _param_paths(model):
+    paths = _param_paths(model)
+    for done, path in enumerate(paths, 1):
+        if progress is not None:
+            progress(done, len(paths))
         source = sources.get(path)
         if source is None:
             raise ValueError(f"{where}: no weight mapping for parameter {'.'.join(map(str, path))}")

