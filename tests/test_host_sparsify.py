@@ -1,0 +1,136 @@
+"""Per-head sparsification on crafted weights, renormalisation, re-evaluation after an append."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from host import KVStore, StoreConfig, attend_context, reevaluate, salience_threshold, sparsify_evicted
+from host.reference import context_tokens, norm_relative_error, reference_attention, stored_tokens
+
+BS, HKV, D = 8, 2, 32
+
+
+def new_store(rng, n_blocks=4, maw=None, seq=0):
+    store = KVStore(StoreConfig(n_layers=1, n_kv_heads=HKV, head_dim=D, block_size=BS, kv_dtype="bf16",
+                                initial_blocks_per_layer=2, context_page_tokens=8))
+    store.add_sequence(seq)
+    k = rng.standard_normal((n_blocks, BS, HKV, D)).astype(np.float32)
+    v = rng.standard_normal((n_blocks, BS, HKV, D)).astype(np.float32)
+    if maw is None:
+        maw = rng.random((n_blocks, BS, HKV)).astype(np.float32) / (n_blocks * BS)
+    pos = 100 + np.arange(n_blocks * BS).reshape(n_blocks, BS)
+    numbers = store.append_blocks(0, seq, k, v, maw, pos)
+    return store, numbers, k
+
+
+def test_sharp_head_keeps_few_flat_head_keeps_many(rng):
+    window = 64
+    n_blocks = 4
+    maw = np.empty((n_blocks, BS, HKV), np.float32)
+    maw[..., 0] = 1e-5                       # sharp head: almost all weight elsewhere ...
+    maw[:, 3, 0] = 0.2                       # ... except one token per block
+    maw[..., 1] = 1.5 / window               # flat head: everything just over 1 / window
+    store, numbers, _ = new_store(rng, n_blocks, maw)
+    added = sparsify_evicted(store, 0, [0], [numbers[:2]], beta=1.0, window_tokens=window)
+    np.testing.assert_array_equal(added, [[2, 2 * BS]])
+    added = sparsify_evicted(store, 0, [0], [numbers[2:]], beta=1.0, window_tokens=window)
+    np.testing.assert_array_equal(added, [[2, 2 * BS]])
+    counts = store.context.kept_counts(0, 0)
+    np.testing.assert_array_equal(counts, [n_blocks, n_blocks * BS])
+    sharp, flat = store.context.kept(0, 0, 0), store.context.kept(0, 0, 1)
+    np.testing.assert_array_equal(sharp["positions"], 100 + 3 + BS * np.arange(n_blocks))
+    np.testing.assert_array_equal(flat["positions"], 100 + np.arange(n_blocks * BS))
+    for kept in (sharp, flat):
+        assert math.isclose(kept["weight_normalised"].sum(), 1.0, rel_tol=1e-12)
+    np.testing.assert_allclose(sharp["weight_normalised"], 1 / n_blocks)
+    # a higher beta drops the flat head entirely; nothing is dropped from the store
+    store2, numbers2, _ = new_store(rng, n_blocks, maw)
+    added = sparsify_evicted(store2, 0, [0], [numbers2], beta=2.0, window_tokens=window)
+    np.testing.assert_array_equal(added, [[n_blocks, 0]])
+    assert store2.n_tokens(0, 0) == n_blocks * BS
+    # the context kernel attends exactly the kept tokens
+    q = rng.standard_normal((1, 1, HKV * 4, D)).astype(np.float32)
+    o, lse = attend_context(store, 0, [0], q)
+    ks, vs = context_tokens(store, 0, 0)
+    ro, rl = reference_attention(q, [ks], [vs], HKV)
+    assert norm_relative_error(o, ro) < 2e-5 and norm_relative_error(lse, rl) < 2e-5
+
+
+def test_threshold_is_strict_and_beta_validated():
+    assert salience_threshold(1.0, 100) == 0.01
+    for beta in (0, -1.0, math.inf, math.nan, "1", True):
+        with pytest.raises(ValueError, match="beta="):
+            salience_threshold(beta, 10)
+    with pytest.raises(ValueError, match="A.size=0"):
+        salience_threshold(1.0, 0)
+
+
+def test_bad_sparsify_input(rng):
+    store, numbers, _ = new_store(rng)
+    with pytest.raises(ValueError, match="beta=0"):
+        sparsify_evicted(store, 0, [0], [numbers], beta=0, window_tokens=16)
+    with pytest.raises(ValueError, match="unknown seq_id=5"):
+        sparsify_evicted(store, 0, [5], [numbers], beta=1, window_tokens=16)
+    with pytest.raises(ValueError, match=r"block numbers \[7\]"):
+        sparsify_evicted(store, 0, [0], [[7]], beta=1, window_tokens=16)
+    with pytest.raises(ValueError, match="beta=inf"):
+        reevaluate(store, 0, [0], np.zeros((1, 1, HKV, D), np.float32), beta=math.inf)
+    assert store.context.kept_counts(0, 0).sum() == 0
+
+
+def test_reevaluation_reinstates_a_token_that_became_important(rng):
+    n_blocks = 4
+    maw = np.full((n_blocks, BS, HKV), 1e-6, np.float32)
+    maw[0, :, :] = 1.0                               # at eviction only block 0 looked important
+    store, numbers, k = new_store(rng, n_blocks, maw)
+    sparsify_evicted(store, 0, [0], [numbers], beta=1.0, window_tokens=32)
+    target_block, target_row = 2, 5
+    target_index = target_block * BS + target_row
+    for h in range(HKV):
+        assert target_index not in store.context.kept(0, 0, h)["token_index"]
+    # the new user turn's queries point at the target token's key (both heads of each group)
+    stored_k, _ = stored_tokens(store, 0, 0)
+    group = 2
+    q = np.zeros((1, 3, HKV * group, D), np.float32)
+    for h in range(HKV):
+        q[0, :, h * group:(h + 1) * group] = 4.0 * stored_k[h][target_index]
+    counts = reevaluate(store, 0, [0], q, beta=1.0)
+    ks, vs = stored_tokens(store, 0, 0)
+    _, _, ref_probs = reference_attention(q, [ks], [vs], HKV, return_probs=True)
+    n_tok = n_blocks * BS
+    for h in range(HKV):
+        kept = store.context.kept(0, 0, h)
+        assert target_index in kept["token_index"]
+        expected = np.flatnonzero(ref_probs[0][h] > 1.0 / n_tok)
+        np.testing.assert_array_equal(kept["token_index"], expected)
+        assert counts[0, h] == expected.size < n_tok
+        assert math.isclose(kept["weight_normalised"].sum(), 1.0, rel_tol=1e-9)
+        np.testing.assert_array_equal(kept["positions"], 100 + expected)
+    assert store.n_tokens(0, 0) == n_tok  # nothing dropped from the store
+
+
+def test_reevaluation_keeps_selection_of_blocks_evicted_later(rng):
+    store, numbers, _ = new_store(rng, 2)
+    q = rng.standard_normal((1, 1, HKV, D)).astype(np.float32)
+    # score snapshot covers 2 blocks; then a new block arrives and is sparsified before the rebuild
+    from host import sparsify as sp
+    real_attend_all = sp.attend_all
+
+    def attend_then_append(*args, **kwargs):
+        out = real_attend_all(*args, **kwargs)
+        kk = rng.standard_normal((1, BS, HKV, D)).astype(np.float32)
+        new = store.append_blocks(0, 0, kk, kk, np.ones((1, BS, HKV)), np.zeros((1, BS), np.int64))
+        sparsify_evicted(store, 0, [0], [new], beta=1.0, window_tokens=16)
+        return out
+
+    sp.attend_all = attend_then_append
+    try:
+        reevaluate(store, 0, [0], q, beta=1.0)
+    finally:
+        sp.attend_all = real_attend_all
+    for h in range(HKV):
+        ti = store.context.kept(0, 0, h)["token_index"]
+        assert np.sum(ti >= 2 * BS) == BS   # the whole new block (MAW 1 > 1/16) survived the rebuild

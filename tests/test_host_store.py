@@ -1,0 +1,204 @@
+"""KV store invariants under random evict/free sequences, memory cap, digests; the GPU eviction ring."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from host import (HostMemoryCapError, KVStore, RingConfig, RingState, StoreConfig, commit, from_storage,
+                  plan_eviction, to_storage)
+from host.eviction import resident_ring_tokens
+
+
+def cfg(**kw):
+    base = dict(n_layers=2, n_kv_heads=2, head_dim=16, block_size=4, kv_dtype="bf16", initial_blocks_per_layer=1)
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+def test_random_evict_free_sequences_keep_every_token(rng):
+    """Tokens in == tokens stored, positions and values preserved, slots recycled after free."""
+    c = cfg()
+    store = KVStore(c)
+    ring = RingConfig(window_tokens=3 + 3 * c.block_size, block_size=c.block_size, sink=3)
+    expected: dict[tuple, list] = {}   # (layer, seq) -> list of (k, v, maw, positions) blocks
+    states: dict[tuple, RingState] = {}
+    next_seq = 0
+    live = []
+    for step in range(150):
+        action = rng.random()
+        if action < 0.15 or not live:
+            store.add_sequence(next_seq)
+            live.append(next_seq)
+            for layer in range(c.n_layers):
+                expected[layer, next_seq] = []
+                states[layer, next_seq] = RingState()
+            next_seq += 1
+        elif action < 0.25 and len(live) > 1:
+            s = live.pop(int(rng.integers(len(live))))
+            store.free_sequence(s)
+            for layer in range(c.n_layers):
+                del expected[layer, s], states[layer, s]
+        else:
+            s = live[int(rng.integers(len(live)))]
+            layer = int(rng.integers(c.n_layers))
+            n_new = int(rng.integers(1, 12))
+            state = states[layer, s]
+            plan = plan_eviction(ring, state, n_new)
+            if plan.n_blocks:
+                n, bs = plan.n_blocks, c.block_size
+                k = rng.standard_normal((n, bs, c.n_kv_heads, c.head_dim)).astype(np.float32)
+                v = rng.standard_normal((n, bs, c.n_kv_heads, c.head_dim)).astype(np.float32)
+                maw = rng.random((n, bs, c.n_kv_heads)).astype(np.float32)
+                pos = plan.first_position[:, None] + np.arange(bs)
+                numbers = store.append_blocks(layer, s, k, v, maw, pos)
+                np.testing.assert_array_equal(numbers, plan.blocks)
+                expected[layer, s].append((k, v, maw, pos))
+            commit(ring, state, plan, n_new)
+            assert resident_ring_tokens(ring, state) <= ring.ring_tokens
+        # invariants
+        total_in = 0
+        for (layer, s), blocks in expected.items():
+            n_blocks = sum(x[0].shape[0] for x in blocks)
+            assert store.n_tokens(layer, s) == n_blocks * c.block_size
+            total_in += n_blocks
+        assert sum(a.pool.n_in_use() for a in store.layers) == total_in
+    for (layer, s), blocks in expected.items():
+        if not blocks:
+            continue
+        got = store.read_blocks(layer, s)
+        k = np.concatenate([x[0] for x in blocks])
+        np.testing.assert_array_equal(got["k"], to_storage(k, "bf16"))
+        np.testing.assert_array_equal(got["maw"], np.concatenate([x[2] for x in blocks]))
+        positions = np.concatenate([x[3] for x in blocks])
+        np.testing.assert_array_equal(got["positions"], positions)
+        # evicted positions are the ring's oldest non-sink tokens, contiguous from the sink on
+        np.testing.assert_array_equal(positions.reshape(-1), ring.sink + np.arange(positions.size))
+        kf = from_storage(got["k"], "bf16")
+        np.testing.assert_array_equal(got["key_min"], kf.min(axis=1))
+        np.testing.assert_array_equal(got["key_max"], kf.max(axis=1))
+
+
+def test_bytes_used_and_reserved_and_cap(rng):
+    c = cfg(n_layers=1, host_memory_cap_bytes=None)
+    store = KVStore(c)
+    store.add_sequence(0)
+    r0 = store.bytes_reserved()
+    assert store.bytes_used() == 0
+    k = rng.standard_normal((3, 4, 2, 16)).astype(np.float32)
+    store.append_blocks(0, 0, k, k, np.ones((3, 4, 2)), np.zeros((3, 4), np.int64))
+    per_block = 2 * (2 * 4 * 16 * 2) + 2 * 4 * 4 + 4 * 8 + 2 * 2 * 16 * 4
+    assert store.bytes_used() == 3 * per_block
+    assert store.bytes_reserved() >= r0 + 2 * per_block
+    store.free_sequence(0)
+    assert store.bytes_used() == 0
+
+    capped = KVStore(cfg(n_layers=1, host_memory_cap_bytes=KVStore(c).bytes_reserved() + 2 * per_block))
+    capped.add_sequence(0)
+    capped.append_blocks(0, 0, k[:2], k[:2], np.ones((2, 4, 2)), np.zeros((2, 4), np.int64))
+    before = capped.read_blocks(0, 0)
+    with pytest.raises(HostMemoryCapError, match="over the cap"):
+        capped.append_blocks(0, 0, k, k, np.ones((3, 4, 2)), np.zeros((3, 4), np.int64))
+    # the failed append changed nothing
+    assert capped.n_blocks(0, 0) == 2
+    np.testing.assert_array_equal(capped.read_blocks(0, 0)["k"], before["k"])
+
+
+def test_freed_slots_wait_for_readers():
+    store = KVStore(cfg(n_layers=1))
+    store.add_sequence(0)
+    z = np.zeros((2, 4, 2, 16), np.float32)
+    store.append_blocks(0, 0, z, z, np.ones((2, 4, 2)), np.zeros((2, 4), np.int64))
+    with store.lock:
+        store.begin_read()
+    store.free_sequence(0)
+    assert store.layers[0].pool.free == []  # a reader may still see the slots
+    store.end_read()
+    assert sorted(store.layers[0].pool.free) == [0, 1]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(block_size=0), "block_size=0"),
+    (dict(kv_dtype="int8"), "kv_dtype='int8'"),
+    (dict(head_dim=-4), "head_dim=-4"),
+    (dict(host_memory_cap_bytes=-1), "host_memory_cap_bytes=-1"),
+])
+def test_bad_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        KVStore(cfg(**kw))
+
+
+def test_bad_appends_name_the_problem(rng):
+    store = KVStore(cfg())
+    store.add_sequence(0)
+    k = np.zeros((1, 4, 2, 16), np.float32)
+    good = dict(k=k, v=k, maw=np.ones((1, 4, 2)), positions=np.zeros((1, 4), np.int64))
+    for change, match in [
+        (dict(k=np.zeros((1, 5, 2, 16), np.float32)), "block_size=4"),
+        (dict(v=np.zeros((2, 4, 2, 16), np.float32)), "v has shape"),
+        (dict(maw=np.ones((1, 4))), "maw has shape"),
+        (dict(positions=np.zeros((1, 4))), "positions dtype"),
+        (dict(k=np.zeros((1, 4, 2, 16), np.int32), v=np.zeros((1, 4, 2, 16), np.int32)), "K/V dtype int32"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            store.append_blocks(0, 0, **{**good, **change})
+    with pytest.raises(ValueError, match="unknown seq_id=9"):
+        store.append_blocks(0, 9, **good)
+    with pytest.raises(ValueError, match="layer=2"):
+        store.append_blocks(2, 0, **good)
+    with pytest.raises(ValueError, match="already"):
+        store.add_sequence(0)
+    with pytest.raises(ValueError, match="unknown seq_id=3"):
+        store.free_sequence(3)
+    fp32 = KVStore(cfg(kv_dtype="fp32"))
+    fp32.add_sequence(0)
+    with pytest.raises(ValueError, match="uint16"):
+        fp32.append_blocks(0, 0, **{**good, "k": k.astype(np.uint16), "v": k.astype(np.uint16)})
+    assert store.n_blocks(0, 0) == 0
+
+
+def test_ring_plans_oldest_full_blocks_first():
+    ring = RingConfig(window_tokens=2 + 3 * 4, block_size=4, sink=2)
+    assert ring.blk_num == 3 and ring.ring_tokens == 12
+    state = RingState()
+    # prompt of 30 tokens: 28 non-sink; ring keeps 12 -> blocks 0..3 leave (16 tokens), all incoming
+    plan = plan_eviction(ring, state, 30)
+    np.testing.assert_array_equal(plan.blocks, [0, 1, 2, 3])
+    np.testing.assert_array_equal(plan.first_position, [2, 6, 10, 14])
+    assert plan.from_incoming.all()
+    commit(ring, state, plan, 30)
+    assert resident_ring_tokens(ring, state) == 12
+    # next token: ring full -> oldest block 4 (positions 18..21, in ring slot 1) leaves
+    plan = plan_eviction(ring, state, 1)
+    np.testing.assert_array_equal(plan.blocks, [4])
+    np.testing.assert_array_equal(plan.ring_slots, [1])
+    np.testing.assert_array_equal(plan.first_position, [18])
+    assert not plan.from_incoming.any()
+    commit(ring, state, plan, 1)
+    for _ in range(3):  # room for three more tokens before the next eviction
+        plan = plan_eviction(ring, state, 1)
+        assert plan.n_blocks == 0
+        commit(ring, state, plan, 1)
+    assert plan_eviction(ring, state, 1).n_blocks == 1
+    # short prompts stay in the sink without evicting
+    assert plan_eviction(ring, RingState(), 2).n_blocks == 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(window_tokens=10, block_size=4, sink=0), "does not divide"),
+    (dict(window_tokens=10, block_size=4, sink=8), "sink=8 does not fit"),
+    (dict(window_tokens=16, block_size=0), "block_size=0"),
+    (dict(window_tokens=16, block_size=4, sink=-1), "sink=-1"),
+])
+def test_bad_ring(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RingConfig(**kw)
+
+
+def test_commit_checks_order():
+    ring = RingConfig(window_tokens=8, block_size=4)
+    state = RingState()
+    plan = plan_eviction(ring, state, 12)
+    with pytest.raises(ValueError, match="n_new"):
+        commit(ring, state, plan, 13)
+    assert state == RingState()
