@@ -66,6 +66,85 @@ def _widen_rows(src, n, fmt, dst):
             bits[j, d] = b | ((h & np.uint32(0x8000)) << 16)
 
 
+_LOG2E = np.float32(1.4426950408889634)
+# Taylor coefficients of 2^f = exp(f ln 2) for |f| <= 1/2 (relative error < 1e-8 at degree 7).
+_C1, _C2, _C3, _C4 = (np.float32(0.6931471805599453), np.float32(0.2402265069591007),
+                      np.float32(0.05550410866482158), np.float32(0.009618129107628477))
+_C5, _C6, _C7 = np.float32(0.0013333558146428443), np.float32(0.00015403530393381606), np.float32(1.525273380405984e-05)
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _exp_shifted(row, n, shift, exponent):
+    """row[:n] = exp(row[:n] - shift) in place, vectorisable (Numba has no SIMD exp without SVML).
+
+    2^t = 2^k * 2^f with k = round(t), |f| <= 1/2: a polynomial for 2^f, then k added into the
+    float's exponent bits. t is clamped at -125 (exp(x) ~ 1e-38 instead of 0 below x = -86.6; the
+    row maximum always contributes 1). `exponent` is int32 scratch of length >= n.
+    """
+    for j in range(n):
+        t = max((row[j] - shift) * _LOG2E, np.float32(-125.0))
+        k = np.floor(t + np.float32(0.5))
+        f = t - k
+        p = _C7
+        p = p * f + _C6
+        p = p * f + _C5
+        p = p * f + _C4
+        p = p * f + _C3
+        p = p * f + _C2
+        p = p * f + _C1
+        row[j] = p * f + np.float32(1.0)
+        exponent[j] = np.int32(k) << 23
+    bits = row.view(np.int32)
+    for j in range(n):
+        bits[j] += exponent[j]
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _scores(q_row, kf, n, out):
+    """out[j] = q_row . kf[j] for j < n; four keys per pass so each q element is loaded once per four."""
+    d_size = kf.shape[1]
+    j = 0
+    while j + 4 <= n:
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for d in range(d_size):
+            x = q_row[d]
+            a0 += x * kf[j, d]
+            a1 += x * kf[j + 1, d]
+            a2 += x * kf[j + 2, d]
+            a3 += x * kf[j + 3, d]
+        out[j] = a0
+        out[j + 1] = a1
+        out[j + 2] = a2
+        out[j + 3] = a3
+        j += 4
+    while j < n:
+        a = np.float32(0.0)
+        for d in range(d_size):
+            a += q_row[d] * kf[j, d]
+        out[j] = a
+        j += 1
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _accumulate(p_row, vf, n, acc_row):
+    """acc_row += sum_j p_row[j] * vf[j] for j < n; four values per pass (one acc load/store per four)."""
+    d_size = vf.shape[1]
+    j = 0
+    while j + 4 <= n:
+        p0, p1, p2, p3 = p_row[j], p_row[j + 1], p_row[j + 2], p_row[j + 3]
+        for d in range(d_size):
+            acc_row[d] += p0 * vf[j, d] + p1 * vf[j + 1, d] + p2 * vf[j + 2, d] + p3 * vf[j + 3, d]
+        j += 4
+    while j < n:
+        p = p_row[j]
+        for d in range(d_size):
+            acc_row[d] += p * vf[j, d]
+        j += 1
+
+
 @njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
 def _partial_states(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_heads, scale,
                     item_unit, item_page_lo, item_page_hi, part_acc, part_max, part_sum):
@@ -89,6 +168,7 @@ def _partial_states(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n
         kf = np.empty((page_tokens, d_size), np.float32)
         vf = np.empty((page_tokens, d_size), np.float32)
         s = np.empty((n_rows, page_tokens), np.float32)
+        exponent = np.empty(page_tokens, np.int32)
         for pi in range(item_page_lo[it], item_page_hi[it]):
             page = page_ids[page_ptr[u] + pi]
             n = min(page_tokens, unit_tokens[u] - pi * page_tokens)
@@ -97,27 +177,20 @@ def _partial_states(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n
             _widen_rows(k_pages[page], n, fmt, kf)
             _widen_rows(v_pages[page], n, fmt, vf)
             for r in range(n_rows):
+                _scores(qs[r], kf, n, s[r])
                 m_new = run_max[r]
                 for j in range(n):
-                    a = np.float32(0.0)
-                    for d in range(d_size):
-                        a += qs[r, d] * kf[j, d]
-                    s[r, j] = a
-                    m_new = max(m_new, a)
+                    m_new = max(m_new, s[r, j])
                 corr = np.exp(run_max[r] - m_new)
                 run_max[r] = m_new
+                _exp_shifted(s[r], n, m_new, exponent)
                 total = np.float32(0.0)
                 for j in range(n):
-                    p = np.exp(s[r, j] - m_new)
-                    s[r, j] = p
-                    total += p
+                    total += s[r, j]
                 run_sum[r] = run_sum[r] * corr + total
                 for d in range(d_size):
                     acc[r, d] *= corr
-                for j in range(n):
-                    p = s[r, j]
-                    for d in range(d_size):
-                        acc[r, d] += p * vf[j, d]
+                _accumulate(s[r], vf, n, acc[r])
         part_acc[it] = acc
         part_max[it] = run_max
         part_sum[it] = run_sum
