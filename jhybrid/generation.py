@@ -170,7 +170,9 @@ class Generator:
 
     def _run(self, name: str, fn, donate: tuple, *args):
         """Calls fn compiled ahead of time for these shapes (compile time kept apart)."""
-        key = (name,) + tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args))
+        # self.params never changes shape: skip flattening its hundreds of leaves every step.
+        varying = [a for a in args if a is not self.params]
+        key = (name,) + tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(varying))
         if key not in self._executables:
             start = time.perf_counter()
             self._executables[key] = jax.jit(fn, donate_argnums=donate).lower(*args).compile()

@@ -99,3 +99,25 @@ def test_ragged_batch_equals_per_sequence_runs(pair, rng):
         expected = hf_logits(hf, np.array([prompt]))[0]
         np.testing.assert_allclose(np.asarray(logits[b, :len(prompt)]), expected, atol=ATOL,
                                    rtol=1e-4)
+
+
+def test_interleaved_rope_with_permuted_weights_is_the_same_model(rng, tmp_path):
+    """rope_interleaved=True on llama.cpp-permuted Q/K rows == rotate-half on HF rows."""
+    from flax import nnx
+
+    from jhybrid.loading.gguf_loader import permute_rope_rows
+    from jhybrid.models import CausalLM
+
+    hf = make_hf_model("llama")
+    ours = load_hf_model(save_hf_model(hf, tmp_path))
+    interleaved = CausalLM(ours.config.replace(rope_interleaved=True), rngs=nnx.Rngs(0))
+    nnx.update(interleaved, nnx.state(ours))
+    for layer in interleaved.layers:
+        for proj, heads in ((layer.attention.q_proj, ours.config.num_heads),
+                            (layer.attention.k_proj, ours.config.num_kv_heads)):
+            kernel = np.asarray(proj.kernel.get_value())  # [in, out]: permute the output rows
+            proj.kernel.set_value(jnp.asarray(permute_rope_rows(kernel.T, heads).T))
+    tokens = jnp.asarray(rng.integers(0, VOCAB, (1, 12)), jnp.int32)
+    outputs = [np.asarray(m(tokens, _positions(1, 12), m.init_cache(1, 16))[0])
+               for m in (ours, interleaved)]
+    np.testing.assert_allclose(outputs[0], outputs[1], atol=1e-5)
