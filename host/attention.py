@@ -34,6 +34,8 @@ THREADING_LAYER = configure_threading_layer()
 _FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 _TWO_POW_112 = np.float32(2.0 ** 112)
 ITEMS_PER_THREAD = 4
+# Tokens widened to float32 at a time: K and V scratch (2 x 32 x D x 4 B) stay in L1.
+_CHUNK = 32
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -103,46 +105,113 @@ def _exp_shifted(row, n, shift, exponent):
 def _scores(q_row, kf, n, out):
     """out[j] = q_row . kf[j] for j < n; four keys per pass so each q element is loaded once per four."""
     d_size = kf.shape[1]
-    j = 0
-    while j + 4 <= n:
+    for jb in range(n // 4):
+        j = 4 * jb
+        k0, k1, k2, k3 = kf[j], kf[j + 1], kf[j + 2], kf[j + 3]
         a0 = np.float32(0.0)
         a1 = np.float32(0.0)
         a2 = np.float32(0.0)
         a3 = np.float32(0.0)
         for d in range(d_size):
             x = q_row[d]
-            a0 += x * kf[j, d]
-            a1 += x * kf[j + 1, d]
-            a2 += x * kf[j + 2, d]
-            a3 += x * kf[j + 3, d]
+            a0 += x * k0[d]
+            a1 += x * k1[d]
+            a2 += x * k2[d]
+            a3 += x * k3[d]
         out[j] = a0
         out[j + 1] = a1
         out[j + 2] = a2
         out[j + 3] = a3
-        j += 4
-    while j < n:
+    for j in range(n - n % 4, n):
+        kj = kf[j]
         a = np.float32(0.0)
         for d in range(d_size):
-            a += q_row[d] * kf[j, d]
+            a += q_row[d] * kj[d]
         out[j] = a
-        j += 1
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _accumulate(p_row, vf, n, acc_row):
     """acc_row += sum_j p_row[j] * vf[j] for j < n; four values per pass (one acc load/store per four)."""
     d_size = vf.shape[1]
-    j = 0
-    while j + 4 <= n:
+    for jb in range(n // 4):
+        j = 4 * jb
         p0, p1, p2, p3 = p_row[j], p_row[j + 1], p_row[j + 2], p_row[j + 3]
+        v0, v1, v2, v3 = vf[j], vf[j + 1], vf[j + 2], vf[j + 3]
         for d in range(d_size):
-            acc_row[d] += p0 * vf[j, d] + p1 * vf[j + 1, d] + p2 * vf[j + 2, d] + p3 * vf[j + 3, d]
-        j += 4
-    while j < n:
+            acc_row[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
+    for j in range(n - n % 4, n):
         p = p_row[j]
+        vj = vf[j]
         for d in range(d_size):
-            acc_row[d] += p * vf[j, d]
-        j += 1
+            acc_row[d] += p * vj[d]
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _scores_pair(q0, q1, kf, n, out0, out1):
+    """_scores for two query rows at once: each K element loaded once for both."""
+    d_size = kf.shape[1]
+    for jb in range(n // 4):
+        j = 4 * jb
+        k0, k1, k2, k3 = kf[j], kf[j + 1], kf[j + 2], kf[j + 3]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        b0 = np.float32(0.0)
+        b1 = np.float32(0.0)
+        b2 = np.float32(0.0)
+        b3 = np.float32(0.0)
+        for d in range(d_size):
+            x = q0[d]
+            y = q1[d]
+            a0 += x * k0[d]
+            a1 += x * k1[d]
+            a2 += x * k2[d]
+            a3 += x * k3[d]
+            b0 += y * k0[d]
+            b1 += y * k1[d]
+            b2 += y * k2[d]
+            b3 += y * k3[d]
+        out0[j] = a0
+        out0[j + 1] = a1
+        out0[j + 2] = a2
+        out0[j + 3] = a3
+        out1[j] = b0
+        out1[j + 1] = b1
+        out1[j + 2] = b2
+        out1[j + 3] = b3
+    for j in range(n - n % 4, n):
+        kj = kf[j]
+        a = np.float32(0.0)
+        b = np.float32(0.0)
+        for d in range(d_size):
+            a += q0[d] * kj[d]
+            b += q1[d] * kj[d]
+        out0[j] = a
+        out1[j] = b
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _accumulate_pair(p0_row, p1_row, vf, n, acc0, acc1):
+    """_accumulate for two rows at once: each V element loaded once for both."""
+    d_size = vf.shape[1]
+    for jb in range(n // 4):
+        j = 4 * jb
+        p0, p1, p2, p3 = p0_row[j], p0_row[j + 1], p0_row[j + 2], p0_row[j + 3]
+        r0, r1, r2, r3 = p1_row[j], p1_row[j + 1], p1_row[j + 2], p1_row[j + 3]
+        v0, v1, v2, v3 = vf[j], vf[j + 1], vf[j + 2], vf[j + 3]
+        for d in range(d_size):
+            x0, x1, x2, x3 = v0[d], v1[d], v2[d], v3[d]
+            acc0[d] += p0 * x0 + p1 * x1 + p2 * x2 + p3 * x3
+            acc1[d] += r0 * x0 + r1 * x1 + r2 * x2 + r3 * x3
+    for j in range(n - n % 4, n):
+        p = p0_row[j]
+        r = p1_row[j]
+        vj = vf[j]
+        for d in range(d_size):
+            acc0[d] += p * vj[d]
+            acc1[d] += r * vj[d]
 
 
 @njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
@@ -165,32 +234,41 @@ def _partial_states(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n
         acc = np.zeros((n_rows, d_size), np.float32)
         run_max = np.full(n_rows, -np.inf, np.float32)
         run_sum = np.zeros(n_rows, np.float32)
-        kf = np.empty((page_tokens, d_size), np.float32)
-        vf = np.empty((page_tokens, d_size), np.float32)
-        s = np.empty((n_rows, page_tokens), np.float32)
-        exponent = np.empty(page_tokens, np.int32)
+        kf = np.empty((_CHUNK, d_size), np.float32)
+        vf = np.empty((_CHUNK, d_size), np.float32)
+        s = np.empty((n_rows, _CHUNK), np.float32)
+        exponent = np.empty(_CHUNK, np.int32)
         for pi in range(item_page_lo[it], item_page_hi[it]):
             page = page_ids[page_ptr[u] + pi]
-            n = min(page_tokens, unit_tokens[u] - pi * page_tokens)
-            if n <= 0:
-                break
-            _widen_rows(k_pages[page], n, fmt, kf)
-            _widen_rows(v_pages[page], n, fmt, vf)
-            for r in range(n_rows):
-                _scores(qs[r], kf, n, s[r])
-                m_new = run_max[r]
-                for j in range(n):
-                    m_new = max(m_new, s[r, j])
-                corr = np.exp(run_max[r] - m_new)
-                run_max[r] = m_new
-                _exp_shifted(s[r], n, m_new, exponent)
-                total = np.float32(0.0)
-                for j in range(n):
-                    total += s[r, j]
-                run_sum[r] = run_sum[r] * corr + total
-                for d in range(d_size):
-                    acc[r, d] *= corr
-                _accumulate(s[r], vf, n, acc[r])
+            n_page = min(page_tokens, unit_tokens[u] - pi * page_tokens)
+            for c0 in range(0, n_page, _CHUNK):
+                n = min(_CHUNK, n_page - c0)
+                _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf)
+                _widen_rows(v_pages[page, c0:c0 + n], n, fmt, vf)
+                # scores for all rows (two at a time), then softmax bookkeeping, then V
+                for r in range(0, n_rows - 1, 2):
+                    _scores_pair(qs[r], qs[r + 1], kf, n, s[r], s[r + 1])
+                if n_rows % 2:
+                    _scores(qs[n_rows - 1], kf, n, s[n_rows - 1])
+                for r in range(n_rows):
+                    m_new = run_max[r]
+                    for j in range(n):
+                        m_new = max(m_new, s[r, j])
+                    _exp_shifted(s[r], n, m_new, exponent)
+                    total = np.float32(0.0)
+                    for j in range(n):
+                        total += s[r, j]
+                    if m_new > run_max[r]:  # rescale only when the running max moved
+                        corr = np.exp(run_max[r] - m_new)
+                        run_max[r] = m_new
+                        run_sum[r] *= corr
+                        for d in range(d_size):
+                            acc[r, d] *= corr
+                    run_sum[r] += total
+                for r in range(0, n_rows - 1, 2):
+                    _accumulate_pair(s[r], s[r + 1], vf, n, acc[r], acc[r + 1])
+                if n_rows % 2:
+                    _accumulate(s[n_rows - 1], vf, n, acc[n_rows - 1])
         part_acc[it] = acc
         part_max[it] = run_max
         part_sum[it] = run_sum
@@ -252,21 +330,21 @@ def _token_probabilities(q, k_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_
                 row_lse[t * group + g] = lse[b, t, h * group + g]
                 for d in range(d_size):
                     qs[t * group + g, d] = q[b, t, h * group + g, d] * scale
-        kf = np.empty((page_tokens, d_size), np.float32)
+        kf = np.empty((_CHUNK, d_size), np.float32)
         for pi in range(item_page_lo[it], item_page_hi[it]):
             page = page_ids[page_ptr[u] + pi]
-            n = min(page_tokens, unit_tokens[u] - pi * page_tokens)
-            if n <= 0:
-                break
-            _widen_rows(k_pages[page], n, fmt, kf)
-            for j in range(n):
-                total = np.float32(0.0)
-                for r in range(n_rows):
-                    a = np.float32(0.0)
-                    for d in range(d_size):
-                        a += qs[r, d] * kf[j, d]
-                    total += np.exp(a - row_lse[r])
-                probs[u, pi * page_tokens + j] = total / tq
+            n_page = min(page_tokens, unit_tokens[u] - pi * page_tokens)
+            for c0 in range(0, n_page, _CHUNK):
+                n = min(_CHUNK, n_page - c0)
+                _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf)
+                for j in range(n):
+                    total = np.float32(0.0)
+                    for r in range(n_rows):
+                        a = np.float32(0.0)
+                        for d in range(d_size):
+                            a += qs[r, d] * kf[j, d]
+                        total += np.exp(a - row_lse[r])
+                    probs[u, pi * page_tokens + c0 + j] = total / tq
 
 
 def check_queries(queries, n_batch: int, n_kv_heads: int, head_dim: int) -> np.ndarray:

@@ -1,0 +1,351 @@
+"""Benchmark of the host CPU attention kernels (issue 3): GB/s of attended KV bytes.
+
+For each point (D, B*Hkv units, selected tokens per unit), bf16 KV, G query heads per KV head:
+  kernel a  context cache: pages of `--page-tokens` kept tokens, page order shuffled (as allocated)
+  kernel c  chosen blocks: a store of `--block-size`-token blocks, head-major inside a block, a random
+            subset (in random order) of 4/5 of each sequence's blocks attended
+side by side with the raw multi-threaded read of the same bytes (Numba parallel integer sum over
+the same pages: the ceiling), a NumPy einsum version (bf16 widened in NumPy, then einsum/softmax)
+and torch's CPU scaled_dot_product_attention (bf16, dense [B, Hkv, N, D], enable_gqa) on the same
+values (those two only up to `--baseline-max-mib`). Each point is checked against the float64
+reference on a few units and against the baselines. Also times the sparsification of one evicted
+block per sequence for a batch of 32 (+ the append of that block to the store).
+
+    PYTHONPATH=. python3 benchmarks/bench_host_attention.py --out benchmarks/results/host-attention-TAG.json
+    PYTHONPATH=. python3 benchmarks/bench_host_attention.py --quick     # small grid (2-core machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from host.attention import THREADING_LAYER, paged_attention
+from host.paged_view import PagedKV
+from host.reference import norm_relative_error, reference_attention
+
+import numba
+from numba import njit, prange
+
+BF16 = 1  # FORMAT_CODE["bf16"]
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+@njit(parallel=True, cache=True)
+def _fill_random_bf16(buf, seed):
+    """Random bf16 bit patterns of magnitude in [0.25, 1) with random sign (a hash of the index:
+    fast, parallel, and it touches every page before timing)."""
+    flat = buf.reshape(-1)
+    for i in prange(flat.shape[0]):
+        x = np.uint64(i) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed)
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(29)
+        flat[i] = np.uint16(0x3E80 + (x & np.uint64(0xFF))) | np.uint16(((x >> np.uint64(8)) & np.uint64(1)) << np.uint64(15))
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _read_ceiling(k_pages, v_pages, page_ids, page_rows, out):
+    """Raw read of the same bytes: integer sum over the attended rows of each K and V page."""
+    for i in prange(page_ids.shape[0]):
+        k = k_pages[page_ids[i]]
+        v = v_pages[page_ids[i]]
+        total = np.uint32(0)
+        for j in range(page_rows[i]):
+            for d in range(k.shape[1]):
+                total += np.uint32(k[j, d]) + np.uint32(v[j, d])
+        out[i] = total
+
+
+def widen(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def unit_tokens_of(view: PagedKV, u: int, dense=True):
+    """float32 K, V [n, D] of unit u (its pages in order)."""
+    pages = view.page_ids[view.page_ptr[u]:view.page_ptr[u + 1]]
+    n = int(view.unit_tokens[u])
+    d = view.k_pages.shape[2]
+    k = widen(view.k_pages[pages].reshape(-1, d)[:n])
+    v = widen(view.v_pages[pages].reshape(-1, d)[:n])
+    return k, v
+
+
+def make_view(kind: str, arena_k, arena_v, units: int, tokens: int, d: int, hkv: int, page_tokens: int,
+              block_size: int, rng) -> PagedKV:
+    if kind == "a":  # context cache: units * tokens/page pages, shuffled
+        per_unit = tokens // page_tokens
+        n_pages = units * per_unit
+        k = arena_k[: n_pages * page_tokens * d].reshape(n_pages, page_tokens, d)
+        v = arena_v[: n_pages * page_tokens * d].reshape(n_pages, page_tokens, d)
+        page_ids = rng.permutation(n_pages).astype(np.int64)
+    else:  # store blocks [slots, Hkv, bs, D] -> pages slot*Hkv + h; attend 4/5 of each sequence's blocks
+        per_unit = tokens // block_size
+        stored = per_unit * 5 // 4
+        n_seq = units // hkv
+        n_slots = n_seq * stored
+        k = arena_k[: n_slots * hkv * block_size * d].reshape(n_slots * hkv, block_size, d)
+        v = arena_v[: n_slots * hkv * block_size * d].reshape(n_slots * hkv, block_size, d)
+        slot_of = rng.permutation(n_slots).reshape(n_seq, stored)  # sequences' slots interleaved
+        lists = []
+        for b in range(n_seq):
+            for h in range(hkv):
+                chosen = rng.choice(stored, size=per_unit, replace=False)
+                lists.append(slot_of[b, chosen] * hkv + h)
+        page_ids = np.concatenate(lists).astype(np.int64)
+    page_ptr = np.arange(units + 1, dtype=np.int64) * per_unit
+    return PagedKV(k, v, BF16, page_ptr, page_ids, np.full(units, tokens, np.int64), hkv)
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+def timeit(fn, min_seconds: float, min_repeats: int, max_repeats: int = 200, warmup: int = 2):
+    """Median seconds per call (after warm-up); repeats until both minima are met."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - start < min_seconds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times), len(times)
+
+
+def numpy_attention(q, k_bits, v_bits, scale):
+    """NumPy version: q [B, Hkv, G, D] float32, k/v bits [B, Hkv, N, D] uint16."""
+    k, v = widen(k_bits), widen(v_bits)
+    s = np.einsum("bhgd,bhnd->bhgn", q, k, optimize=True) * scale
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    o = np.einsum("bhgn,bhnd->bhgd", e, v, optimize=True) / total
+    return o, (m + np.log(total))[..., 0]
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__}
+    for name in ("jax", "jaxlib", "torch"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # not installed: recorded as such
+            out[name] = None
+    return out
+
+
+def device_name(n_threads: int) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"cpu: {os.cpu_count()} cores ({cpu}), {n_threads} Numba threads"
+
+
+def bench_sparsify(rows, args, rng):
+    from host.kv_store import KVStore, StoreConfig
+    from host.sparsify import sparsify_evicted
+
+    batch, hkv, d, bs = 32, 8, 128, args.block_size
+    store = KVStore(StoreConfig(n_layers=1, n_kv_heads=hkv, head_dim=d, block_size=bs, kv_dtype="bf16",
+                                initial_blocks_per_layer=batch * 64, context_page_tokens=args.page_tokens))
+    store.reserve_blocks(0, batch * 64)
+    for s in range(batch):
+        store.add_sequence(s)
+    k = rng.standard_normal((batch, 1, bs, hkv, d)).astype(np.float32)
+    window = 4096
+    # MAW like a decode window: most tokens tiny, ~10% above beta / window
+    maw = np.where(rng.random((batch, 1, bs, hkv)) < 0.1, 3.0, 0.2).astype(np.float32) / window
+    pos = np.arange(bs).reshape(1, bs)
+    numbers = [None] * batch
+    n_appends = [0]
+
+    def append():
+        for s in range(batch):
+            numbers[s] = store.append_blocks(0, s, k[s], k[s], maw[s], pos)
+        n_appends[0] += 1
+
+    def sparsify():
+        sparsify_evicted(store, 0, list(range(batch)), numbers, 1.0, window)
+
+    t_app, t_app_min, n_app = timeit(append, 0.5, 20, max_repeats=60)
+    append()
+    t_sp, t_sp_min, n_sp = timeit(sparsify, 0.5, 20, max_repeats=60)
+    kept = store.context.kept_counts(0, 0).sum() / (hkv * n_appends[0] * bs)
+    for name, t, tmin, n in (("append_blocks_batch32", t_app, t_app_min, n_app),
+                             ("sparsify_evicted_block_batch32", t_sp, t_sp_min, n_sp)):
+        rows.append({"kernel": name, "batch_heads": batch * hkv, "tokens": bs, "D": d, "dtype": "bf16",
+                     "median_us": t * 1e6, "min_us": tmin * 1e6, "repeats": n, "achieved_GBps": None,
+                     "read_ceiling_GBps": None, "numpy_us": None, "torch_us": None,
+                     "note": f"one evicted block of {bs} tokens per sequence, batch {batch}, Hkv {hkv}; "
+                             f"kept fraction {kept:.3f}"})
+        print(f"{name}: median {t * 1e6:.0f} us (min {tmin * 1e6:.0f} us, {n} repeats)", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/host-attention-<host>.json)")
+    p.add_argument("--quick", action="store_true", help="small grid for the 2-core machine")
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--batch-heads", type=int, nargs="+", default=[8, 32, 128])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head (G)")
+    p.add_argument("--hkv", type=int, default=8, help="KV heads per sequence (B = batch_heads / hkv)")
+    p.add_argument("--kernels", nargs="+", default=["a", "c"], choices=["a", "c"])
+    p.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
+    p.add_argument("--page-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--max-gib", type=float, default=2.0, help="skip points whose K+V bytes exceed this")
+    p.add_argument("--baseline-max-mib", type=float, default=1024.0, help="NumPy/torch only up to this size")
+    p.add_argument("--min-seconds", type=float, default=0.4, help="per measured function and point")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_heads = [8, 32]
+        args.tokens = [1024, 4096, 16384]
+        args.max_gib = min(args.max_gib, 0.25)
+        args.min_seconds = min(args.min_seconds, 0.3)
+    if args.threads:
+        numba.set_num_threads(args.threads)
+    n_threads = numba.get_num_threads()
+    rng = np.random.default_rng(1234)
+    out_path = args.out or f"benchmarks/results/host-attention-{socket.gethostname()}.json"
+    print(f"device: {device_name(n_threads)}; threading layer {THREADING_LAYER}", flush=True)
+
+    points = [(d, u, n) for d in args.dims for u in args.batch_heads for n in args.tokens
+              if u * n * d * 2 * 2 <= args.max_gib * 2**30 and u % args.hkv == 0]
+    max_elems = max(u * n * d * 5 // 4 for d, u, n in points) + 1
+    t0 = time.perf_counter()
+    arena_k = np.empty(max_elems, np.uint16)
+    arena_v = np.empty(max_elems, np.uint16)
+    _fill_random_bf16(arena_k, 1)  # also the first touch of every page, before any timing
+    _fill_random_bf16(arena_v, 2)
+    print(f"filled {2 * max_elems * 2 / 2**30:.2f} GiB of random bf16 in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    rows, failures, measured = [], [], []
+    # Pass 1: our kernel and the read ceiling for every point. Baselines run in pass 2, so that
+    # torch's / BLAS's spinning OpenMP threads never compete with Numba's during our timings.
+    for d, units, tokens in points:
+        for kind in args.kernels:
+            view = make_view(kind, arena_k, arena_v, units, tokens, d, args.hkv, args.page_tokens,
+                             args.block_size, rng)
+            b = units // args.hkv
+            q = rng.standard_normal((b, 1, args.hkv * args.group, d)).astype(np.float32)
+            nbytes = view.attended_bytes()
+            o, lse = paged_attention(q, view)
+            # correctness: float64 reference on two units
+            for u in (0, units - 1):
+                k, v = unit_tokens_of(view, u)
+                bi, h = divmod(u, args.hkv)
+                heads = slice(h * args.group, (h + 1) * args.group)
+                ro, rl = reference_attention(q[bi:bi + 1, :, heads], [[k]], [[v]], 1)
+                err = max(norm_relative_error(o[bi:bi + 1, :, heads], ro),
+                          norm_relative_error(lse[bi:bi + 1, :, heads], rl))
+                if err > 1e-4:
+                    failures.append(f"kernel {kind} D={d} units={units} tokens={tokens} unit {u}: rel err {err:.2e}")
+            t_ours, t_ours_min, reps = timeit(lambda: paged_attention(q, view), args.min_seconds, 10)
+            page_rows = np.full(view.page_ids.shape[0], view.page_tokens, np.int64)  # all pages full here
+            sums = np.empty(view.page_ids.shape[0], np.uint32)
+            t_read, _, _ = timeit(lambda: _read_ceiling(view.k_pages, view.v_pages, view.page_ids, page_rows, sums),
+                                  args.min_seconds, 10)
+            row = {"kernel": {"a": "context_cache", "c": "chosen_blocks"}[kind], "batch_heads": units,
+                   "tokens": tokens, "D": d, "G": args.group, "dtype": "bf16",
+                   "median_us": t_ours * 1e6, "min_us": t_ours_min * 1e6, "repeats": reps,
+                   "achieved_GBps": nbytes / t_ours / 1e9, "read_ceiling_GBps": nbytes / t_read / 1e9,
+                   "numpy_us": None, "torch_us": None, "bytes": nbytes}
+            row["fraction_of_ceiling"] = row["achieved_GBps"] / row["read_ceiling_GBps"]
+            rows.append(row)
+            measured.append((row, view, q, o))
+            print(f"{row['kernel']:>14} D={d:3d} BH={units:3d} N={tokens:6d}: {t_ours * 1e6:9.0f} us "
+                  f"{row['achieved_GBps']:6.1f} GB/s (read ceiling {row['read_ceiling_GBps']:6.1f} GB/s)", flush=True)
+
+    # Pass 2: NumPy and torch on dense [B, Hkv, N, D] copies of the same values.
+    try:
+        import torch
+        torch.set_num_threads(n_threads)
+    except Exception as exc:
+        print(f"torch unavailable ({exc}); torch_us left null", flush=True)
+        torch = None
+    for row, view, q, o in measured:
+        if row["bytes"] > args.baseline_max_mib * 2**20:
+            continue
+        d, units, tokens, kind = row["D"], row["batch_heads"], row["tokens"], row["kernel"]
+        b = units // args.hkv
+        dense = lambda pages: np.stack([pages[view.page_ids[view.page_ptr[u]:view.page_ptr[u + 1]]].reshape(-1, d)
+                                        for u in range(units)]).reshape(b, args.hkv, tokens, d)
+        kd, vd = dense(view.k_pages), dense(view.v_pages)
+        qn = q[:, 0].reshape(b, args.hkv, args.group, d)
+        scale = 1.0 / math.sqrt(d)
+        no, _ = numpy_attention(qn, kd, vd, scale)
+        err = norm_relative_error(o[:, 0].reshape(no.shape), no)
+        if err > 1e-4:
+            failures.append(f"numpy vs {kind} D={d} units={units} tokens={tokens}: {err:.2e}")
+        row["numpy_us"] = timeit(lambda: numpy_attention(qn, kd, vd, scale), args.min_seconds / 2, 3, 20, 1)[0] * 1e6
+        if torch is not None:
+            tq_ = torch.from_numpy(q[:, 0].copy()).to(torch.bfloat16).reshape(b, args.hkv * args.group, 1, d)
+            tk = torch.from_numpy(kd.view(np.int16)).view(torch.bfloat16)
+            tv = torch.from_numpy(vd.view(np.int16)).view(torch.bfloat16)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            with torch.inference_mode():
+                to = sdpa(tq_, tk, tv, enable_gqa=True).float().numpy()
+                err = norm_relative_error(to[:, :, 0], o[:, 0])
+                if err > 2e-2:  # torch rounds q and o to bf16
+                    failures.append(f"torch vs {kind} D={d} units={units} tokens={tokens}: {err:.2e}")
+                row["torch_us"] = timeit(lambda: sdpa(tq_, tk, tv, enable_gqa=True), args.min_seconds / 2, 3, 50, 1)[0] * 1e6
+        print(f"{kind:>14} D={d:3d} BH={units:3d} N={tokens:6d}: numpy {row['numpy_us']:9.0f} us, "
+              f"torch {row['torch_us'] or float('nan'):9.0f} us", flush=True)
+        del kd, vd
+    bench_sparsify(rows, args, rng)
+
+    result = {
+        "name": "host-attention",
+        "device": device_name(n_threads),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "config": {"group": args.group, "hkv": args.hkv, "page_tokens": args.page_tokens,
+                   "block_size": args.block_size, "threads": n_threads, "threading_layer": THREADING_LAYER,
+                   "kv_dtype": "bf16", "Tq": 1, "quick": args.quick, "max_gib": args.max_gib,
+                   "timing": f"median of >= 10 calls and >= {args.min_seconds} s after 2 warm-up calls",
+                   "bytes": "K+V bytes of the attended tokens", "numpy": "bf16 widened in NumPy + einsum",
+                   "torch": "F.scaled_dot_product_attention bf16 dense [B, Hq, 1, D] x [B, Hkv, N, D], enable_gqa",
+                   "correctness_failures": failures},
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {out_path}")
+    print(f"{'kernel':>14} {'D':>4} {'BH':>4} {'tokens':>7} {'us':>9} {'GB/s':>6} {'ceil':>6} {'%':>4} {'numpy_us':>9} {'torch_us':>9}")
+    for r in rows:
+        if r["achieved_GBps"] is None:
+            print(f"{r['kernel']}: {r['median_us']:.0f} us ({r['note']})")
+            continue
+        print(f"{r['kernel']:>14} {r['D']:>4} {r['batch_heads']:>4} {r['tokens']:>7} {r['median_us']:>9.0f} "
+              f"{r['achieved_GBps']:>6.1f} {r['read_ceiling_GBps']:>6.1f} {100 * r['fraction_of_ceiling']:>4.0f} "
+              f"{r['numpy_us'] or float('nan'):>9.0f} {r['torch_us'] or float('nan'):>9.0f}")
+    if failures:
+        print("CORRECTNESS FAILURES:\n  " + "\n  ".join(failures))
+        return 1
+    print("correctness: all points match the float64 reference (and the NumPy/torch baselines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
