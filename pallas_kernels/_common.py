@@ -15,6 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 log = logging.getLogger("pallas_kernels")
 
@@ -76,52 +77,76 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def group_queries(q: jnp.ndarray, num_kv_heads: int, row_tile: int) -> tuple[jnp.ndarray, int]:
-    """[B, Tq, Hq, D] -> [B, Hkv, R_pad, D] with row r = t * G + g (t-major), zero-padded rows.
+def group_queries(q: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
+    """[B, Tq, Hq, D] -> [B, Hkv, R, D] with row r = t * G + g (t-major), R = Tq * G.
 
     Folding a KV group's query heads (and the Tq queries) into one row block lets each program
-    read every K/V row once for the whole group. Returns the grouped queries and R = Tq * G.
+    read every K/V row once for the whole group. For Tq = 1 this is a free reshape. Kernels load
+    row tiles of it with masked loads (rows past R read as 0), so no padded copy is made.
     """
     b, tq, hq, d = q.shape
     g = hq // num_kv_heads
-    rows = tq * g
-    qg = q.reshape(b, tq, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, rows, d)
-    r_pad = -(-rows // row_tile) * row_tile
-    if r_pad != rows:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, r_pad - rows), (0, 0)))
-    return qg, rows
+    return q.reshape(b, tq, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, tq * g, d)
+
+
+def row_tiling(rows: int) -> tuple[int, int]:
+    """(row_tile, row_tiles) for R query rows: tiles of 16..64 rows (the MMA needs >= 16)."""
+    row_tile = min(64, max(16, next_pow2(rows)))
+    return row_tile, -(-rows // row_tile)
 
 
 def ungroup_rows(x: jnp.ndarray, tq: int, num_q_heads: int) -> jnp.ndarray:
-    """Inverse of ``group_queries`` on the row axis: [B, Hkv, R_pad, ...] -> [B, Tq, Hq, ...]."""
+    """Inverse of ``group_queries`` on the row axis: [B, Hkv, R, ...] -> [B, Tq, Hq, ...]."""
     b, hkv = x.shape[:2]
     g = num_q_heads // hkv
-    x = x[:, :, : tq * g]
     x = x.reshape(b, hkv, tq, g, *x.shape[3:])
     x = jnp.moveaxis(x, 2, 1)  # [B, Tq, Hkv, G, ...]
     return x.reshape(b, tq, num_q_heads, *x.shape[4:])
 
 
-def combine_splits(o_acc: jnp.ndarray, m: jnp.ndarray, l: jnp.ndarray, split_axis: int):
-    """Combine flash-decoding splits into one normalised partial state.
-
-    Args:
-      o_acc: [..., S, R, D] float32, per split ``sum_j exp(s_j - m) v_j`` (unnormalised).
-      m:     [..., S, R] float32 running max per split (NEG_BIG where the split saw nothing).
-      l:     [..., S, R] float32 ``sum_j exp(s_j - m)`` per split (0 where it saw nothing).
-      split_axis: the axis S in ``m`` / ``l`` (negative; o_acc's is one less).
-
-    Returns:
-      o [..., R, D] float32 (0 for rows with no token), lse [..., R] float32 (-inf for those rows).
-    """
-    m_max = jnp.max(m, axis=split_axis, keepdims=True)
-    w = jnp.where(l > 0, jnp.exp(m - m_max), 0.0)  # [..., S, R]
-    l_tot = jnp.sum(w * l, axis=split_axis)  # [..., R]
-    o_tot = jnp.sum(w[..., None] * o_acc, axis=split_axis - 1)  # [..., R, D]
-    has = l_tot > 0
-    o = jnp.where(has[..., None], o_tot / jnp.where(has, l_tot, 1.0)[..., None], 0.0)
-    lse = jnp.where(has, jnp.squeeze(m_max, split_axis) + jnp.log(jnp.where(has, l_tot, 1.0)), -jnp.inf)
+def finish_split(acc, m, l, out_dtype):
+    """Normalise one program's online-softmax state: (o [R, D] out_dtype, lse [R] float32)."""
+    has = l > 0
+    o = jnp.where(has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0).astype(out_dtype)
+    lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
     return o, lse
+
+
+def merge_split_states(o: jnp.ndarray, lse: jnp.ndarray, split_axis: int, out_dtype):
+    """LSE-merge normalised partial states along ``split_axis`` of ``lse`` (o's axis is the same).
+
+    o [..., S, R, D], lse [..., S, R] float32 (-inf for empty splits) -> o [..., R, D], lse [..., R].
+    A single split is returned as is (no extra pass over memory).
+    """
+    if lse.shape[split_axis] == 1:
+        return jnp.squeeze(o, split_axis).astype(out_dtype), jnp.squeeze(lse, split_axis)
+    m = jnp.max(lse, axis=split_axis, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m_safe)  # 0 for empty splits
+    w_sum = jnp.sum(w, axis=split_axis)
+    o_sum = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=split_axis)
+    has = w_sum > 0
+    o_out = jnp.where(has[..., None], o_sum / jnp.where(has, w_sum, 1.0)[..., None], 0.0).astype(out_dtype)
+    lse_out = jnp.where(has, jnp.squeeze(m_safe, split_axis) + jnp.log(jnp.where(has, w_sum, 1.0)), -jnp.inf)
+    return o_out, lse_out
+
+
+def load_rows(ref, row_idx, row_tile: int, rows: int):
+    """Masked load of query row tile ``row_idx`` from a [R, D] ref (rows >= R read as 0)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    r = row_idx * row_tile + jnp.arange(row_tile, dtype=jnp.int32)
+    return plgpu.load(ref.at[pl.ds(row_idx * row_tile, row_tile), :], mask=(r < rows)[:, None], other=0.0)
+
+
+def store_rows(ref, row_idx, row_tile: int, rows: int, value):
+    """Masked store of a [row_tile, ...] tile into rows of a [R, ...] ref (rows >= R dropped)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    r = row_idx * row_tile + jnp.arange(row_tile, dtype=jnp.int32)
+    mask = (r < rows).reshape((row_tile,) + (1,) * (value.ndim - 1))
+    idx = (pl.ds(row_idx * row_tile, row_tile),) + (slice(None),) * (value.ndim - 1)
+    plgpu.store(ref.at[idx], value, mask=jnp.broadcast_to(mask, value.shape))
 
 
 def dot_f32(a, b, *, trans_b: bool = False, exact: bool = False):

@@ -118,15 +118,22 @@ def block_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, num_blocks: jax
 def _score_kernel(nblk_ref, q_ref, kmin_ref, kmax_ref, s_ref, *, group, bn, nb):
     from jax.experimental.pallas import triton as plgpu
 
+    # sum_d max(q_d mn_d, q_d mx_d) = sum_d (max(q_d, 0) mx_d + min(q_d, 0) mn_d): two small matmuls
+    # on the tensor cores instead of an elementwise pass per query head. The group's query heads are
+    # padded to >= 16 columns (the MMA minimum) with zeros, which add nothing to the sum.
     j = pl.program_id(2)
     idx = j * bn + jnp.arange(bn, dtype=jnp.int32)
     in_range = idx < nb
-    mn = plgpu.load(kmin_ref.at[pl.ds(j * bn, bn), :], mask=in_range[:, None], other=0.0).astype(jnp.float32)
-    mx = plgpu.load(kmax_ref.at[pl.ds(j * bn, bn), :], mask=in_range[:, None], other=0.0).astype(jnp.float32)
-    acc = jnp.zeros((bn,), jnp.float32)
-    for gi in range(group):  # static unroll over the KV group's query heads
-        qv = q_ref[gi, :].astype(jnp.float32)[None, :]
-        acc += jnp.sum(jnp.maximum(qv * mn, qv * mx), axis=1)
+    mn = plgpu.load(kmin_ref.at[pl.ds(j * bn, bn), :], mask=in_range[:, None], other=0.0)
+    mx = plgpu.load(kmax_ref.at[pl.ds(j * bn, bn), :], mask=in_range[:, None], other=0.0)
+    cols = max(16, C.next_pow2(group))
+    g_ok = (jnp.arange(cols) < group)[:, None]
+    q = plgpu.load(q_ref.at[pl.ds(0, cols), :], mask=g_ok, other=0.0).astype(jnp.float32)  # [16, D]
+    q_pos = jnp.maximum(q, 0.0).astype(mx.dtype)
+    q_neg = jnp.minimum(q, 0.0).astype(mn.dtype)
+    exact = mx.dtype == jnp.float32
+    s = C.dot_f32(mx, q_pos, trans_b=True, exact=exact) + C.dot_f32(mn, q_neg, trans_b=True, exact=exact)
+    acc = jnp.sum(s, axis=1)  # [bn]
     out = jnp.where(idx < nblk_ref[()], acc, -jnp.inf)
     plgpu.store(s_ref.at[pl.ds(j * bn, bn)], out, mask=in_range)
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common as C
+from pallas_kernels.window_attention import default_tuning
 
 
 def block_sparse_attention(
@@ -39,10 +40,10 @@ def block_sparse_attention(
     scale: float | None = None,
     softcap: float | None = None,
     backend: str | None = None,
-    block_k: int = 64,
+    block_k: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ):
     """Attention of ``q`` over the listed pool blocks. Returns ``(o, lse)``; see the module docstring."""
     _validate(q, k_pool, v_pool, block_ids, counts, block_lens)
@@ -60,21 +61,16 @@ def block_sparse_attention(
     interpret = backend == "interpret"
     b, tq, hq, _ = q.shape
     g = hq // hkv
+    qg = C.group_queries(q, hkv)
     rows = tq * g
-    row_tile = min(64, max(16, C.next_pow2(rows)))
-    qg, rows = C.group_queries(q, hkv, row_tile)
-    r_pad = qg.shape[2]
-    row_tiles = r_pad // row_tile
-    m = block_ids.shape[2]
-    capacity = m * bs  # tokens a full list holds
-    if num_splits is None:
-        want = max(1, 528 // max(1, b * hkv * row_tiles))
-        num_splits = max(1, min(want, -(-capacity // block_k)))
-    split_size = -(-(-(-capacity // num_splits)) // block_k) * block_k
-    num_splits = -(-capacity // split_size)
+    row_tile, row_tiles = C.row_tiling(rows)
+    capacity = block_ids.shape[2] * bs  # tokens a full list holds
+    block_k, num_splits, split_size, num_warps, num_stages = default_tuning(
+        b * hkv * row_tiles, capacity, d, block_k, num_splits, num_warps, num_stages)
+    o_dtype = jnp.float32 if num_splits > 1 else q.dtype
     kernel = functools.partial(
         _sparse_kernel, scale=scale, softcap=softcap, block_k=block_k, split_size=split_size, bs=bs,
-        hkv=hkv, exact_fp32=q.dtype == jnp.float32,
+        hkv=hkv, row_tile=row_tile, rows=rows, exact_fp32=q.dtype == jnp.float32,
     )
     k_flat = k_pool.reshape(p_blocks * hkv * bs, d)
     v_flat = v_pool.reshape(p_blocks * hkv * bs, d)
@@ -84,33 +80,31 @@ def block_sparse_attention(
 
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     full2 = lambda x: pl.BlockSpec(x.shape, lambda bi, hi, ri, si: (0, 0))  # noqa: E731
-    o_acc, m_run, l_run = pl.pallas_call(
+    o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_tiles, num_splits),
         in_specs=[
             pl.BlockSpec((None, None), lambda bi, hi, ri, si: (bi, hi)),
-            pl.BlockSpec((None, None, m), lambda bi, hi, ri, si: (bi, hi, 0)),
+            pl.BlockSpec((None, None, block_ids.shape[2]), lambda bi, hi, ri, si: (bi, hi, 0)),
             pl.BlockSpec(block_lens.shape, lambda bi, hi, ri, si: (0,)),
-            pl.BlockSpec((None, None, row_tile, d), lambda bi, hi, ri, si: (bi, hi, ri, 0)),
+            pl.BlockSpec((None, None, rows, d), lambda bi, hi, ri, si: (bi, hi, 0, 0)),
             full2(k_flat),
             full2(v_flat),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, row_tile, d), lambda bi, hi, ri, si: (bi, hi, si, ri, 0)),
-            pl.BlockSpec((None, None, None, row_tile), lambda bi, hi, ri, si: (bi, hi, si, ri)),
-            pl.BlockSpec((None, None, None, row_tile), lambda bi, hi, ri, si: (bi, hi, si, ri)),
+            pl.BlockSpec((None, None, None, rows, d), lambda bi, hi, ri, si: (bi, hi, si, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda bi, hi, ri, si: (bi, hi, si, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, num_splits, r_pad, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, num_splits, r_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, num_splits, r_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, num_splits, rows, d), o_dtype),
+            jax.ShapeDtypeStruct((b, hkv, num_splits, rows), jnp.float32),
         ],
         interpret=interpret,
         name="jhybrid_block_sparse_attention",
         **extra,
     )(counts, block_ids, block_lens, qg, k_flat, v_flat)
-    o_rows, lse_rows = C.combine_splits(o_acc, m_run, l_run, split_axis=-2)
-    return C.ungroup_rows(o_rows, tq, hq).astype(q.dtype), C.ungroup_rows(lse_rows, tq, hq)
+    o_rows, lse_rows = C.merge_split_states(o_parts, lse_parts, split_axis=2, out_dtype=q.dtype)
+    return C.ungroup_rows(o_rows, tq, hq), C.ungroup_rows(lse_rows, tq, hq)
 
 
 def _validate(q, k_pool, v_pool, block_ids, counts, block_lens):
@@ -143,15 +137,16 @@ def _validate(q, k_pool, v_pool, block_ids, counts, block_lens):
         C.check_int_vector("block_lens", block_lens, p_blocks)
 
 
-def _sparse_kernel(count_ref, ids_ref, blen_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale,
-                   softcap, block_k, split_size, bs, hkv, exact_fp32):
+def _sparse_kernel(count_ref, ids_ref, blen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, softcap,
+                   block_k, split_size, bs, hkv, row_tile, rows, exact_fp32):
     from jax.experimental.pallas import triton as plgpu
 
     head = pl.program_id(1)
+    row_idx = pl.program_id(2)
     split = pl.program_id(3)
     count = count_ref[()]
     d = q_ref.shape[-1]
-    q = q_ref[...]
+    q = C.load_rows(q_ref, row_idx, row_tile, rows)
     lo = split * split_size
     hi = jnp.minimum(lo + split_size, count * bs)
     n_iter = jnp.maximum(hi - lo + block_k - 1, 0) // block_k
@@ -184,9 +179,9 @@ def _sparse_kernel(count_ref, ids_ref, blen_ref, q_ref, k_ref, v_ref, o_ref, m_r
         jnp.zeros((q.shape[0],), jnp.float32),
     )
     acc, m, l = jax.lax.fori_loop(0, n_iter, body, init)
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    o, lse = C.finish_split(acc, m, l, o_ref.dtype)
+    C.store_rows(o_ref, row_idx, row_tile, rows, o)
+    C.store_rows(lse_ref, row_idx, row_tile, rows, lse)
 
 
 def block_sparse_attention_reference(q, k_pool, v_pool, block_ids, counts, block_lens=None, *, scale=None,

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common as C
+from pallas_kernels._common import next_pow2
 
 MAX_TQ = 64
 
@@ -74,28 +75,29 @@ def window_attention(
             sink_lengths=sink_lengths, scale=scale, softcap=softcap, return_probs=return_probs,
         )
     tune = dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
-    o_acc, m, l, scores = _ring_partials(
+    interpret = backend == "interpret"
+    has_sinks = sink_k is not None
+    o_parts, lse_parts, scores = _ring_partials(
         q, k_ring, v_ring, lengths, ring_start, causal=q.shape[1] > 1, scale=scale, softcap=softcap,
-        want_scores=return_probs, interpret=backend == "interpret", **tune,
+        want_scores=return_probs, interpret=interpret, merge_later=has_sinks, **tune,
     )
-    if sink_k is not None:
+    if has_sinks:
         zeros = jnp.zeros_like(sink_lengths, dtype=jnp.int32)
-        so, sm, sl, _ = _ring_partials(
+        so, slse, _ = _ring_partials(
             q, sink_k, sink_v, sink_lengths.astype(jnp.int32), zeros, causal=False, scale=scale,
-            softcap=softcap, want_scores=False, interpret=backend == "interpret", **tune,
+            softcap=softcap, want_scores=False, interpret=interpret, merge_later=True, **tune,
         )
-        o_acc = jnp.concatenate([o_acc, so], axis=2)
-        m = jnp.concatenate([m, sm], axis=2)
-        l = jnp.concatenate([l, sl], axis=2)
-    o_rows, lse_rows = C.combine_splits(o_acc, m, l, split_axis=-2)  # [B, Hkv, R_pad, D], [B, Hkv, R_pad]
+        o_parts = jnp.concatenate([o_parts, so], axis=2)
+        lse_parts = jnp.concatenate([lse_parts, slse], axis=2)
+    o_rows, lse_rows = C.merge_split_states(o_parts, lse_parts, split_axis=2, out_dtype=q.dtype)
     tq, hq = q.shape[1], q.shape[2]
-    o = C.ungroup_rows(o_rows, tq, hq).astype(q.dtype)
+    o = C.ungroup_rows(o_rows, tq, hq)
     lse = C.ungroup_rows(lse_rows, tq, hq)
     if not return_probs:
         return o, lse
-    rows = tq * (hq // k_ring.shape[1])
-    lse_real = lse_rows[:, :, :rows, None]  # [B, Hkv, R, 1]
-    p = jnp.where(jnp.isfinite(lse_real), jnp.exp(scores - jnp.where(jnp.isfinite(lse_real), lse_real, 0.0)), 0.0)
+    lse_real = lse_rows[..., None]  # [B, Hkv, R, 1]
+    fin = jnp.isfinite(lse_real)
+    p = jnp.where(fin, jnp.exp(scores - jnp.where(fin, lse_real, 0.0)), 0.0)
     return o, lse, jnp.sum(p, axis=2)
 
 
@@ -135,34 +137,44 @@ def _validate(q, k_ring, v_ring, lengths, ring_start, sink_k, sink_v, sink_lengt
         C.check_int_vector("sink_lengths", sink_lengths, b)
 
 
-def _default_tuning(batch, hkv, w, row_tiles, block_k, num_splits, num_warps, num_stages, d):
+def default_tuning(programs: int, tokens: int, d: int, block_k=None, num_splits=None, num_warps=None,
+                   num_stages=None):
+    """Launch parameters of the split-KV kernels (measured on the H100, BENCHMARKS.md sweep).
+
+    ``programs`` = B * Hkv * row tiles before splitting; ``tokens`` = KV tokens per program.
+    Returns (block_k, num_splits, split_size, num_warps, num_stages).
+    """
     if block_k is None:
-        block_k = 64 if d >= 256 else 128
-    block_k = min(block_k, C.next_pow2(w)) if w >= 16 else 16
+        block_k = 32 if d >= 256 else 64
+    if tokens < block_k:
+        block_k = max(16, next_pow2(tokens))
     if num_splits is None:
-        # Enough programs to fill the H100's 132 SMs a few times over; never splits under block_k.
-        target_programs = 528
-        want = max(1, target_programs // max(1, batch * hkv * row_tiles))
-        num_splits = min(want, -(-w // block_k))
-    split_size = -(-w // num_splits)
+        # Small grids need several programs per SM to pull full bandwidth; large ones need few.
+        target = 1056 if programs < 64 else 512
+        num_splits = max(1, min(target // programs, -(-tokens // block_k)))
+    split_size = -(-tokens // num_splits)
     split_size = -(-split_size // block_k) * block_k
-    num_splits = -(-w // split_size)
+    num_splits = -(-tokens // split_size)
     return block_k, num_splits, split_size, num_warps or 4, num_stages or 3
 
 
 def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, softcap, want_scores,
-                   interpret, block_k, num_splits, num_warps, num_stages):
-    """Run the split-KV kernel. Returns o_acc [B,Hkv,S,Rp,D], m/l [B,Hkv,S,Rp], scores [B,Hkv,R,W]|None."""
+                   interpret, merge_later, block_k, num_splits, num_warps, num_stages):
+    """Run the split-KV kernel over one ring.
+
+    Returns per-split normalised partial states o [B, Hkv, S, R, D], lse [B, Hkv, S, R] float32,
+    and raw masked scores [B, Hkv, R, W] float32 (or None). ``o`` is float32 when it will be
+    merged (S > 1 or ``merge_later``), else already in q.dtype.
+    """
     b, tq, hq, d = q.shape
     _, hkv, w, _ = k_ring.shape
     g = hq // hkv
+    qg = C.group_queries(q, hkv)
     rows = tq * g
-    row_tile = min(64, max(16, C.next_pow2(rows)))
-    qg, rows = C.group_queries(q, hkv, row_tile)
-    r_pad = qg.shape[2]
-    row_tiles = r_pad // row_tile
-    block_k, num_splits, split_size, num_warps, num_stages = _default_tuning(
-        b, hkv, w, row_tiles, block_k, num_splits, num_warps, num_stages, d)
+    row_tile, row_tiles = C.row_tiling(rows)
+    block_k, num_splits, split_size, num_warps, num_stages = default_tuning(
+        b * hkv * row_tiles, w, d, block_k, num_splits, num_warps, num_stages)
+    o_dtype = jnp.float32 if (num_splits > 1 or merge_later) else q.dtype
     kernel = functools.partial(
         _ring_kernel, scale=scale, softcap=softcap, block_k=block_k, split_size=split_size, ring=w,
         group=g, tq=tq, causal=causal, row_tile=row_tile, rows=rows, want_scores=want_scores,
@@ -170,17 +182,15 @@ def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, sof
     )
     scalar = pl.BlockSpec((None,), lambda bi, hi, ri, si: (bi,))
     out_shape = [
-        jax.ShapeDtypeStruct((b, hkv, num_splits, r_pad, d), jnp.float32),
-        jax.ShapeDtypeStruct((b, hkv, num_splits, r_pad), jnp.float32),
-        jax.ShapeDtypeStruct((b, hkv, num_splits, r_pad), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, num_splits, rows, d), o_dtype),
+        jax.ShapeDtypeStruct((b, hkv, num_splits, rows), jnp.float32),
     ]
+    # Output blocks span all R rows; each row tile stores its rows with a mask.
     out_specs = [
-        pl.BlockSpec((None, None, None, row_tile, d), lambda bi, hi, ri, si: (bi, hi, si, ri, 0)),
-        pl.BlockSpec((None, None, None, row_tile), lambda bi, hi, ri, si: (bi, hi, si, ri)),
-        pl.BlockSpec((None, None, None, row_tile), lambda bi, hi, ri, si: (bi, hi, si, ri)),
+        pl.BlockSpec((None, None, None, rows, d), lambda bi, hi, ri, si: (bi, hi, si, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda bi, hi, ri, si: (bi, hi, si, 0)),
     ]
     if want_scores:
-        # Row blocks of the score output span the whole (real-row) array; stores are masked.
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, rows, w), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, rows, w), lambda bi, hi, ri, si: (bi, hi, 0, 0)))
     extra = {}
@@ -194,7 +204,7 @@ def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, sof
         in_specs=[
             scalar,
             scalar,
-            pl.BlockSpec((None, None, row_tile, d), lambda bi, hi, ri, si: (bi, hi, ri, 0)),
+            pl.BlockSpec((None, None, rows, d), lambda bi, hi, ri, si: (bi, hi, 0, 0)),
             pl.BlockSpec((None, None, w, d), lambda bi, hi, ri, si: (bi, hi, 0, 0)),
             pl.BlockSpec((None, None, w, d), lambda bi, hi, ri, si: (bi, hi, 0, 0)),
         ],
@@ -204,16 +214,11 @@ def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, sof
         name="jhybrid_window_attention",
         **extra,
     )(lengths, ring_start, qg, k_ring, v_ring)
-    if want_scores:
-        o_acc, m, l, scores = outs
-    else:
-        (o_acc, m, l), scores = outs, None
-    return o_acc, m, l, scores
+    return outs[0], outs[1], (outs[2] if want_scores else None)
 
 
-def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *score_refs, scale,
-                 softcap, block_k, split_size, ring, group, tq, causal, row_tile, rows, want_scores,
-                 exact_fp32):
+def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *score_refs, scale, softcap,
+                 block_k, split_size, ring, group, tq, causal, row_tile, rows, want_scores, exact_fp32):
     from jax.experimental.pallas import triton as plgpu
 
     row_idx = pl.program_id(2)
@@ -221,7 +226,7 @@ def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
     length = len_ref[()]
     start = start_ref[()]
     d = q_ref.shape[-1]
-    q = q_ref[...]
+    q = C.load_rows(q_ref, row_idx, row_tile, rows)
     row_ids = row_idx * row_tile + jnp.arange(row_tile, dtype=jnp.int32)
     # Logical index of the newest token query row r may see (causal inside the chunk).
     last_visible = (length - tq + row_ids // group) if causal else jnp.full((row_tile,), length - 1, jnp.int32)
@@ -259,9 +264,9 @@ def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
         jnp.zeros((row_tile,), jnp.float32),
     )
     acc, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    o, lse = C.finish_split(acc, m, l, o_ref.dtype)
+    C.store_rows(o_ref, row_idx, row_tile, rows, o)
+    C.store_rows(lse_ref, row_idx, row_tile, rows, lse)
 
 
 def window_attention_reference(q, k_ring, v_ring, lengths, ring_start, *, sink_k=None, sink_v=None,
