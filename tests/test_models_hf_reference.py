@@ -34,6 +34,11 @@ TINY_CONFIGS = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         tie_word_embeddings=True),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+        sliding_window=6, query_pre_attn_scalar=12, final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "opt": lambda: transformers.OPTConfig(
         vocab_size=VOCAB, hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=128, word_embed_proj_dim=32, pad_token_id=1),

@@ -112,7 +112,7 @@ def gguf_param_sources(config: ModelConfig) -> dict[tuple, ParamSource]:
         p, ours = f"blk.{i}", ("layers", i)
         attn = ours + ("attention",)
         sources[ours + ("input_norm", "scale")] = ParamSource(f"{p}.attn_norm.weight")
-        sources[ours + ("post_attention_norm", "scale")] = ParamSource(f"{p}.ffn_norm.weight")
+        sources[ours + ("pre_mlp_norm", "scale")] = ParamSource(f"{p}.ffn_norm.weight")
         sources[attn + ("q_proj", "kernel")] = linear_t(f"{p}.attn_q.weight", config.num_heads)
         sources[attn + ("k_proj", "kernel")] = linear_t(f"{p}.attn_k.weight", config.num_kv_heads)
         sources[attn + ("v_proj", "kernel")] = linear_t(f"{p}.attn_v.weight")

@@ -76,8 +76,13 @@ def _linear(prefix: str, ours: tuple, bias: bool) -> dict[tuple, ParamSource]:
     return out
 
 
-def _norm(prefix: str, ours: tuple, with_bias: bool) -> dict[tuple, ParamSource]:
-    out = {ours + ("scale",): ParamSource(prefix + ".weight")}
+def _plus_one(w: np.ndarray) -> np.ndarray:
+    return w + 1.0
+
+
+def _norm(prefix: str, ours: tuple, with_bias: bool, gemma: bool = False) -> dict[tuple, ParamSource]:
+    """Norm weights; Gemma's RMSNorm scales by (1 + weight), stored here as the scale."""
+    out = {ours + ("scale",): ParamSource(prefix + ".weight", _plus_one if gemma else (lambda w: w))}
     if with_bias:
         out[ours + ("bias",)] = ParamSource(prefix + ".bias")
     return out
@@ -86,8 +91,9 @@ def _norm(prefix: str, ours: tuple, with_bias: bool) -> dict[tuple, ParamSource]
 def hf_param_sources(config: ModelConfig) -> dict[tuple, ParamSource]:
     """Our parameter path -> HF tensor name (+ layout transform), for every family."""
     ln = config.norm_type == "layer"
+    gemma = config.family == "gemma3"
     sources: dict[tuple, ParamSource] = {}
-    if config.family == "llama":
+    if config.family in ("llama", "gemma3"):
         top, layer_prefix = "model", "model.layers"
         names = dict(attn="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
                      norm1="input_layernorm", norm2="post_attention_layernorm", final="model.norm",
@@ -107,14 +113,21 @@ def hf_param_sources(config: ModelConfig) -> dict[tuple, ParamSource]:
                      fc2="mlp.dense_4h_to_h")
     sources[("embed", "embedding")] = ParamSource(names["embed"] + ".weight")
     if config.norm_before:
-        sources.update(_norm(names["final"], ("final_norm",), ln))
+        sources.update(_norm(names["final"], ("final_norm",), ln, gemma))
     if not config.tie_embeddings:
         sources.update(_linear(names["head"], ("lm_head",), False))
     for i in range(config.num_layers):
         p, ours = f"{layer_prefix}.{i}", ("layers", i)
-        sources.update(_norm(f"{p}.{names['norm1']}", ours + ("input_norm",), ln))
-        sources.update(_norm(f"{p}.{names['norm2']}", ours + ("post_attention_norm",), ln))
         attn = ours + ("attention",)
+        sources.update(_norm(f"{p}.{names['norm1']}", ours + ("input_norm",), ln, gemma))
+        if gemma:
+            sources.update(_norm(f"{p}.pre_feedforward_layernorm", ours + ("pre_mlp_norm",), ln, True))
+            sources.update(_norm(f"{p}.post_attention_layernorm", ours + ("attn_output_norm",), ln, True))
+            sources.update(_norm(f"{p}.post_feedforward_layernorm", ours + ("mlp_output_norm",), ln, True))
+            sources.update(_norm(f"{p}.self_attn.q_norm", attn + ("q_norm",), ln, True))
+            sources.update(_norm(f"{p}.self_attn.k_norm", attn + ("k_norm",), ln, True))
+        else:
+            sources.update(_norm(f"{p}.{names['norm2']}", ours + ("pre_mlp_norm",), ln))
         if config.family == "gpt_neox":
             sources.update(_neox_qkv_sources(config, f"{p}.attention.query_key_value", attn))
         else:
@@ -122,7 +135,7 @@ def hf_param_sources(config: ModelConfig) -> dict[tuple, ParamSource]:
                 sources.update(_linear(f"{p}.{names['attn']}.{names[key]}", attn + (ours_name,),
                                        config.qkv_bias))
         sources.update(_linear(f"{p}.{names['attn']}.{names['o']}", attn + ("o_proj",), config.o_bias))
-        if config.mlp_type == "swiglu":
+        if config.mlp_type in ("swiglu", "geglu"):
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 sources.update(_linear(f"{p}.mlp.{proj}", ours + ("mlp", proj), config.mlp_bias))
         else:

@@ -18,6 +18,7 @@ HF_MODEL_TYPES = {
     "qwen2": "llama",
     "opt": "opt",
     "gpt_neox": "gpt_neox",
+    "gemma3_text": "gemma3",
 }
 SUPPORTED_ARCHITECTURES = tuple(HF_MODEL_TYPES)
 
@@ -33,7 +34,7 @@ def unsupported_architecture(name: str) -> ValueError:
 class ModelConfig:
     """Shapes and switches of a decoder-only transformer.
 
-    family: "llama" (Llama 2/3, Mistral, Qwen2, SmolLM2), "opt" or "gpt_neox".
+    family: "llama" (Llama 2/3, Mistral, Qwen2, SmolLM2), "opt", "gpt_neox" or "gemma3".
     """
 
     family: str
@@ -47,7 +48,7 @@ class ModelConfig:
     max_position_embeddings: int
     norm_eps: float = 1e-5
     norm_type: str = "rms"  # "rms" | "layer"
-    mlp_type: str = "swiglu"  # "swiglu" (gate/up/down, SiLU) | "relu" | "gelu" (fc1/fc2)
+    mlp_type: str = "swiglu"  # "swiglu"/"geglu" (gate/up/down, SiLU/tanh-GELU) | "relu"/"gelu" (fc1/fc2)
     # Position handling: "rope" (rotary on q/k) or "learned" (OPT: added to the embeddings).
     position_type: str = "rope"
     rope_theta: float = 10000.0
@@ -62,12 +63,21 @@ class ModelConfig:
     norm_before: bool = True  # pre-LN (False: OPT-350m-style post-LN)
     tie_embeddings: bool = False
     sliding_window: int | None = None
+    # Per-layer attention kind ("sliding_attention" | "full_attention"); None: every layer is
+    # sliding when sliding_window is set, else full. Gemma 3 mixes them.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # RoPE theta of sliding layers (Gemma 3: 10k)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Gemma 3)
+    sandwich_norm: bool = False  # extra norms on the attention and MLP outputs (Gemma 3)
+    embed_scale: float | None = None  # token embeddings multiplied by this (Gemma: sqrt(d_model))
+    query_pre_attn_scalar: float | None = None  # score scale = this ** -0.5 (default head_dim)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     dtype: str = "float32"  # compute dtype of activations; parameters are stored as loaded
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.family not in ("llama", "opt", "gpt_neox"):
+        if self.family not in ("llama", "opt", "gpt_neox", "gemma3"):
             raise unsupported_architecture(self.family)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -78,6 +88,17 @@ class ModelConfig:
     @property
     def rotary_dims(self) -> int:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding_layer(self, layer_idx: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        if self.layer_types is None:
+            return True
+        return self.layer_types[layer_idx] == "sliding_attention"
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -92,6 +113,8 @@ class ModelConfig:
         if raw.get("rope_scaling") is not None:
             raw["rope_scaling"] = tuple(tuple(kv) for kv in raw["rope_scaling"])
         raw["eos_token_ids"] = tuple(raw.get("eos_token_ids") or ())
+        if raw.get("layer_types") is not None:
+            raw["layer_types"] = tuple(raw["layer_types"])
         return cls(**raw)
 
     def replace(self, **changes) -> "ModelConfig":
@@ -162,6 +185,8 @@ def from_hf_config(hf: dict) -> ModelConfig:
             sliding_window=window,
             **common,
         )
+    if family == "gemma3":
+        return _gemma3_config(hf, common)
     if family == "opt":
         if hf.get("word_embed_proj_dim", hf["hidden_size"]) != hf["hidden_size"]:
             raise ValueError("word_embed_proj_dim != hidden_size (OPT-350m projections) is not supported")
@@ -204,5 +229,46 @@ def from_hf_config(hf: dict) -> ModelConfig:
         o_bias=bias,
         mlp_bias=True,
         parallel_residual=bool(hf.get("use_parallel_residual", True)),
+        **common,
+    )
+
+
+def _gemma3_config(hf: dict, common: dict) -> ModelConfig:
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation={act!r} is not supported for gemma3 (gelu_pytorch_tanh)")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 does not use it)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported (decoder only)")
+    rope = hf.get("rope_parameters") or {}
+    global_rope = rope.get("full_attention") or {}
+    local_rope = rope.get("sliding_attention") or {}
+    for kind, params in (("full_attention", global_rope), ("sliding_attention", local_rope)):
+        if params.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.{kind}.rope_type={params['rope_type']!r} is not "
+                             "supported for gemma3 (default)")
+    pattern = hf.get("_sliding_window_pattern", 6)
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention"
+        for i in range(hf["num_hidden_layers"])]
+    return ModelConfig(
+        family="gemma3",
+        num_kv_heads=hf["num_key_value_heads"],
+        head_dim=hf["head_dim"],
+        mlp_dim=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        mlp_type="geglu",
+        rope_theta=float(global_rope.get("rope_theta", hf.get("rope_theta", 1e6))),
+        rope_local_theta=float(local_rope.get("rope_theta", hf.get("rope_local_base_freq", 1e4))),
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        o_bias=bool(hf.get("attention_bias", False)),
+        sliding_window=hf.get("sliding_window"),
+        layer_types=tuple(layer_types),
+        qk_norm=True,
+        sandwich_norm=True,
+        embed_scale=float(hf["hidden_size"]) ** 0.5,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", hf["head_dim"])),
+        final_logit_softcap=hf.get("final_logit_softcapping"),
         **common,
     )

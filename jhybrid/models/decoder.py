@@ -38,6 +38,7 @@ class DecoderLayer(nnx.Module):
     pre-LN (Llama, OPT, NeoX sequential): h = x + attn(n1(x)); out = h + mlp(n2(h))
     post-LN (OPT-350m style):             h = n1(x + attn(x)); out = n2(h + mlp(h))
     parallel (GPT-NeoX):                  out = x + attn(n1(x)) + mlp(n2(x))
+    sandwich (Gemma 3):                   h = x + na(attn(n1(x))); out = h + nm(mlp(n2(h)))
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
@@ -45,8 +46,10 @@ class DecoderLayer(nnx.Module):
         self.layer_idx = layer_idx
         self.input_norm = make_norm(config, rngs)
         self.attention = Attention(config, layer_idx, rngs=rngs)
-        self.post_attention_norm = make_norm(config, rngs)
+        self.pre_mlp_norm = make_norm(config, rngs)
         self.mlp = MLP(config, rngs=rngs)
+        self.attn_output_norm = make_norm(config, rngs) if config.sandwich_norm else None
+        self.mlp_output_norm = make_norm(config, rngs) if config.sandwich_norm else None
 
     def attention_input(self, x: jax.Array) -> jax.Array:
         """What the attention projections see: the normed input (or x itself for post-LN)."""
@@ -54,17 +57,24 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, lengths, layer_cache, backend: AttentionBackend, next_layer):
         context = LayerContext(layer_input=x, next_layer=next_layer,
-                               scale=self.config.head_dim ** -0.5,
-                               sliding_window=self.config.sliding_window)
+                               scale=self.config.attention_scale,
+                               sliding_window=(self.config.sliding_window
+                                               if self.config.is_sliding_layer(self.layer_idx)
+                                               else None))
         attn, layer_cache = self.attention(self.attention_input(x), positions, lengths, layer_cache,
                                            backend, context)
         if self.config.parallel_residual:
-            return x + attn + self.mlp(self.post_attention_norm(x)), layer_cache
+            return x + attn + self.mlp(self.pre_mlp_norm(x)), layer_cache
         if not self.config.norm_before:
             h = self.input_norm(x + attn)
-            return self.post_attention_norm(h + self.mlp(h)), layer_cache
+            return self.pre_mlp_norm(h + self.mlp(h)), layer_cache
+        if self.attn_output_norm is not None:
+            attn = self.attn_output_norm(attn)
         h = x + attn
-        return h + self.mlp(self.post_attention_norm(h)), layer_cache
+        mlp = self.mlp(self.pre_mlp_norm(h))
+        if self.mlp_output_norm is not None:
+            mlp = self.mlp_output_norm(mlp)
+        return h + mlp, layer_cache
 
 
 def kv_from_hidden(layer: DecoderLayer, hidden: jax.Array, positions: jax.Array):
@@ -118,6 +128,8 @@ class CausalLM(nnx.Module):
         """
         backend = backend or FullAttention()
         x = self.embed(tokens)
+        if self.config.embed_scale is not None:
+            x = x * jnp.asarray(self.config.embed_scale, x.dtype)
         if self.position_embed is not None:
             index = jnp.maximum(positions, 0) + self.config.learned_position_offset
             x = x + self.position_embed(index)
@@ -134,10 +146,13 @@ class CausalLM(nnx.Module):
         return x, KVCache(layers=tuple(new_layers), lengths=lengths), stacked
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """[..., d_model] -> [..., vocab] float32."""
+        """[..., d_model] -> [..., vocab] float32 (soft-capped when the config says so)."""
         if self.lm_head is None:
-            return self.embed.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            logits = self.embed.attend(hidden).astype(jnp.float32)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def __call__(self, tokens, positions, cache: KVCache, backend: AttentionBackend | None = None,
                  *, return_hidden_states: bool = False):

@@ -16,12 +16,16 @@ import numpy as np
 from jhybrid.models.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """[rotary_dims // 2] float32 angular frequencies, llama3 scaling applied when configured."""
+def inverse_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """[rotary_dims // 2] float32 angular frequencies, llama3 scaling applied when configured.
+
+    local: a sliding-window layer of a model with its own local theta (Gemma 3); no scaling.
+    """
     dim = config.rotary_dims
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     scaling = config.rope_scaling_dict
-    if scaling is None:
+    if scaling is None or (local and config.rope_local_theta):
         return inv_freq.astype(np.float32)
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -34,14 +38,15 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, config: ModelConfig) -> jnp.ndarray:
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, config: ModelConfig,
+               local: bool = False) -> jnp.ndarray:
     """Rotates the first `config.rotary_dims` features of every head.
 
     x: [B, T, H, D]; positions: [B, T] int32 (padding positions < 0 are harmless).
     Returns x with the same shape and dtype; the rotation is computed in float32.
     """
     rot = config.rotary_dims
-    inv_freq = jnp.asarray(inverse_frequencies(config))
+    inv_freq = jnp.asarray(inverse_frequencies(config, local))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rot/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
