@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numba
 import numpy as np
 import pytest
 
@@ -56,7 +57,7 @@ def test_concurrent_submissions_equal_serial(rng):
             serial.append(attend_all(store, layer, seqs, q))
         else:
             serial.append(attend_blocks(store, layer, seqs, q, ids))
-    with HostExecutor(store, n_workers=3, n_threads=2) as ex:
+    with HostExecutor(store, n_workers=3, n_threads=numba.get_num_threads()) as ex:
         handles = [ex.submit(layer, q, seqs, mode=mode, block_ids=ids) for layer, q, mode, ids in jobs]
         # the calling thread keeps working meanwhile (stands in for JAX dispatch)
         busy = sum(np.sin(np.arange(10000)).sum() for _ in range(5))
@@ -129,3 +130,31 @@ def test_bad_executor_config(rng):
         HostExecutor(store, n_workers=0)
     with pytest.raises(ValueError, match="n_threads=100000"):
         HostExecutor(store, n_threads=100000)
+
+
+def test_attention_while_other_sequences_grow_and_free(rng):
+    """Arena growth and slot recycling on the caller's thread never disturb running kernels."""
+    store = filled_store(rng, n_seq=2, layers=1, n_blocks=3)
+    stable = [0, 1]
+    queries = [rng.standard_normal((2, 1, 4, 32)).astype(np.float32) for _ in range(12)]
+    expected = [(attend_context(store, 0, stable, q), attend_all(store, 0, stable, q)) for q in queries]
+    # same thread count as the serial run: the work split (and so the rounding) depends on it
+    with HostExecutor(store, n_workers=2, n_threads=numba.get_num_threads()) as ex:
+        handles = []
+        churn = 100
+        for i, q in enumerate(queries):
+            handles.append((ex.submit(0, q, stable), ex.submit(0, q, stable, mode="all")))
+            for _ in range(4):  # grow, sparsify and free other sequences meanwhile
+                store.add_sequence(churn)
+                k = rng.standard_normal((5, 8, 2, 32)).astype(np.float32)
+                numbers = store.append_blocks(0, churn, k, k, np.ones((5, 8, 2)), np.zeros((5, 8), np.int64))
+                sparsify_evicted(store, 0, [churn], [numbers], 1.0, 16)
+                if churn % 2:
+                    store.free_sequence(churn)
+                churn += 1
+        for (ha, hb), (ea, eb) in zip(handles, expected):
+            for got, want in ((ex.collect(ha, timeout=60), ea), (ex.collect(hb, timeout=60), eb)):
+                np.testing.assert_array_equal(got[0], want[0])
+                np.testing.assert_array_equal(got[1], want[1])
+    assert store._readers == 0
+    assert store.layers[0].pool.retired == [] and store.context.layers[0].pool.retired == []
