@@ -235,14 +235,15 @@ class Generator:
                                                  tokens, positions, cache)
             last_logits = logits if last_logits is None else jnp.where(has_token[:, None], logits,
                                                                        last_logits)
-        sample = functools.partial(self._sample_fn, sampling)
-        next_tokens = np.asarray(self._run(f"sample{sampling}", sample, (), last_logits, key))
+        static = dataclasses.replace(sampling, seed=0)  # the seed lives in `key`: no recompiles
+        sample = functools.partial(self._sample_fn, static)
+        next_tokens = np.asarray(self._run(f"sample{static}", sample, (), last_logits, key))
         prefill_seconds = time.perf_counter() - start - (self.compile_seconds - compile_before)
 
         generated: list[list[int]] = [[] for _ in range(batch)]
         reasons = [""] * batch
         held = lengths.copy()  # tokens in the cache per row
-        decode = functools.partial(self._decode_fn, sampling)
+        decode = functools.partial(self._decode_fn, static)
         start, compile_before, steps = time.perf_counter(), self.compile_seconds, 0
         while True:
             emitted = np.zeros(batch, bool)
@@ -265,7 +266,7 @@ class Generator:
             if not active.any():
                 break
             positions = np.where(active, held, -1).astype(np.int32)
-            next_tokens, cache = self._run(f"decode{sampling}", decode, (3,), self.params,
+            next_tokens, cache = self._run(f"decode{static}", decode, (3,), self.params,
                                            next_tokens.astype(np.int32), positions, cache, key,
                                            np.int32(steps + 1))
             next_tokens = np.asarray(next_tokens)
