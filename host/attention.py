@@ -25,6 +25,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from host.kv_store import FORMAT_CODE
 from host.numba_threads import configure_threading_layer
 from host.paged_view import PagedKV, plan_work_items
 
@@ -431,7 +432,6 @@ def _store_view_locked(store, layer: int, seq_ids, block_ids=None) -> PagedKV:
     np.cumsum([p.shape[0] for p in page_lists], out=page_ptr[1:])
     page_ids = np.concatenate(page_lists).astype(np.int64) if page_lists else np.zeros(0, np.int64)
     d = cfg.head_dim
-    from host.kv_store import FORMAT_CODE
     return PagedKV(arrays["k"].reshape(-1, bs, d), arrays["v"].reshape(-1, bs, d), FORMAT_CODE[cfg.kv_dtype],
                    page_ptr, page_ids, np.asarray(unit_tokens, np.int64), hkv)
 
@@ -457,7 +457,8 @@ def _run(store, layer, seq_ids, queries, make_view, scale, return_probs=False):
 def attend_context(store, layer: int, seq_ids, queries: np.ndarray, scale: float | None = None):
     """(a) Attention over each (sequence, KV head)'s kept tokens in the sparse context cache.
     queries [B, Tq, Hq, D] float32 with B = len(seq_ids) -> (o, lse)."""
-    return _run(store, layer, seq_ids, queries, lambda: store.context.snapshot_locked(layer, list(seq_ids)), scale)
+    seq_ids = list(seq_ids)
+    return _run(store, layer, seq_ids, queries, lambda: store.context.snapshot_locked(layer, seq_ids), scale)
 
 
 def attend_all(store, layer: int, seq_ids, queries: np.ndarray, scale: float | None = None,
@@ -466,7 +467,8 @@ def attend_all(store, layer: int, seq_ids, queries: np.ndarray, scale: float | N
     probs float32 [B, Hkv, max tokens]: token j of sequence b (block j // block_size, row
     j % block_size, in block-number order) gets the sum over the group's query heads of its
     probability, averaged over the Tq queries."""
-    return _run(store, layer, seq_ids, queries, lambda: _store_view_locked(store, layer, list(seq_ids)),
+    seq_ids = list(seq_ids)
+    return _run(store, layer, seq_ids, queries, lambda: _store_view_locked(store, layer, seq_ids),
                 scale, return_probs)
 
 
@@ -474,11 +476,12 @@ def attend_blocks(store, layer: int, seq_ids, queries: np.ndarray, block_ids: np
                   scale: float | None = None):
     """(c) Attention over chosen blocks: block_ids int [B, Hkv, n] of sequence-local block numbers
     (0 = first offloaded block), -1 for padding (ragged counts per head), no duplicates."""
+    seq_ids = list(seq_ids)
     block_ids = np.asarray(block_ids)
     hkv = store.config.n_kv_heads
-    if block_ids.ndim != 3 or block_ids.shape[:2] != (len(list(seq_ids)), hkv):
-        raise ValueError(f"block_ids shape {block_ids.shape}; expected [B={len(list(seq_ids))}, Hkv={hkv}, n]")
+    if block_ids.ndim != 3 or block_ids.shape[:2] != (len(seq_ids), hkv):
+        raise ValueError(f"block_ids shape {block_ids.shape}; expected [B={len(seq_ids)}, Hkv={hkv}, n]")
     if not np.issubdtype(block_ids.dtype, np.integer):
         raise ValueError(f"block_ids dtype {block_ids.dtype}; expected an integer dtype")
     return _run(store, layer, seq_ids, queries,
-                lambda: _store_view_locked(store, layer, list(seq_ids), block_ids.astype(np.int64)), scale)
+                lambda: _store_view_locked(store, layer, seq_ids, block_ids.astype(np.int64)), scale)
