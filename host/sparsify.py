@@ -90,7 +90,10 @@ def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, win
 def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, scale: float | None = None) -> np.ndarray:
     """Rescore every stored token with the new queries [B, Tq, Hq, D] float32 and rebuild each
     head's context cache. Blocks appended after the scoring snapshot keep their current selection.
-    Returns kept-token counts int64 [B, Hkv] after the rebuild."""
+    Returns kept-token counts int64 [B, Hkv] after the rebuild.
+
+    Cost is Tq x (all stored tokens) dot products per query head on the CPU: pass a handful of the new
+    turn's query positions (e.g. its last 16-64), not a whole long prompt."""
     if isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating, np.integer)) \
             or not (0.0 < float(beta) < math.inf):
         raise ValueError(f"beta={beta!r}; expected a float in (0, inf)")
