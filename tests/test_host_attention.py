@@ -200,3 +200,14 @@ def test_bad_ids_name_the_problem(rng):
         attend_blocks(store, 0, seqs, q, np.array([[[1, 1], [0, 1]], [[0, 1], [1, -1]]]))
     with pytest.raises(ValueError, match="block_ids shape"):
         attend_blocks(store, 0, seqs, q, np.zeros((2, 3, 1), np.int64))
+
+
+def test_long_context_parity(rng):
+    """64K tokens per head, D=128, G=8, Tq=2: float32 accumulation stays within tolerance."""
+    hkv, d, bs = 2, 128, 64
+    store, seqs = make_store(rng, hkv=hkv, d=d, bs=bs, blocks=[1024], layers=1)
+    q = queries(rng, 1, 2, hkv * 8, d)
+    o, lse = attend_all(store, 0, seqs, q)
+    ks, vs = stored_tokens(store, 0, seqs[0])
+    ro, rl = reference_attention(q, [ks], [vs], hkv)
+    assert norm_relative_error(o, ro) < 1e-4 and norm_relative_error(lse, rl) < 1e-5
