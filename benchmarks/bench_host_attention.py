@@ -240,7 +240,8 @@ def main(argv=None):
     arena_v = np.empty(max_elems, np.uint16)
     _fill_random_bf16(arena_k, 1)  # also the first touch of every page, before any timing
     _fill_random_bf16(arena_v, 2)
-    print(f"filled {2 * max_elems * 2 / 2**30:.2f} GiB of random bf16 in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"filled {2 * max_elems * 2 / 2**30:.2f} GiB of random bf16 in {time.perf_counter() - t0:.1f} s; "
+          f"active Numba threading layer: {numba.threading_layer()}", flush=True)
 
     rows, failures, measured = [], [], []
     # Pass 1: our kernel and the read ceiling for every point. Baselines run in pass 2, so that
@@ -327,7 +328,7 @@ def main(argv=None):
         "versions": versions(),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "config": {"group": args.group, "hkv": args.hkv, "page_tokens": args.page_tokens,
-                   "block_size": args.block_size, "threads": n_threads, "threading_layer": THREADING_LAYER,
+                   "block_size": args.block_size, "threads": n_threads, "threading_layer": numba.threading_layer(),
                    "kv_dtype": "bf16", "Tq": 1, "quick": args.quick, "max_gib": args.max_gib,
                    "timing": f"median of >= 10 calls and >= {args.min_seconds} s after 2 warm-up calls",
                    "bytes": "K+V bytes of the attended tokens", "numpy": "bf16 widened in NumPy + einsum",

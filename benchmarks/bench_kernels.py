@@ -75,8 +75,15 @@ def n_sets_for(bytes_per_set, calls):
     return int(min(calls, max(1, math.ceil(4 * L2_BYTES / bytes_per_set))))
 
 
+COPY_MAX_BYTES = 512 * 2**20
+
+
 def copy_gbps(nbytes, calls, repeats):
-    """Device-to-device copy bandwidth (bytes read + written) over ``nbytes``: y = x + c."""
+    """Device-to-device copy bandwidth (bytes read + written): y = x + c over min(nbytes, 512 MiB).
+
+    Capped so that 2 x ``calls`` outputs fit in memory; past L2 size the rate no longer depends on it.
+    """
+    nbytes = min(nbytes, COPY_MAX_BYTES)
     n = nbytes // 2
     xs = [jax.random.normal(jax.random.key(i), (n,), jnp.bfloat16) for i in range(n_sets_for(nbytes, calls))]
     # c = 1 + 2^-k differs per call (exact in bf16 for k <= 7) so no two calls are identical.
@@ -117,6 +124,16 @@ def bench_dense(args, rows):
             except Exception as e:  # noqa: BLE001 - record and continue the sweep
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
                 traceback.print_exc()
+            # JAX's own Pallas-Triton decode op (jax.experimental.pallas.ops.gpu.decode_attention.gqa).
+            try:
+                from jax.experimental.pallas.ops.gpu import decode_attention as jax_decode
+
+                lay = [(q[:, 0], jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)) for (q, k, v, _, _) in sets]
+                row["jax_gqa_us"] = timed_per_call(lambda q, k, v: jax_decode.gqa(q, k, v), lay, args.calls, args.repeats)
+                row["jax_gqa_GBps"] = kv_bytes / row["jax_gqa_us"] / 1e3
+                del lay
+            except Exception as e:  # noqa: BLE001
+                row["jax_gqa_error"] = f"{type(e).__name__}: {e}"[:300]
             # cuDNN / XLA on the same bytes in their own layout [B, T, H, D].
             for impl in ("cudnn", "xla"):
                 try:
@@ -127,7 +144,10 @@ def bench_dense(args, rows):
                     del lay
                 except Exception as e:  # noqa: BLE001
                     row[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:300]
-            row["copy_GBps"] = copy_gbps(kv_bytes, args.calls, args.repeats)
+            try:
+                row["copy_GBps"] = copy_gbps(kv_bytes, args.calls, args.repeats)
+            except Exception as e:  # noqa: BLE001
+                row["copy_error"] = f"{type(e).__name__}: {e}"[:300]
             del sets
             rows.append(row)
             print(row, flush=True)
@@ -270,7 +290,7 @@ def main():
     write_results(args.out, "kernels", vars(args), rows)
     print()
     print_table([r for r in rows if r["kernel"] != "dense_sweep"], ["kernel", "batch", "context", "selected_frac", "median_us", "achieved_GBps", "copy_GBps",
-                      "cudnn_us", "cudnn_GBps", "xla_us", "rel_err_o", "error"])
+                      "cudnn_us", "cudnn_GBps", "xla_us", "jax_gqa_us", "rel_err_o", "error"])
 
 
 if __name__ == "__main__":

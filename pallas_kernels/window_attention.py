@@ -150,12 +150,12 @@ def default_tuning(programs: int, tokens: int, d: int, block_k=None, num_splits=
         block_k = max(16, next_pow2(tokens))
     if num_splits is None:
         # Small grids need several programs per SM to pull full bandwidth; large ones need few.
-        target = 1056 if programs < 64 else 512
+        target = 528 if programs < 64 else 256
         num_splits = max(1, min(target // programs, -(-tokens // block_k)))
     split_size = -(-tokens // num_splits)
     split_size = -(-split_size // block_k) * block_k
     num_splits = -(-tokens // split_size)
-    return block_k, num_splits, split_size, num_warps or 4, num_stages or 3
+    return block_k, num_splits, split_size, num_warps or 4, num_stages or 4
 
 
 def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, softcap, want_scores,
