@@ -216,7 +216,7 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-gib", type=float, default=2.0, help="skip points whose K+V bytes exceed this")
     p.add_argument("--baseline-max-mib", type=float, default=256.0, help="NumPy/torch only up to this size")
-    p.add_argument("--time-budget", type=float, default=200.0,
+    p.add_argument("--time-budget", type=float, default=170.0,
                    help="seconds; past it the remaining NumPy/torch baselines are skipped (left null)")
     p.add_argument("--min-seconds", type=float, default=0.4, help="per measured function and point")
     args = p.parse_args(argv)
