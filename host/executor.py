@@ -5,7 +5,8 @@
     handle = executor.submit(layer, queries, seq_ids, block_ids=ids)     # (c) chosen blocks
     handle = executor.submit(layer, queries, seq_ids, mode="all")        # (b) every stored token
     o, lse = executor.collect(handle)
-    executor.submit_task(sparsify_evicted, store, layer, seq_ids, blocks, beta, window_tokens)
+    executor.submit_sparsify(layer, seq_ids, blocks, beta, window_tokens)   # right after an eviction
+    executor.submit_reevaluate(layer, seq_ids, new_queries, beta)            # after a new user turn
 
 The Numba kernels release the GIL (`nogil=True`), so a worker computes while the caller's thread
 keeps dispatching JAX work. Each worker sets its own `numba.set_num_threads` (the setting is
@@ -15,6 +16,9 @@ submitted after a sparsification task sees its result. A task's exception is re-
 running through the worker's frames and the worker's formatted traceback added as a note.
 Queries are validated on the caller's thread at submit. An abandoned
 handle costs nothing: its task finishes on its own and its result is dropped with the handle.
+
+Results are bitwise reproducible for a given `n_threads` (the work split, and so the float32
+rounding, depends on it). Leave one core to the JAX thread: n_threads = cores - 1.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numba
 import numpy as np
 
 from host.attention import THREADING_LAYER, attend_all, attend_blocks, attend_context, check_queries
+from host.sparsify import reevaluate, sparsify_evicted
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +90,17 @@ class HostExecutor:
             return self.submit_task(attend_blocks, self.store, layer, seq_ids, queries, block_ids, scale,
                                     what=f"attend_blocks(layer={layer})")
         raise ValueError(f"mode={mode!r}; expected 'context', 'all' or 'blocks'")
+
+    def submit_sparsify(self, layer: int, seq_ids, block_numbers, beta: float, window_tokens: int) -> Handle:
+        """Queue `host.sparsify.sparsify_evicted` for blocks just appended (collect -> kept counts [B, Hkv])."""
+        return self.submit_task(sparsify_evicted, self.store, layer, list(seq_ids), block_numbers, beta, window_tokens,
+                                what=f"sparsify_evicted(layer={layer})")
+
+    def submit_reevaluate(self, layer: int, seq_ids, queries: np.ndarray, beta: float,
+                          scale: float | None = None) -> Handle:
+        """Queue `host.sparsify.reevaluate` after an append (collect -> kept counts [B, Hkv])."""
+        return self.submit_task(reevaluate, self.store, layer, list(seq_ids), queries, beta, scale,
+                                what=f"reevaluate(layer={layer})")
 
     def submit_task(self, fn, *args, what: str | None = None, **kwargs) -> Handle:
         """Queue any host function (e.g. host.sparsify.sparsify_evicted) on a worker."""

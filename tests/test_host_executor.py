@@ -116,8 +116,10 @@ def test_background_sparsify_then_attention_in_order(rng):
     numbers = store.append_blocks(0, 0, k, k, np.ones((3, 8, 2)), np.zeros((3, 8), np.int64))
     q = rng.standard_normal((1, 1, 4, 32)).astype(np.float32)
     with HostExecutor(store, n_workers=1) as ex:
-        ex.submit_task(sparsify_evicted, store, 0, [0], [numbers], 1.0, 32)
+        ex.submit_sparsify(0, [0], [numbers], 1.0, 32)
         o, lse = ex.collect(ex.submit(0, q, [0]))
+        counts = ex.collect(ex.submit_reevaluate(0, [0], q, beta=1e-9))  # tiny beta keeps everything
+    np.testing.assert_array_equal(counts, [[24, 24]])
     # everything was kept (MAW 1 > 1/32), so context attention == attention over all tokens
     ro, rl = attend_all(store, 0, [0], q)
     np.testing.assert_allclose(o, ro, rtol=1e-5, atol=1e-6)
