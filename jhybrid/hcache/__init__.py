@@ -1,0 +1,21 @@
+"""HCache: save sessions, restore their KV fast from per-layer hidden states (shared/papers/hcache.txt).
+
+  jhybrid.hcache.storage   file layout (per-layer chunk files, striping), Orbax manifests,
+                           checksums, prefix index, errors
+  jhybrid.hcache.saver     two-stage saving: bulk device->host snapshot, background chunk packer
+  jhybrid.hcache.restorer  pipelined layer-wise restore (hidden / kv / recompute) into a KV sink
+  jhybrid.hcache.planner   per-layer costs profiled on this machine -> bubble-free restore plan
+  jhybrid.hcache.session   HCacheEngine / Session: generate, save, restore, prefix reuse
+"""
+
+from jhybrid.hcache.planner import LayerCosts, RestorePlan, estimate_seconds, plan_restore, profile_costs
+from jhybrid.hcache.restorer import (CollectingSink, FullCacheWriter, HostMemorySource, LayerKernels,
+                                     SessionFileSource, bytes_per_token, recompute_kv, restore_kv)
+from jhybrid.hcache.session import HCacheEngine, Session
+from jhybrid.hcache.storage import (CorruptSession, HCacheError, ModelMismatch, SessionNotFound,
+                                    StorageFull)
+
+__all__ = ["HCacheEngine", "Session", "LayerCosts", "RestorePlan", "estimate_seconds", "plan_restore",
+           "profile_costs", "CollectingSink", "FullCacheWriter", "HostMemorySource", "LayerKernels",
+           "SessionFileSource", "bytes_per_token", "recompute_kv", "restore_kv", "CorruptSession",
+           "HCacheError", "ModelMismatch", "SessionNotFound", "StorageFull"]

@@ -1,0 +1,116 @@
+"""The bubble-free restore planner (paper §4.1.2, layer-wise partition).
+
+Profile once on this machine, for a history of n tokens, four per-layer costs (seconds):
+  io_hidden  read one layer's hidden states [n, d_model] from storage to the device,
+  project    K/V projection (+ norm, RoPE) of one layer on the device,
+  io_kv      read one layer's K, V [n, 2*Hkv*D] to the device,
+  recompute  one layer of token recomputation (prefill) over n tokens.
+Then choose per layer "recompute" (a leading run), "hidden" or "kv" (a trailing run) so that the
+I/O stream and the compute stream finish together. The paper solves this in closed form for
+(hidden + kv) or (recompute + hidden); we simulate the two-stream pipeline for every split
+(r recomputed, h hidden, k KV layers; O(L^2) plans, microseconds) and take the fastest. The
+single-method plans are among the candidates, so the chosen plan is never estimated slower than
+the best single method. Bytes decide by themselves: for grouped-query models KV rows
+(2*Hkv*D values) can be smaller than hidden rows (d_model; SmolLM2: 384 vs 576) and then io_kv <
+io_hidden with no projection to pay, and the search picks KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+
+from jhybrid.hcache.restorer import CollectingSink, LayerKernels, recompute_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer seconds for restoring `num_tokens` tokens (see module docstring)."""
+
+    num_tokens: int
+    io_hidden: float
+    project: float
+    io_kv: float
+    recompute: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """methods: per layer "recompute" | "hidden" | "kv"; estimated_seconds: simulated restore time;
+    single_method_seconds: the estimate of each single-method plan, for comparison."""
+
+    methods: tuple[str, ...]
+    estimated_seconds: float
+    single_method_seconds: dict
+
+    def describe(self) -> str:
+        counts = {m: self.methods.count(m) for m in ("recompute", "hidden", "kv") if m in self.methods}
+        return " + ".join(f"{c} {m}" for m, c in counts.items())
+
+
+def estimate_seconds(methods, costs: LayerCosts) -> float:
+    """Simulated restore time of a plan: one I/O stream (hidden layers, then KV layers, in
+    order) and one compute stream (recomputed prefix, then each hidden layer's projection once
+    its rows have arrived); the restore ends when both streams are done."""
+    io_done = compute_done = 0.0
+    compute_done += methods.count("recompute") * costs.recompute
+    for m in methods:
+        if m == "hidden":
+            io_done += costs.io_hidden
+            compute_done = max(compute_done, io_done) + costs.project
+    io_done += methods.count("kv") * costs.io_kv
+    return max(io_done, compute_done)
+
+
+def plan_restore(costs: LayerCosts, num_layers: int) -> RestorePlan:
+    """The fastest (by estimate_seconds) plan of the form r x recompute, h x hidden, k x kv."""
+    best = None
+    for r in range(num_layers + 1):
+        for h in range(num_layers - r + 1):
+            methods = ("recompute",) * r + ("hidden",) * h + ("kv",) * (num_layers - r - h)
+            seconds = estimate_seconds(methods, costs)
+            if best is None or seconds < best[0] - 1e-12:
+                best = (seconds, methods)
+    singles = {m: estimate_seconds((m,) * num_layers, costs) for m in ("hidden", "kv", "recompute")}
+    return RestorePlan(methods=best[1], estimated_seconds=best[0], single_method_seconds=singles)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up (compilation, first touch)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def profile_costs(kernels: LayerKernels, num_tokens: int, fetch, repeats: int = 3,
+                  recompute_chunk: int = 1024) -> LayerCosts:
+    """Measures the four per-layer costs on this machine for a history of num_tokens.
+
+    fetch(layer, method): a reader of layer 0 in the storage being planned for (disk or DRAM),
+    returning device rows [num_tokens, row] (see restorer.restore_kv); it must leave no cache
+    behind that the real restore would not have (e.g. drop the page cache for disk).
+    """
+    import jax
+
+    config = kernels.config
+    io_hidden = _median_seconds(lambda: fetch(0, "hidden").block_until_ready(), repeats)
+    io_kv = _median_seconds(lambda: fetch(0, "kv").block_until_ready(), repeats)
+    rows = fetch(0, "hidden")
+    project = _median_seconds(lambda: jax.block_until_ready(kernels.project(0, rows)), repeats)
+    tokens = np.zeros(num_tokens, np.int32)
+    layers = min(2, config.num_layers)
+
+    def recompute():
+        sink = CollectingSink(layers)
+        recompute_kv(kernels, tokens, layers, sink, recompute_chunk)
+        sink.block()
+
+    recompute_per_layer = _median_seconds(recompute, repeats) / layers
+    return LayerCosts(num_tokens=num_tokens, io_hidden=io_hidden, project=project, io_kv=io_kv,
+                      recompute=recompute_per_layer)

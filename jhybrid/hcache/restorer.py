@@ -1,0 +1,319 @@
+"""Restoring a session's KV, layer by layer, pipelined (paper §3.1, §4.1).
+
+A restore plan gives each layer a method:
+  "recompute": run the layer again from the tokens (only a PREFIX of layers can do this: layer r
+               needs layer r-1's output; the paper puts recomputed layers first);
+  "hidden":    read the layer's saved input hidden states [n, d_model] and project them to K, V
+               (`kv_from_hidden`: norm, K/V projections, biases, RoPE at positions 0..n-1);
+  "kv":        read the layer's saved K, V [n, 2, Hkv, D] as they are.
+
+`restore_kv` reads on a background thread, in the order hidden layers, then KV layers, while the
+calling thread recomputes the prefix and dispatches each hidden layer's projection as soon as that
+layer has arrived (JAX dispatch is asynchronous), so transfer of layer l+1 overlaps the projection
+of layer l. Every restored layer is handed to a **sink** `sink(layer, k, v)` with k, v
+[1, n, Hkv, D] device arrays for positions [0, n). `FullCacheWriter` is the sink for the `full`
+backend; a hybrid backend (GPU window + host store) gets its own sink that writes the last
+`window` positions to the device window and the rest to its host store.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jhybrid.attention.full import FullAttention
+from jhybrid.hcache.storage import ChunkLayout, CorruptSession, read_layer_chunks, verify_chunks
+from jhybrid.models.decoder import CausalLM, KVCache, kv_from_hidden
+
+log = logging.getLogger("jhybrid.hcache")
+
+Sink = Callable[[int, jax.Array, jax.Array], None]
+Fetch = Callable[[int, str], jax.Array]
+
+
+def validate_plan(methods, num_layers: int) -> tuple[str, ...]:
+    methods = tuple(methods)
+    if len(methods) != num_layers:
+        raise ValueError(f"restore plan has {len(methods)} layers, the model {num_layers}")
+    bad = [m for m in methods if m not in ("hidden", "kv", "recompute")]
+    if bad:
+        raise ValueError(f"unknown restore methods {sorted(set(bad))} (hidden, kv, recompute)")
+    r = methods.count("recompute")
+    if methods[:r] != ("recompute",) * r:
+        raise ValueError(f"recomputed layers must come first (a prefix), got {methods}")
+    return methods
+
+
+class LayerKernels:
+    """Jitted per-layer functions of one model, compiled once per layer KIND (not per layer).
+
+    Layers of the same kind (sliding or not) have identical structure; their graphdefs differ
+    only in the static `layer_idx`, which kv_from_hidden and the full backend do not use, so one
+    representative graphdef per kind serves all of them with each layer's own parameters.
+    """
+
+    def __init__(self, model: CausalLM):
+        self.config = model.config
+        self.states = []
+        representative: dict[bool, object] = {}
+        self.graphdef_of = []
+        for i, layer in enumerate(model.layers):
+            graphdef, state = nnx.split(layer)
+            kind = model.config.is_sliding_layer(i)
+            representative.setdefault(kind, graphdef)
+            self.graphdef_of.append(representative[kind])
+            self.states.append(state)
+        self.embed_parts = nnx.split((model.embed, model.position_embed))
+        self._project = jax.jit(self._project_fn, static_argnums=0)
+        self._layer = jax.jit(self._layer_fn, static_argnums=0, donate_argnums=(5,))
+        self._embed = jax.jit(self._embed_fn, static_argnums=0)
+
+    # -- pure functions --
+
+    def _project_fn(self, graphdef, state, rows, positions):
+        hidden = rows[None].astype(self.config.dtype)  # [1, n, d]
+        return kv_from_hidden(nnx.merge(graphdef, state), hidden, positions)
+
+    def _layer_fn(self, graphdef, state, x, positions, lengths, layer_cache):
+        layer = nnx.merge(graphdef, state)
+        return layer(x, positions, lengths, layer_cache, FullAttention(), None)
+
+    def _embed_fn(self, graphdef, state, tokens, positions):
+        # Mirrors the first lines of CausalLM.hidden_states (embedding, scale, learned positions).
+        embed, position_embed = nnx.merge(graphdef, state)
+        x = embed(tokens)
+        if self.config.embed_scale is not None:
+            x = x * jnp.asarray(self.config.embed_scale, x.dtype)
+        if position_embed is not None:
+            x = x + position_embed(jnp.maximum(positions, 0) + self.config.learned_position_offset)
+        return x
+
+    # -- calls --
+
+    def project(self, layer: int, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """rows [n, d_model] (storage dtype) -> k, v [1, n, Hkv, D] at positions 0..n-1."""
+        positions = jnp.arange(rows.shape[0], dtype=jnp.int32)[None]
+        return self._project(self.graphdef_of[layer], self.states[layer], rows, positions)
+
+    def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        return self._embed(self.embed_parts[0], self.embed_parts[1], tokens, positions)
+
+    def run_layer(self, layer: int, x, positions, lengths, layer_cache):
+        return self._layer(self.graphdef_of[layer], self.states[layer], x, positions, lengths,
+                           layer_cache)
+
+
+def recompute_kv(kernels: LayerKernels, tokens: np.ndarray, num_layers: int, sink: Sink,
+                 chunk: int = 1024) -> None:
+    """Token recomputation of the first `num_layers` layers (an exact chunked prefill of those
+    layers, full backend); each layer's k, v [1, n, Hkv, D] goes to the sink at the end."""
+    n, config = len(tokens), kernels.config
+    if num_layers == 0 or n == 0:
+        return
+    chunk = min(chunk, -(-n // 16) * 16)
+    capacity = -(-n // chunk) * chunk
+    backend = FullAttention()
+    caches = [backend.init_layer_cache(config, i, 1, capacity, config.dtype) for i in range(num_layers)]
+    for begin in range(0, n, chunk):
+        pos = begin + np.arange(chunk, dtype=np.int32)
+        positions = np.where(pos < n, pos, -1)[None]
+        chunk_tokens = np.zeros((1, chunk), np.int32)
+        chunk_tokens[0, :min(chunk, n - begin)] = tokens[begin:begin + chunk]
+        lengths = np.full((1,), min(n, begin + chunk), np.int32)
+        x = kernels.embed(chunk_tokens, positions)
+        for layer in range(num_layers):
+            x, caches[layer] = kernels.run_layer(layer, x, positions, lengths, caches[layer])
+    for layer in range(num_layers):
+        sink(layer, caches[layer]["k"][:, :n], caches[layer]["v"][:, :n])
+
+
+def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch, sink: Sink,
+               recompute_chunk: int = 1024) -> None:
+    """Restores K, V of positions [0, n) (n = len(tokens)) of every layer into `sink`.
+
+    methods: per layer "recompute" (a prefix), "hidden" or "kv" (see module docstring).
+    fetch(layer, method) -> device array: [n, d_model] for "hidden", [n, 2 * Hkv * D] for "kv"
+    (storage dtype); runs on one background reader thread, in I/O order.
+    Returns when every layer has been dispatched to the sink (the device work may still run:
+    block on the sink's arrays to time it).
+    """
+    config = kernels.config
+    methods = validate_plan(methods, config.num_layers)
+    n = len(tokens)
+    io_order = ([l for l, m in enumerate(methods) if m == "hidden"]
+                + [l for l, m in enumerate(methods) if m == "kv"])
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hcache-reader") as reader:
+        arriving = {l: reader.submit(fetch, l, methods[l]) for l in io_order}
+        try:
+            recompute_kv(kernels, tokens, methods.count("recompute"), sink, recompute_chunk)
+            for layer in io_order:
+                rows = arriving[layer].result()
+                if methods[layer] == "hidden":
+                    k, v = kernels.project(layer, rows)
+                else:
+                    kv = rows.reshape(1, n, 2, config.num_kv_heads, config.head_dim)
+                    k, v = kv[:, :, 0], kv[:, :, 1]
+                sink(layer, k, v)
+        except BaseException:
+            for future in arriving.values():
+                future.cancel()
+            raise
+
+
+# ----------------------------------------------------------------------------- sinks
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_prefix(buffer, values):
+    return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (0, 0, 0, 0))
+
+
+class FullCacheWriter:
+    """Sink that writes restored layers into a fresh `full`-backend KVCache of max_len slots.
+
+    After restore_kv: `writer.cache()` is a KVCache holding positions [0, n) with lengths [n].
+    """
+
+    def __init__(self, model: CausalLM, max_len: int, num_tokens: int):
+        if num_tokens > max_len:
+            raise ValueError(f"restoring {num_tokens} tokens into a cache of {max_len} slots")
+        self.cache_layers = list(model.init_cache(1, max_len).layers)
+        self.num_tokens = num_tokens
+
+    def __call__(self, layer: int, k: jax.Array, v: jax.Array) -> None:
+        old = self.cache_layers[layer]
+        self.cache_layers[layer] = {"k": _write_prefix(old["k"], k), "v": _write_prefix(old["v"], v)}
+
+    def cache(self) -> KVCache:
+        return KVCache(layers=tuple(self.cache_layers),
+                       lengths=jnp.full((1,), self.num_tokens, jnp.int32))
+
+
+class CollectingSink:
+    """Sink that keeps each layer's (k, v) [1, n, Hkv, D] (tests, benchmarks)."""
+
+    def __init__(self, num_layers: int):
+        self.layers: list = [None] * num_layers
+
+    def __call__(self, layer, k, v):
+        self.layers[layer] = (k, v)
+
+    def block(self):
+        jax.block_until_ready([kv for kv in self.layers if kv is not None])
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def to_device(host: np.ndarray, device=None) -> jax.Array:
+    """Host rows -> a device array that no longer depends on `host` (the buffer is reused).
+
+    On the CPU backend device_put may alias NumPy memory, so it copies instead.
+    """
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        out = jnp.array(host, copy=True)
+    else:
+        out = jax.device_put(host, device)
+    return out.block_until_ready()
+
+
+class SessionFileSource:
+    """`fetch` over a saved session's chunk files (storage.ChunkLayout), crc-checked.
+
+    manifest: the session's manifest (storage part: row_values, num_full_chunks, chunk_crc,
+    tail_file, tail_offsets, tail_crc). Reads the first `num_tokens` tokens of a layer with one
+    sequential read per stripe into a reused host buffer, verifies the chunks' crc32, copies to
+    the device.
+    """
+
+    def __init__(self, layout: ChunkLayout, manifest: dict, num_tokens: int, dtype):
+        self.layout, self.manifest, self.num_tokens = layout, manifest, num_tokens
+        self.session_id = manifest["session_id"]
+        self.dtype = np.dtype(dtype)
+        chunk = layout.chunk_tokens
+        self.num_chunks = min(manifest["num_full_chunks"] or 0, num_tokens // chunk)
+        self.buffers: dict[int, np.ndarray] = {}
+        self.tail_bytes = None
+        if num_tokens > self.num_chunks * chunk:
+            if num_tokens > manifest["num_tokens"]:
+                raise ValueError(f"session {self.session_id} holds {manifest['num_tokens']} tokens, "
+                                 f"not {num_tokens}")
+            path = os.path.join(layout.session_dir(0, self.session_id), manifest["tail_file"])
+            try:
+                with open(path, "rb") as f:
+                    self.tail_bytes = f.read()
+            except OSError as err:
+                raise CorruptSession(f"session {self.session_id}: tail file unreadable: {err}") from err
+
+    def _buffer(self, row: int) -> np.ndarray:
+        rows_needed = -(-self.num_tokens // self.layout.chunk_tokens) * self.layout.chunk_tokens
+        if row not in self.buffers:
+            self.buffers[row] = np.empty((rows_needed, row), self.dtype)
+        return self.buffers[row]
+
+    def __call__(self, layer: int, method: str) -> jax.Array:
+        import zlib
+
+        manifest, chunk = self.manifest, self.layout.chunk_tokens
+        if manifest["methods"][layer] != method:
+            raise ValueError(f"layer {layer} was saved as {manifest['methods'][layer]!r}, not {method!r}")
+        row = manifest["row_values"][layer]
+        buf = self._buffer(row)
+        what = f"session {self.session_id} layer {layer} ({method})"
+        read_layer_chunks(self.layout, self.session_id, layer, self.num_chunks, buf)
+        verify_chunks(buf[:self.num_chunks * chunk], chunk, manifest["chunk_crc"][layer][:self.num_chunks],
+                      what)
+        rest = self.num_tokens - self.num_chunks * chunk
+        if rest:
+            begin, end = manifest["tail_offsets"][layer]
+            tail = self.tail_bytes[begin:end]
+            if len(tail) != end - begin or zlib.crc32(tail) != manifest["tail_crc"][layer]:
+                raise CorruptSession(f"{what}: tail checksum mismatch")
+            tail_rows = np.frombuffer(tail, self.dtype).reshape(-1, row)
+            buf[self.num_chunks * chunk:self.num_tokens] = tail_rows[:rest]
+        return to_device(buf[:self.num_tokens])
+
+
+class HostMemorySource:
+    """`fetch` over per-layer arrays already in host memory (the "dram" storage).
+
+    hidden[l]: [>= n, d_model], kv[l]: [>= n, 2*Hkv*D] — NumPy arrays, or pinned_host jax arrays
+    on GPU (device_put from pinned memory runs at full PCIe speed and asynchronously).
+    """
+
+    def __init__(self, hidden: list | None, kv: list | None, num_tokens: int, device=None):
+        self.arrays = {"hidden": hidden, "kv": kv}
+        self.num_tokens = num_tokens
+        self.device = device or jax.devices()[0]
+
+    def __call__(self, layer: int, method: str) -> jax.Array:
+        rows = self.arrays[method][layer][:self.num_tokens]
+        if isinstance(rows, np.ndarray):
+            return to_device(rows, self.device)
+        return jax.device_put(rows, jax.sharding.SingleDeviceSharding(self.device))
+
+
+def bytes_per_token(config, methods, itemsize: int) -> int:
+    """Storage bytes per token of a plan: hidden d_model, KV 2*Hkv*D values per layer; token ids
+    (int32) when any layer is recomputed."""
+    per_layer = {"hidden": config.d_model, "kv": 2 * config.num_kv_heads * config.head_dim,
+                 "recompute": 0}
+    total = sum(per_layer[m] for m in methods) * itemsize
+    return total + (4 if "recompute" in methods else 0)
+
+
+def row_values(config, methods) -> list[int]:
+    """Values per token row stored for each layer of a plan."""
+    per_layer = {"hidden": config.d_model, "kv": 2 * config.num_kv_heads * config.head_dim,
+                 "recompute": 0}
+    return [per_layer[m] for m in methods]
+

@@ -1,0 +1,342 @@
+"""Where saved sessions live on disk, and how they are made crash-safe.
+
+Layout under an engine's `root` (S = number of stripe directories, default 1 = `root/data`):
+
+  root/sessions/<session_id>/<generation>/   the manifest of one save: an Orbax checkpoint
+                                             (JsonCheckpointHandler) written by an Orbax
+                                             CheckpointManager, which writes to a temporary
+                                             folder and renames it when complete.
+  <stripe_dir[s]>/<session_id>/layer_<l>.bin  per layer, the full chunks c with c % S == s, in
+                                             order: chunk c sits at byte (c // S) * chunk_bytes.
+                                             All chunks of a layer (in one stripe) are contiguous,
+                                             so a layer restores with one sequential read per stripe.
+  <stripe_dir[0]>/<session_id>/tail-<g>.bin  the partial last chunk of every layer at save g.
+  root/prefix/<hash>.json                    prefix index: chained chunk hash -> session id.
+
+Crash safety: data files are append-only and a full chunk, once written, never changes. A manifest
+names how many chunks it covers (and their crc32 checksums), so a save becomes visible only when
+Orbax commits its manifest folder; a crash or a full disk while appending leaves bytes past what
+any committed manifest covers, which the next writer of that session truncates away. Earlier saves
+stay readable.
+
+A chunk row holds one token of one layer: `d_model` values for a layer saved as hidden states,
+`2 * Hkv * D` values (k then v) for a layer saved as KV, nothing for a layer restored by recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+log = logging.getLogger("jhybrid.hcache")
+
+MANIFEST_FORMAT = 1
+DEFAULT_CHUNK_TOKENS = 64
+METHODS = ("hidden", "kv", "recompute")
+
+
+class HCacheError(Exception):
+    """Base class of every HCache error."""
+
+
+class SessionNotFound(HCacheError, KeyError):
+    def __str__(self):  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class CorruptSession(HCacheError):
+    """A checksum or size did not match what the manifest recorded."""
+
+
+class ModelMismatch(HCacheError):
+    """The session was saved by a different model (config or weights)."""
+
+
+class StorageFull(HCacheError, OSError):
+    """The disk filled up while saving; earlier saves of the session are intact."""
+
+
+# ----------------------------------------------------------------------------- model identity
+
+
+def config_hash(config) -> str:
+    """sha256 (16 hex) of the ModelConfig's JSON: any shape or switch difference changes it."""
+    return hashlib.sha256(config.to_json().encode()).hexdigest()[:16]
+
+
+def weights_fingerprint(model) -> str:
+    """crc32 of a few parameter bytes per layer (embedding row 0, each layer's K/V kernel row 0).
+
+    Cheap (a few KB to the host) and catches a different checkpoint with the same config.
+    """
+    parts = [np.asarray(model.embed.embedding[...][0])]
+    for layer in model.layers:
+        parts.append(np.asarray(layer.attention.k_proj.kernel[...][0]))
+        parts.append(np.asarray(layer.attention.v_proj.kernel[...][0]))
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(np.ascontiguousarray(part).tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def describe_config_difference(saved: dict, current: dict) -> str:
+    """'num_layers: saved 3, this model 4; ...' for the fields that differ."""
+    keys = sorted(set(saved) | set(current))
+    diffs = [f"{k}: saved {saved.get(k)!r}, this model {current.get(k)!r}"
+             for k in keys if saved.get(k) != current.get(k)]
+    return "; ".join(diffs) or "(no field differs)"
+
+
+# ----------------------------------------------------------------------------- prefix hashes
+
+
+def chain_hashes(tokens, chunk_tokens: int, seed: str) -> list[str]:
+    """Hash of each FULL chunk of `tokens`, chained: h_c = sha256(h_{c-1} || tokens of chunk c).
+
+    seed: the model's config hash, so two models never share a prefix entry. A hash identifies the
+    whole prefix up to and including chunk c, not just chunk c.
+    """
+    tokens = np.asarray(tokens, np.int64)
+    out, prev = [], seed.encode()
+    for c in range(len(tokens) // chunk_tokens):
+        prev = hashlib.sha256(prev + tokens[c * chunk_tokens:(c + 1) * chunk_tokens].tobytes()).digest()
+        out.append(prev.hex()[:32])
+    return out
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomically(path: str, data: bytes) -> None:
+    """Writes to path.tmp, fsyncs, renames: readers see the old file or the new one, never half."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def drop_page_cache(path: str) -> None:
+    """Asks the kernel to drop a file's cached pages (posix_fadvise DONTNEED; the file must be
+    fsynced, dirty pages are not dropped) so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def storage_full_error(err: OSError, what: str, session_id: str) -> HCacheError:
+    if err.errno == errno.ENOSPC:
+        return StorageFull(errno.ENOSPC, f"disk full while {what} for session {session_id}; the "
+                           "session's earlier saves are intact, this save was not committed")
+    return HCacheError(f"{what} for session {session_id} failed: {err}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """How one session's chunks map to files.
+
+    stripe_dirs: S directories; chunk c of every layer goes to stripe c % S.
+    chunk_tokens: tokens per chunk (64 by default, as in the paper).
+    """
+
+    stripe_dirs: tuple[str, ...]
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def session_dir(self, stripe: int, session_id: str) -> str:
+        return os.path.join(self.stripe_dirs[stripe], session_id)
+
+    def layer_file(self, stripe: int, session_id: str, layer: int) -> str:
+        return os.path.join(self.session_dir(stripe, session_id), f"layer_{layer:03d}.bin")
+
+    def tail_file(self, session_id: str, generation: int) -> str:
+        return os.path.join(self.session_dir(0, session_id), f"tail-{generation}.bin")
+
+    def chunks_in_stripe(self, num_chunks: int, stripe: int) -> int:
+        """How many of chunks 0..num_chunks-1 live in this stripe."""
+        num_stripes = len(self.stripe_dirs)
+        return max(0, (num_chunks - stripe + num_stripes - 1) // num_stripes)
+
+
+class LayerAppender:
+    """Appends full chunks of one layer to its stripe files (the writer side of ChunkLayout)."""
+
+    def __init__(self, layout: ChunkLayout, session_id: str, layer: int, committed_chunks: int,
+                 chunk_bytes: int):
+        self.layout, self.session_id, self.layer = layout, session_id, layer
+        self.chunk_bytes = chunk_bytes
+        self.num_chunks = committed_chunks
+        self.files = []
+        for s in range(len(layout.stripe_dirs)):
+            os.makedirs(layout.session_dir(s, session_id), exist_ok=True)
+            f = open(layout.layer_file(s, session_id, layer), "ab+")
+            # Bytes past the last committed chunk come from a save that never committed.
+            f.truncate(layout.chunks_in_stripe(committed_chunks, s) * chunk_bytes)
+            f.seek(0, os.SEEK_END)
+            self.files.append(f)
+
+    def append(self, chunk: np.ndarray) -> int:
+        """Writes one full chunk [chunk_tokens, row] and returns its crc32."""
+        data = memoryview(np.ascontiguousarray(chunk)).cast("B")
+        assert data.nbytes == self.chunk_bytes
+        self.files[self.num_chunks % len(self.files)].write(data)
+        self.num_chunks += 1
+        return zlib.crc32(data)
+
+    def sync(self) -> None:
+        for f in self.files:
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+def read_layer_chunks(layout: ChunkLayout, session_id: str, layer: int, num_chunks: int,
+                      out: np.ndarray) -> None:
+    """Reads full chunks 0..num_chunks-1 of a layer into out[:num_chunks * chunk_tokens].
+
+    out: [>= num_chunks * chunk_tokens, row] C-contiguous host buffer (preallocated, reused).
+    One sequential read per stripe file, scattered straight into the chunk slots with preadv.
+    """
+    chunk_tokens, num_stripes = layout.chunk_tokens, len(layout.stripe_dirs)
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    chunk_bytes = out[:chunk_tokens].nbytes
+    for s in range(num_stripes):
+        count = layout.chunks_in_stripe(num_chunks, s)
+        if count == 0:
+            continue
+        path = layout.layer_file(s, session_id, layer)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < count * chunk_bytes:
+                raise CorruptSession(f"session {session_id}: {path} is shorter than the "
+                                     f"{count} chunks its manifest records")
+            chunks = list(range(s, num_chunks, num_stripes))
+            for begin in range(0, len(chunks), 512):  # stay below IOV_MAX (1024)
+                views = [flat[c * chunk_bytes:(c + 1) * chunk_bytes] for c in chunks[begin:begin + 512]]
+                got = os.preadv(fd, views, begin * chunk_bytes)
+                if got != len(views) * chunk_bytes:
+                    raise CorruptSession(f"session {session_id}: short read from {path}")
+        finally:
+            os.close(fd)
+
+
+_crc_pool = ThreadPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 1))),
+                               thread_name_prefix="hcache-crc")
+
+
+def verify_chunks(buf: np.ndarray, chunk_tokens: int, expected: list[int], what: str) -> None:
+    """Checks crc32 of each chunk of buf [num_chunks * chunk_tokens, row] (zlib releases the GIL,
+    so chunks are checked on a small thread pool)."""
+    flat = memoryview(buf.reshape(-1).view(np.uint8))
+    chunk_bytes = buf[:chunk_tokens].nbytes
+
+    def crc(c):
+        return zlib.crc32(flat[c * chunk_bytes:(c + 1) * chunk_bytes])
+
+    got = list(_crc_pool.map(crc, range(len(expected)))) if len(expected) > 4 else \
+        [crc(c) for c in range(len(expected))]
+    for c, (g, e) in enumerate(zip(got, expected)):
+        if g != e:
+            raise CorruptSession(f"{what}: chunk {c} checksum {g:08x} != saved {e:08x}")
+
+
+# ----------------------------------------------------------------------------- manifests (Orbax)
+
+
+def _manager(root: str, session_id: str, create: bool):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=create,
+                                           enable_async_checkpointing=False)
+    return ocp.CheckpointManager(os.path.join(root, "sessions", session_id), options=options,
+                                 item_handlers=ocp.JsonCheckpointHandler())
+
+
+def save_manifest(root: str, session_id: str, generation: int, manifest: dict) -> None:
+    """Commits one save: Orbax writes the manifest to a temporary folder and renames it."""
+    import orbax.checkpoint as ocp
+
+    manager = _manager(root, session_id, create=True)
+    manager.save(generation, args=ocp.args.JsonSave(manifest), force=True)
+    manager.wait_until_finished()
+    manager.close()
+
+
+def load_manifest(root: str, session_id: str) -> dict:
+    """The latest committed manifest of a session (SessionNotFound if there is none)."""
+    import orbax.checkpoint as ocp
+
+    if not session_id or os.sep in session_id or session_id.startswith("."):
+        raise SessionNotFound(f"invalid session id {session_id!r}")
+    if not os.path.isdir(os.path.join(root, "sessions", session_id)):
+        raise SessionNotFound(f"no saved session {session_id!r} under {root}")
+    manager = _manager(root, session_id, create=False)
+    step = manager.latest_step()
+    if step is None:
+        raise SessionNotFound(f"session {session_id!r} under {root} has no committed save")
+    try:
+        manifest = manager.restore(step, args=ocp.args.JsonRestore())
+    except Exception as err:  # noqa: BLE001 - any unreadable manifest is a corrupt session
+        raise CorruptSession(f"session {session_id}: manifest {step} is unreadable: {err}") from err
+    finally:
+        manager.close()
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise CorruptSession(f"session {session_id}: manifest {step} has an unknown format")
+    return manifest
+
+
+def committed_generations(root: str, session_id: str) -> list[int]:
+    path = os.path.join(root, "sessions", session_id)
+    if not os.path.isdir(path):
+        return []
+    return sorted(_manager(root, session_id, create=False).all_steps())
+
+
+# ----------------------------------------------------------------------------- prefix index
+
+
+def register_prefix(root: str, hashes: list[str], session_id: str) -> None:
+    """Points each chained chunk hash at the session (atomic per entry; last writer wins)."""
+    folder = os.path.join(root, "prefix")
+    os.makedirs(folder, exist_ok=True)
+    for c, h in enumerate(hashes):
+        path = os.path.join(folder, f"{h}.json")
+        write_file_atomically(path, json.dumps({"session_id": session_id, "chunk": c}).encode())
+
+
+def lookup_prefix(root: str, hashes: list[str]) -> tuple[int, str | None]:
+    """Longest run of leading chunk hashes in the index: (number of chunks, session id)."""
+    best = (0, None)
+    for c, h in enumerate(hashes):
+        path = os.path.join(root, "prefix", f"{h}.json")
+        try:
+            with open(path) as f:
+                entry = json.load(f)
+        except (OSError, ValueError):
+            break
+        if entry.get("chunk") != c:
+            break
+        best = (c + 1, entry["session_id"])
+    return best
