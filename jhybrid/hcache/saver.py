@@ -99,9 +99,12 @@ class SessionWriter:
     # -- producer side (the generation thread) --
 
     def submit(self, layers: list[int], rows: Callable[[], np.ndarray]) -> None:
-        """Queues rows for `layers`: rows() -> [len(layers), T, row] host array (stage 1 result)."""
-        self.raise_if_failed()
-        self.queue.put((layers, rows))
+        """Queues rows for `layers`: rows() -> [len(layers), T, row] host array (stage 1 result).
+
+        After a writer error (logged when it happens) rows are dropped: generation goes on, and
+        `commit()` raises the error, since this session's state can no longer be saved whole."""
+        if self.error is None:
+            self.queue.put((layers, rows))
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

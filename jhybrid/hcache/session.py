@@ -276,7 +276,6 @@ class Session:
         (a stop token ends generation, is not returned, and becomes the pending token)."""
         if self.closed:
             raise RuntimeError(f"session {self.id} is closed")
-        self.writer.raise_if_failed()
         feed = self.pending + [int(t) for t in prompt]
         if not feed:
             raise ValueError("generate needs at least one prompt token")
