@@ -143,7 +143,8 @@ class Generator:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be > 0")
         self.config = model.config
         self.backend = backend or FullAttention()
-        self.prefill_chunk = prefill_chunk
+        # An offloading backend may bound the chunk (its GPU ring must hold one chunk).
+        self.prefill_chunk = min(prefill_chunk, getattr(self.backend, "max_prefill_chunk", prefill_chunk))
         self.max_len = max_len
         self.graphdef, self.params = nnx.split(model)
         self._executables: dict = {}
@@ -231,6 +232,7 @@ class Generator:
                 part = prompt[begin:begin + chunk]
                 tokens[b, :len(part)] = part
             positions = np.where(valid, pos, -1).astype(np.int32)
+            cache = self._before_step(cache, positions)
             logits, has_token, cache = self._run("prefill", self._prefill_fn, (3,), self.params,
                                                  tokens, positions, cache)
             last_logits = logits if last_logits is None else jnp.where(has_token[:, None], logits,
@@ -266,6 +268,7 @@ class Generator:
             if not active.any():
                 break
             positions = np.where(active, held, -1).astype(np.int32)
+            cache = self._before_step(cache, positions[:, None])
             next_tokens, cache = self._run(f"decode{static}", decode, (3,), self.params,
                                            next_tokens.astype(np.int32), positions, cache, key,
                                            np.int32(steps + 1))
@@ -277,6 +280,11 @@ class Generator:
             tokens=generated, finish_reasons=reasons, prompt_tokens=int(lengths.sum()),
             prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, decode_steps=steps,
             compile_seconds=self.compile_seconds)
+
+    def _before_step(self, cache: KVCache, positions: np.ndarray) -> KVCache:
+        """Offloading backends do their between-step bookkeeping (eviction, recall) here."""
+        hook = getattr(self.backend, "before_step", None)
+        return cache if hook is None else hook(cache, positions)
 
     def _init_cache(self, batch: int, max_len: int) -> KVCache:
         model = nnx.merge(self.graphdef, self.params)

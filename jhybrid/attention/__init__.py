@@ -2,12 +2,17 @@
 
   jhybrid.attention.base   the AttentionBackend interface, LayerContext, the position convention
   jhybrid.attention.full   `full`: all KV on the device, exact plain-jnp attention
+  jhybrid.attention.hybrid `recall`, `hgca`, `scout`, `streaming`, `topk`: GPU window + host store
 """
 
 from jhybrid.attention.base import AttentionBackend, LayerContext
 from jhybrid.attention.full import FullAttention, masked_attention
+from jhybrid.attention.hybrid import HybridAttention, make_backend
+from jhybrid.hybrid.config import HOST_MODES
 
 BACKENDS = {"full": FullAttention}
+# Hybrid modes with their default HybridConfig; make_backend(mode, **fields) to change the policy.
+BACKENDS.update({mode: (lambda mode=mode: make_backend(mode)) for mode in HOST_MODES})
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -17,5 +22,5 @@ def get_backend(name: str) -> AttentionBackend:
     return BACKENDS[name]()
 
 
-__all__ = ["AttentionBackend", "LayerContext", "FullAttention", "masked_attention", "get_backend",
-           "BACKENDS"]
+__all__ = ["AttentionBackend", "LayerContext", "FullAttention", "HybridAttention", "masked_attention",
+           "get_backend", "make_backend", "BACKENDS"]

@@ -1,0 +1,329 @@
+"""KVManager: the per-batch host runtime of a hybrid backend, run in Python *between* jitted steps.
+
+It owns the host store (`host.KVStore`), the executor and the callback bridge (`host.bridge.
+HostBridge`), a NumPy mirror of each sequence's length, and does the bookkeeping that is not
+per-token work:
+
+  * eviction: before a step that would overflow a ring, one jitted gather takes the oldest whole
+    blocks of every layer (K, V and per-token MAW, store layout [n, bs, Hkv, D]) and, for
+    scout/topk, writes their key digests; the blocks go device -> `pinned_host` memory in one
+    transfer (plain host copy on CPU, logged once) and into `KVStore.append_blocks`; hgca then
+    queues `submit_sparsify` on the worker. With blk_size-token blocks this happens once every
+    blk_size decode steps per sequence.
+  * re-evaluation (hgca): on the first decode step after a prefill or append, each layer's
+    offloaded tokens are re-scored with the turn's last queries (`submit_reevaluate`).
+  * recall (recall mode): the whole offloaded KV is uploaded to the device before every step.
+  * recall (scout): per layer, when the CPU's share of the selected blocks exceeded the threshold
+    (and at least `recall_min_interval` steps passed), the blocks the CPU attended most are copied
+    into the layer's GPU pool. Simplification: done between steps, synchronously (the paper issues
+    it after the layer and consumes it one step later).
+
+Counters (cumulative seconds): evict_s, transfer_s (device<->host bulk copies), recall_s,
+bytes_to_host, bytes_to_device, n_evicted_blocks, n_recalls; plus the bridge's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from host import HostExecutor, KVStore, StoreConfig, from_storage
+from host.bridge import HostBridge
+from jhybrid.hybrid.config import HybridConfig, evicted_blocks
+
+log = logging.getLogger(__name__)
+
+KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_logged_cpu_copy = False
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """Bulk device -> host copy: via `pinned_host` memory on GPU (~50 GB/s measured), plain elsewhere."""
+    global _logged_cpu_copy
+    device = next(iter(x.devices()))
+    if device.platform == "gpu":
+        pinned = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+        return np.asarray(pinned)
+    if not _logged_cpu_copy:
+        log.info("KV manager: device is %r, not a GPU: evicted blocks reach the host by a plain copy "
+                 "(no pinned_host memory kind)", device.platform)
+        _logged_cpu_copy = True
+    return np.asarray(x)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def required_host_bytes(cfg: HybridConfig, n_layers: int, batch: int, max_len: int, n_kv_heads: int,
+                        head_dim: int, itemsize: int) -> int:
+    """KV bytes the host store needs for contexts of max_len tokens (K + V, storage dtype)."""
+    return n_layers * batch * cfg.host_blocks(max_len) * cfg.block_size * n_kv_heads * head_dim * 2 * itemsize
+
+
+class KVManager:
+    """Host runtime for one batch. `batch` rows map to store sequences 0..batch-1."""
+
+    def __init__(self, cfg: HybridConfig, model_config, batch: int, max_len: int, dtype):
+        self.cfg, self.model_config = cfg, model_config
+        self.batch, self.max_len = batch, max_len
+        self.n_layers = model_config.num_layers
+        self.hkv, self.d = model_config.num_kv_heads, model_config.head_dim
+        self.dtype = jnp.dtype(dtype)
+        self.nb_max = cfg.host_blocks(max_len)
+        kv_dtype = KV_DTYPE_OF.get(self.dtype.name)
+        if kv_dtype is None:
+            raise ValueError(f"hybrid attention: model dtype {self.dtype} is not supported "
+                             f"(expected one of {sorted(KV_DTYPE_OF)})")
+        need = required_host_bytes(cfg, self.n_layers, batch, max_len, self.hkv, self.d, self.dtype.itemsize)
+        if cfg.host_memory_cap_bytes is not None and cfg.host_memory_cap_bytes < need:
+            raise ValueError(
+                f"host memory cap of {cfg.host_memory_cap_bytes} bytes cannot hold the offloaded KV of "
+                f"{batch} sequence(s) x {max_len} tokens x {self.n_layers} layers ({need} bytes needed)")
+        self.store = KVStore(StoreConfig(
+            n_layers=self.n_layers, n_kv_heads=self.hkv, head_dim=self.d, block_size=cfg.block_size,
+            kv_dtype=kv_dtype, host_memory_cap_bytes=cfg.host_memory_cap_bytes,
+            initial_blocks_per_layer=max(16, min(batch * self.nb_max, 4096))))
+        for b in range(batch):
+            self.store.add_sequence(b)
+        import numba
+        n_threads = cfg.n_threads or max(1, numba.config.NUMBA_NUM_THREADS - 1)
+        self.executor = HostExecutor(self.store, n_workers=1, n_threads=n_threads)
+        self.bridge = HostBridge(self.store, self.executor, range(batch), model_config.attention_scale)
+        self.n_tokens = np.zeros(batch, np.int64)
+        self.decode_steps = 0
+        self._prefill_queries: list[np.ndarray | None] = [None] * self.n_layers  # hgca re-evaluation
+        self._needs_reevaluate = False
+        self._last_recall = np.full(self.n_layers, -10**9)
+        self.mirror = None
+        if cfg.mode == "recall":
+            shape = (self.n_layers, batch, self.hkv, self.nb_max * cfg.block_size, self.d)
+            self.mirror = {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype)}
+        self.reset_counters()
+        log.info("hybrid %s: %d layers x %d sequences, window %d (sink %d + %d x %d), host blocks <= %d",
+                 cfg.mode, self.n_layers, batch, cfg.window_tokens, cfg.sink, cfg.blk_num,
+                 cfg.block_size, self.nb_max)
+
+    def close(self) -> None:
+        self.executor.close(wait=False)
+
+    # ---- counters ----------------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        self._c = dict(evict_s=0.0, transfer_s=0.0, recall_s=0.0, bytes_to_host=0, bytes_to_device=0,
+                       n_evicted_blocks=0, n_recalls=0)
+        self.bridge.reset_counters()
+
+    def counters(self) -> dict:
+        return {**self._c, **self.bridge.counters()}
+
+    def host_kv_bytes(self) -> int:
+        mirror = 0 if self.mirror is None else self.mirror["k"].nbytes * 2
+        return self.store.bytes_used() + mirror
+
+    def stored_tokens(self, layer: int, seq: int) -> int:
+        return self.store.n_tokens(layer, seq)
+
+    # ---- the per-step hook -------------------------------------------------------------------
+    def before_step(self, cache, positions):
+        """Call with the cache and the step's positions [B, T] before running the step."""
+        self.bridge.raise_pending()
+        pos = np.asarray(positions).astype(np.int64)
+        valid = pos >= 0
+        n_new = valid.sum(axis=1)
+        first = np.where(valid.any(axis=1), np.where(valid, pos, np.iinfo(np.int64).max).min(axis=1), self.n_tokens)
+        if np.any(first != self.n_tokens):
+            raise ValueError(f"positions start at {first.tolist()} but the sequences hold "
+                             f"{self.n_tokens.tolist()} tokens (hybrid attention needs contiguous appends)")
+        if pos.shape[1] > 1 and n_new.max() > self.cfg.max_prefill_chunk:
+            raise ValueError(f"a prefill chunk of {int(n_new.max())} tokens does not fit the GPU ring of "
+                             f"{self.cfg.ring_tokens} tokens; use chunks of at most {self.cfg.max_prefill_chunk}")
+        after = self.n_tokens + n_new
+        if np.any(after > self.max_len):
+            raise ValueError(f"sequence lengths {after.tolist()} exceed the cache's max_len={self.max_len}")
+        e0, e1 = evicted_blocks(self.n_tokens, self.cfg), evicted_blocks(after, self.cfg)
+        if np.any(e1 > e0):
+            cache = self._evict(cache, e0, e1)
+        if pos.shape[1] > 1:
+            self._remember_turn_queries(pos)
+        else:
+            if self._needs_reevaluate:
+                self._reevaluate()
+            if self.cfg.mode == "recall":
+                cache = self._upload_offloaded(cache)
+            if self.cfg.pool_blocks() and self.decode_steps > 0:
+                cache = self._maybe_recall(cache, e1)
+            self.decode_steps += 1
+        self.n_tokens = after
+        return cache
+
+    # ---- eviction ----------------------------------------------------------------------------
+    def _evict(self, cache, e0, e1):
+        start = time.perf_counter()
+        rows = [(b, blk) for b in range(self.batch) for blk in range(int(e0[b]), int(e1[b]))]
+        n = len(rows)
+        size = _next_pow2(n)
+        seq = np.full(size, self.batch, np.int32)  # out of range: dropped by the digest scatter
+        blk = np.full(size, self.nb_max, np.int32)
+        seq[:n] = [r[0] for r in rows]
+        blk[:n] = [r[1] for r in rows]
+        layers, k, v, maw = _gather_blocks(self.cfg, cache.layers, jnp.asarray(seq), jnp.asarray(blk))
+        t0 = time.perf_counter()
+        k, v, maw = to_host(k), to_host(v), to_host(maw)  # [L, N, bs, Hkv, D], ..., [L, N, bs, Hkv]
+        self._c["transfer_s"] += time.perf_counter() - t0
+        self._c["bytes_to_host"] += k.nbytes + v.nbytes + maw.nbytes
+        bs, s = self.cfg.block_size, self.cfg.sink
+        by_seq: dict[int, list[int]] = {}
+        for i, (b, _) in enumerate(rows):
+            by_seq.setdefault(b, []).append(i)
+        for layer in range(self.n_layers):
+            numbers = []
+            for b, idx in by_seq.items():
+                blocks = blk[idx]
+                positions = s + blocks[:, None].astype(np.int64) * bs + np.arange(bs)[None, :]
+                got = self.store.append_blocks(layer, b, k[layer, idx], v[layer, idx], maw[layer, idx], positions)
+                if not np.array_equal(got, blocks):
+                    raise RuntimeError(f"host store numbered blocks {got.tolist()} for layer {layer} "
+                                       f"sequence {b}; the GPU ring evicted {blocks.tolist()}")
+                numbers.append(got)
+                if self.mirror is not None:
+                    for j, i in enumerate(idx):
+                        lo = int(blocks[j]) * bs
+                        self.mirror["k"][layer, b, :, lo:lo + bs] = k[layer, i].transpose(1, 0, 2)
+                        self.mirror["v"][layer, b, :, lo:lo + bs] = v[layer, i].transpose(1, 0, 2)
+            if self.cfg.mode == "hgca":
+                self.executor.submit_sparsify(layer, list(by_seq), numbers, self.cfg.beta, self.cfg.window_tokens)
+        self._c["n_evicted_blocks"] += n * self.n_layers
+        self._c["evict_s"] += time.perf_counter() - start
+        return cache.replace(layers=layers)
+
+    # ---- hgca re-evaluation ------------------------------------------------------------------
+    def _remember_turn_queries(self, pos: np.ndarray) -> None:
+        """Called before a prefill chunk: keep the previous chunk's queries (recorded by the bridge)."""
+        self._collect_turn_queries()
+        self._last_chunk_valid = (pos >= 0).sum(axis=1)
+        self._needs_reevaluate = self.cfg.mode == "hgca"
+
+    def _collect_turn_queries(self) -> None:
+        valid = getattr(self, "_last_chunk_valid", None)
+        if valid is None:
+            return
+        keep = self.cfg.reevaluate_queries
+        for layer in range(self.n_layers):
+            q = self.bridge.last_queries.get(layer)
+            if q is None or q.shape[1] == 1:
+                continue
+            old = self._prefill_queries[layer]
+            rows = []
+            for b in range(self.batch):
+                mine = q[b, max(0, int(valid[b]) - keep):int(valid[b])]
+                if old is not None:
+                    mine = np.concatenate([old[b], mine])[-keep:] if mine.shape[0] < keep else mine
+                rows.append(mine)
+            tq = min(r.shape[0] for r in rows)
+            if tq > 0:
+                self._prefill_queries[layer] = np.stack([r[-tq:] for r in rows])
+        self._last_chunk_valid = None
+
+    def _reevaluate(self) -> None:
+        self._collect_turn_queries()
+        self._needs_reevaluate = False
+        if all(self.store.n_blocks(0, b) == 0 for b in range(self.batch)):
+            return
+        for layer in range(self.n_layers):
+            q = self._prefill_queries[layer]
+            if q is not None:
+                self.executor.submit_reevaluate(layer, range(self.batch), q, self.cfg.beta,
+                                                self.model_config.attention_scale)
+        self._prefill_queries = [None] * self.n_layers
+
+    # ---- recall mode: everything back, every step --------------------------------------------
+    def _upload_offloaded(self, cache):
+        t0 = time.perf_counter()
+        layers = []
+        for layer, state in enumerate(cache.layers):
+            state = dict(state)
+            state["off_k"] = jax.device_put(self.mirror["k"][layer])
+            state["off_v"] = jax.device_put(self.mirror["v"][layer])
+            layers.append(state)
+        self._c["transfer_s"] += time.perf_counter() - t0
+        self._c["bytes_to_device"] += self.mirror["k"].nbytes * 2
+        return cache.replace(layers=tuple(layers))
+
+    # ---- scout: periodic recall of important blocks to the GPU pool ---------------------------
+    def _maybe_recall(self, cache, n_blocks: np.ndarray):
+        cfg, r = self.cfg, self.cfg.pool_blocks()
+        k_budget = np.minimum(cfg.topk_blocks or self.nb_max, n_blocks)  # [B]
+        budget = int(k_budget.sum()) * self.hkv
+        layers = list(cache.layers)
+        for layer in range(self.n_layers):
+            ids = self.bridge.last_block_ids.get(layer)
+            if ids is None or budget == 0:
+                continue
+            share = float((ids >= 0).sum()) / budget
+            if share <= cfg.recall_threshold or self.decode_steps - self._last_recall[layer] < cfg.recall_min_interval:
+                continue
+            start = time.perf_counter()
+            pool_blocks = np.asarray(layers[layer]["pool_blocks"])
+            new_blocks = np.full((self.batch, r), -1, np.int32)
+            pool_k = np.zeros((self.batch * r, self.hkv, cfg.block_size, self.d), self.dtype)
+            pool_v = np.zeros_like(pool_k)
+            for b in range(self.batch):
+                chosen, counts = np.unique(ids[b][ids[b] >= 0], return_counts=True)
+                ranked = list(chosen[np.argsort(-counts, kind="stable")])
+                ranked += [int(x) for x in pool_blocks[b] if x >= 0 and x not in ranked]
+                ranked = np.array(ranked[:r], np.int64)
+                if ranked.size == 0:
+                    continue
+                blocks = self.store.read_blocks(layer, b, ranked)
+                kf = from_storage(blocks["k"], self.store.config.kv_dtype).transpose(0, 2, 1, 3)
+                vf = from_storage(blocks["v"], self.store.config.kv_dtype).transpose(0, 2, 1, 3)
+                pool_k[b * r:b * r + ranked.size] = kf.astype(self.dtype)
+                pool_v[b * r:b * r + ranked.size] = vf.astype(self.dtype)
+                new_blocks[b, :ranked.size] = ranked
+            state = dict(layers[layer])
+            state["pool_k"], state["pool_v"] = jax.device_put(pool_k), jax.device_put(pool_v)
+            state["pool_blocks"] = jax.device_put(new_blocks)
+            layers[layer] = state
+            if cfg.predicts() and layer > 0:
+                prev = dict(layers[layer - 1])
+                prev["next_pool_blocks"] = jax.device_put(new_blocks)
+                layers[layer - 1] = prev
+            self._last_recall[layer] = self.decode_steps
+            self._c["n_recalls"] += 1
+            self._c["bytes_to_device"] += pool_k.nbytes * 2
+            self._c["recall_s"] += time.perf_counter() - start
+        return cache.replace(layers=tuple(layers))
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def _gather_blocks(cfg: HybridConfig, layers: tuple, seq: jax.Array, blk: jax.Array):
+    """Gather ring blocks (seq[n], block number blk[n]) of every layer; write their key digests.
+
+    Returns (layers, k, v [L, N, bs, Hkv, D], maw [L, N, bs, Hkv] float32). Padding rows have
+    seq = B (their gathers clamp, their digest writes are dropped).
+    """
+    bs = cfg.block_size
+    slots = (blk % cfg.blk_num)[:, None] * bs + jnp.arange(bs)[None, :]  # [N, bs]
+    rows = jnp.minimum(seq, layers[0]["k_ring"].shape[0] - 1)[:, None]
+    ks, vs, maws, digests = [], [], [], []
+    for state in layers:
+        k = state["k_ring"][rows, :, slots]  # [N, bs, Hkv, D]
+        ks.append(k)
+        vs.append(state["v_ring"][rows, :, slots])
+        maws.append(state["maw"][rows, :, slots])
+        digests.append((jnp.min(k, axis=1), jnp.max(k, axis=1)))  # [N, Hkv, D]
+    new_layers = []
+    for i, state in enumerate(layers):
+        state = dict(state)
+        for prefix, source in (("", i), ("next_", i + 1)):
+            if prefix + "kmin" in state:
+                kmin, kmax = digests[source]
+                state[prefix + "kmin"] = state[prefix + "kmin"].at[seq, :, blk].set(kmin, mode="drop")
+                state[prefix + "kmax"] = state[prefix + "kmax"].at[seq, :, blk].set(kmax, mode="drop")
+        new_layers.append(state)
+    return tuple(new_layers), jnp.stack(ks), jnp.stack(vs), jnp.stack(maws)
