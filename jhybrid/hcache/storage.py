@@ -196,7 +196,7 @@ class LayerAppender:
 
     def append(self, chunk: np.ndarray) -> int:
         """Writes one full chunk [chunk_tokens, row] and returns its crc32."""
-        data = memoryview(np.ascontiguousarray(chunk)).cast("B")
+        data = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
         assert data.nbytes == self.chunk_bytes
         self.files[self.num_chunks % len(self.files)].write(data)
         self.num_chunks += 1
