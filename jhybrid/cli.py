@@ -20,6 +20,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill step")
     p.add_argument("--attention", default="full", help="attention backend (default full)")
+    p.add_argument("--mode", default=None,
+                   help="attention mode: full, recall, hgca, scout, streaming or topk (overrides "
+                        "--attention; the --window ... options below configure it)")
+    p.add_argument("--window", type=int, default=1024, help="GPU window tokens, sinks included")
+    p.add_argument("--block-size", type=int, default=16, help="eviction / selection block tokens")
+    p.add_argument("--sink", type=int, default=16, help="attention-sink tokens kept on the GPU")
+    p.add_argument("--beta", type=float, default=1.0, help="hgca salience threshold factor")
+    p.add_argument("--topk-blocks", type=int, default=None, help="scout/topk block budget (default all)")
     p.add_argument("--dtype", default=None, help="parameter/activation dtype, e.g. bfloat16")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
@@ -55,7 +63,13 @@ def _generate(args) -> int:
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed)  # validates before the slow load
-    backend = get_backend(args.attention)
+    if args.mode is not None:
+        from jhybrid.hybrid import make_backend
+
+        backend = make_backend(args.mode, window_tokens=args.window, block_size=args.block_size,
+                               sink=args.sink, beta=args.beta, topk_blocks=args.topk_blocks)
+    else:
+        backend = get_backend(args.attention)
     start = time.perf_counter()
     pretrained = _load_with_progress(args.model, args.dtype)
     if pretrained.tokenizer is None:

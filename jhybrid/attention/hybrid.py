@@ -95,9 +95,6 @@ class HybridAttention(AttentionBackend):
         if cfg.topk_blocks is not None and cfg.topk_blocks * cfg.block_size > max_len:
             raise ValueError(f"top-k budget of {cfg.topk_blocks} blocks x {cfg.block_size} tokens is larger "
                              f"than the context of {max_len} tokens")
-        if cfg.pool_blocks() * cfg.block_size > max_len:
-            raise ValueError(f"recall pool of {cfg.pool_blocks()} blocks is larger than the context of "
-                             f"{max_len} tokens")
         if layer_idx == 0:
             if self.manager is not None:
                 self.manager.close()
