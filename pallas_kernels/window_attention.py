@@ -148,14 +148,17 @@ def default_tuning(programs: int, tokens: int, d: int, block_k=None, num_splits=
         block_k = 32 if d >= 256 else 64
     if tokens < block_k:
         block_k = max(16, next_pow2(tokens))
+    num_warps = num_warps or 4
+    num_stages = num_stages or 4
     if num_splits is None:
         # Small grids need several programs per SM to pull full bandwidth; large ones need few.
+        # Each split keeps >= num_stages blocks so the software pipeline has something to overlap.
         target = 528 if programs < 64 else 256
-        num_splits = max(1, min(target // programs, -(-tokens // block_k)))
+        num_splits = max(1, min(target // programs, tokens // (block_k * num_stages)))
     split_size = -(-tokens // num_splits)
     split_size = -(-split_size // block_k) * block_k
     num_splits = -(-tokens // split_size)
-    return block_k, num_splits, split_size, num_warps or 4, num_stages or 4
+    return block_k, num_splits, split_size, num_warps, num_stages
 
 
 def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, softcap, want_scores,
