@@ -19,7 +19,7 @@ per-token work:
     it after the layer and consumes it one step later).
 
 Counters (cumulative seconds): evict_s, transfer_s (device<->host bulk copies), recall_s,
-bytes_to_host, bytes_to_device, n_evicted_blocks, n_recalls; plus the bridge's.
+bytes_to_host, bytes_to_device, n_evicted_blocks, n_recalls, n_reevaluations; plus the bridge's.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class KVManager:
     # ---- counters ----------------------------------------------------------------------------
     def reset_counters(self) -> None:
         self._c = dict(evict_s=0.0, transfer_s=0.0, recall_s=0.0, bytes_to_host=0, bytes_to_device=0,
-                       n_evicted_blocks=0, n_recalls=0)
+                       n_evicted_blocks=0, n_recalls=0, n_reevaluations=0)
         self.bridge.reset_counters()
 
     def counters(self) -> dict:
@@ -239,6 +239,7 @@ class KVManager:
             if q is not None:
                 self.executor.submit_reevaluate(layer, range(self.batch), q, self.cfg.beta,
                                                 self.model_config.attention_scale)
+                self._c["n_reevaluations"] += 1
         self._prefill_queries = [None] * self.n_layers
 
     # ---- recall mode: everything back, every step --------------------------------------------
