@@ -1,0 +1,72 @@
+"""Print the markdown tables of BENCHMARKS.md from the JSON files in benchmarks/results/.
+
+  python benchmarks/render_tables.py kernels|host|ppl [results/file.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _f(v, nd=1):
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def kernels(path):
+    d = json.load(open(path))
+    dense = [r for r in d["rows"] if r["kernel"] == "dense_window"]
+    print(f"Device: {d['device']}; {d['date']}; jax {d['versions']['jax']}\n")
+    print(table(
+        ["B", "context", "ours µs", "ours TB/s", "cuDNN µs", "cuDNN TB/s", "XLA µs", "JAX gqa µs", "copy TB/s",
+         "ours / cuDNN time", "rel err vs jnp"],
+        [[str(r["batch"]), str(r["context"]), _f(r.get("median_us")), _f(r.get("achieved_GBps", 0) / 1e3, 2),
+          _f(r.get("cudnn_us")), _f(r.get("cudnn_GBps", 0) / 1e3, 2), _f(r.get("xla_us")), _f(r.get("jax_gqa_us")),
+          _f(r.get("copy_GBps", 0) / 1e3, 2), _f(r["median_us"] / r["cudnn_us"], 2) if "cudnn_us" in r else "-",
+          f"{r.get('rel_err_o', float('nan')):.1e}"] for r in dense]))
+    sparse = [r for r in d["rows"] if r["kernel"] == "block_sparse"]
+    print()
+    print(table(
+        ["B", "context", "block", "selected", "µs", "TB/s on selected bytes", "copy TB/s", "% of copy"],
+        [[str(r["batch"]), str(r["context"]), str(r["block_size"]), f"{r['selected_frac']:.0%}", _f(r["median_us"]),
+          _f(r["achieved_GBps"] / 1e3, 2), _f(r["copy_GBps"] / 1e3, 2), f"{r['achieved_GBps'] / r['copy_GBps']:.0%}"]
+         for r in sparse if "median_us" in r]))
+    for r in d["rows"]:
+        if r["kernel"] == "digest_topk" and "median_us" in r:
+            print(f"\nDigest scoring + top-k, B={r['batch']}, {r['context']} tokens, block {r['block_size']}, "
+                  f"budget {r['budget_tokens']}: {r['median_us']:.1f} µs (Pallas scores alone {r['score_only_us']:.1f} µs "
+                  f"= {r['achieved_GBps'] / 1e3:.2f} TB/s of digests; jnp scores + top-k {r['jnp_reference_us']:.1f} µs)")
+
+
+def host(path):
+    d = json.load(open(path))
+    print(f"Device: {d['device']}; {d['date']}\n")
+    rows = [r for r in d["rows"] if r["kernel"] in ("context_cache", "chosen_blocks")]
+    print(table(
+        ["kernel", "D", "B·Hkv", "tokens/head", "µs", "GB/s", "read ceiling GB/s", "% of ceiling", "NumPy µs", "torch µs"],
+        [[r["kernel"], str(r["D"]), str(r["batch_heads"]), str(r["tokens"]), _f(r["median_us"]),
+          _f(r["achieved_GBps"]), _f(r["read_ceiling_GBps"]), _f(100 * r["achieved_GBps"] / r["read_ceiling_GBps"], 0),
+          _f(r.get("numpy_us"), 0), _f(r.get("torch_us"), 0)] for r in rows]))
+    for r in d["rows"]:
+        if r["kernel"] not in ("context_cache", "chosen_blocks"):
+            print(f"\n{r['kernel']}: {r['median_us']:.0f} µs ({r.get('note', '')})")
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    default = {"kernels": "kernels-h100.json", "host": "host-attention-h100.json"}[what]
+    path = sys.argv[2] if len(sys.argv) > 2 else os.path.join(HERE, "results", default)
+    {"kernels": kernels, "host": host}[what](path)
