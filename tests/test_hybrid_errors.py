@@ -1,0 +1,131 @@
+"""Hybrid attention: bad input is a clear ValueError before anything compiles; a host exception
+inside a callback surfaces as a Python error carrying the host traceback, never a hang; the host
+bridge on its own."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from host import HostExecutor, KVStore, StoreConfig
+from host.bridge import HostBridge
+from host.reference import reference_attention, stored_tokens
+from jhybrid.attention import get_backend
+from jhybrid.attention.hybrid import make_backend
+from jhybrid.generation import Generator, make_step
+from jhybrid.hybrid import HybridConfig
+from jhybrid.models import ModelConfig, create_model
+
+CONFIG = ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=64, mlp_dim=128, max_position_embeddings=256)
+SMALL = dict(window_tokens=40, block_size=16, sink=8, n_threads=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(CONFIG, seed=0)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(mode="warp"), "unknown attention mode 'warp'"),
+    (dict(window_tokens=20, sink=8, block_size=16), "too small for one block"),
+    (dict(window_tokens=40, sink=40, block_size=16), "too small for one block"),
+    (dict(window_tokens=41, sink=8, block_size=16), "not a multiple of block_size"),
+    (dict(alpha=0.0), "alpha"),
+    (dict(beta=0.0), "beta"),
+    (dict(topk_blocks=0), "topk_blocks"),
+    (dict(exchange="async"), "exchange"),
+])
+def test_bad_config(options, message):
+    with pytest.raises(ValueError, match=message):
+        HybridConfig(**options)
+
+
+def test_unknown_mode_through_get_backend():
+    with pytest.raises(ValueError, match="available"):
+        get_backend("warp")
+    assert get_backend("scout").name == "scout" and get_backend("full").name == "full"
+
+
+def test_budget_larger_than_context(model):
+    backend = make_backend("topk", topk_blocks=64, **SMALL)
+    with pytest.raises(ValueError, match="larger than the context"):
+        model.init_cache(2, 128, backend)
+
+
+def test_host_cap_too_small(model):
+    backend = make_backend("hgca", host_memory_cap_bytes=10_000, **SMALL)
+    with pytest.raises(ValueError, match="cannot hold"):
+        model.init_cache(2, 128, backend)
+    generator = Generator(model, backend)
+    with pytest.raises(ValueError, match="cannot hold"):
+        generator.generate([[1, 2, 3]], max_new_tokens=4)
+    assert generator.compile_seconds == 0.0  # nothing was compiled
+
+
+def test_unsupported_head_dim():
+    tiny = ModelConfig(family="llama", vocab_size=31, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                       head_dim=8, mlp_dim=32, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="head_dim"):
+        create_model(tiny).init_cache(1, 32, make_backend("hgca", **SMALL))
+
+
+def test_prefill_chunk_larger_than_ring(model):
+    backend = make_backend("hgca", **SMALL)
+    cache = model.init_cache(1, 128, backend)
+    positions = np.arange(32, dtype=np.int32)[None]
+    with pytest.raises(ValueError, match="prefill chunk"):
+        backend.before_step(cache, positions)
+    # The Generator bounds its chunk by the backend's ring instead.
+    assert Generator(model, backend, prefill_chunk=256).prefill_chunk == backend.max_prefill_chunk
+
+
+def test_host_exception_in_callback_surfaces(model, monkeypatch):
+    backend = make_backend("hgca", **SMALL)
+    step, params = make_step(model, backend)
+    cache = model.init_cache(1, 128, backend)
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("host attention exploded")
+
+    monkeypatch.setattr(backend.manager.bridge, "_timed_attention", broken)
+    positions = np.arange(16, dtype=np.int32)[None]
+    cache = backend.before_step(cache, positions)
+    start = time.perf_counter()
+    with pytest.raises(Exception, match="host attention exploded") as info:
+        logits, cache = step(params, np.zeros((1, 16), np.int32), positions, cache)
+        np.asarray(logits)
+    assert time.perf_counter() - start < 60
+    text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert "host attention exploded" in text
+    # The original exception (with the worker's traceback note) is re-raised before the next step.
+    with pytest.raises(ZeroDivisionError) as original:
+        backend.before_step(cache, positions + 16)
+    assert any("host worker thread" in n for n in getattr(original.value, "__notes__", []))
+
+
+def test_bridge_submit_collect_matches_reference(rng):
+    bs, hkv, d, n_blocks = 16, 2, 64, 3
+    store = KVStore(StoreConfig(n_layers=1, n_kv_heads=hkv, head_dim=d, block_size=bs, kv_dtype="fp32"))
+    store.add_sequence(0)
+    k = rng.standard_normal((n_blocks, bs, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((n_blocks, bs, hkv, d)).astype(np.float32)
+    store.append_blocks(0, 0, k, v, np.ones((n_blocks, bs, hkv), np.float32),
+                        np.arange(n_blocks * bs).reshape(n_blocks, bs))
+    with HostExecutor(store, n_threads=1) as executor:
+        bridge = HostBridge(store, executor, [0], scale=d ** -0.5)
+        q = rng.standard_normal((1, 1, 4, d)).astype(np.float32)
+        o, lse = bridge.collect(bridge.submit(0, q, "all"))
+        ids = np.array([[[2, -1], [0, 1]]])
+        o_b, lse_b = bridge.cb_collect(bridge.cb_submit(0, "blocks", q, ids))
+        with pytest.raises(RuntimeError, match="unknown ticket"):
+            bridge.collect(12345)
+        counters = bridge.counters()
+    keys, values = stored_tokens(store, 0, 0)
+    o_ref, lse_ref = reference_attention(q, [keys], [values], hkv, d ** -0.5)
+    np.testing.assert_allclose(o, o_ref, atol=1e-5)
+    np.testing.assert_allclose(lse, lse_ref, atol=1e-5)
+    assert np.isfinite(o_b).all() and counters["n_tasks"] == 2 and counters["n_callbacks"] == 2
+    assert counters["cpu_tokens"] == 3 * bs
