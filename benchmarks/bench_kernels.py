@@ -186,6 +186,36 @@ def sweep_dense(args, rows):
         print("best", best, flush=True)
 
 
+def diag_dense(args, rows):
+    """Where small-shape time goes: whole op vs the split-KV kernel alone, over split counts."""
+    from pallas_kernels.window_attention import _ring_partials
+
+    hq, hkv, d = 32, 8, 128
+    for batch, ctx in ((1, 4096), (1, 32768), (8, 4096)):
+        key = jax.random.key(100 + batch)
+        kq, kk, kvv = jax.random.split(key, 3)
+        kv_bytes = 2 * batch * hkv * ctx * d * 2
+        n_sets = n_sets_for(kv_bytes, args.calls)
+        sets = [(jax.random.normal(jax.random.fold_in(kq, i), (batch, 1, hq, d), jnp.bfloat16),
+                 jax.random.normal(jax.random.fold_in(kk, i), (batch, hkv, ctx, d), jnp.bfloat16),
+                 jax.random.normal(jax.random.fold_in(kvv, i), (batch, hkv, ctx, d), jnp.bfloat16),
+                 jnp.full((batch,), ctx, jnp.int32), jnp.full((batch,), 7, jnp.int32)) for i in range(n_sets)]
+        for splits in (None, 1, 4, 16, 66):
+            row = dict(kernel="dense_diag", batch=batch, context=ctx, num_splits=splits or "default")
+            try:
+                f = lambda *a, s=splits: window_attention(*a, backend="triton", num_splits=s)  # noqa: E731
+                row["median_us"] = timed_per_call(f, sets, args.calls, args.repeats)
+                g = lambda q, k, v, L, S, s=splits: _ring_partials(  # noqa: E731
+                    q, k, v, L, S, causal=False, scale=d**-0.5, softcap=None, want_scores=False, interpret=False,
+                    merge_later=False, block_k=None, num_splits=s, num_warps=None, num_stages=None)[:2]
+                row["kernel_only_us"] = timed_per_call(g, sets, args.calls, args.repeats)
+                row["achieved_GBps"] = kv_bytes / row["median_us"] / 1e3
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(row)
+            print(row, flush=True)
+
+
 def bench_block_sparse(args, rows):
     hq, hkv, d, bs = 32, 8, 128, args.sparse_block
     batch, ctx = args.sparse_batch, args.sparse_context
@@ -285,7 +315,7 @@ def main():
     p.add_argument("--sparse-block", type=int, default=64)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     p.add_argument("--digest-batch", type=int, default=8)
-    p.add_argument("--only", choices=["dense", "sweep", "sparse", "digest"], nargs="+",
+    p.add_argument("--only", choices=["dense", "sweep", "diag", "sparse", "digest"], nargs="+",
                    default=["dense", "sparse", "digest"])
     args = p.parse_args()
     print("devices:", jax.devices(), flush=True)
@@ -295,14 +325,20 @@ def main():
         bench_dense(args, rows)
     if "sweep" in args.only:
         sweep_dense(args, rows)
+    if "diag" in args.only:
+        diag_dense(args, rows)
     if "sparse" in args.only:
         bench_block_sparse(args, rows)
     if "digest" in args.only:
         bench_digest(args, rows)
     write_results(args.out, "kernels", vars(args), rows)
     print()
-    print_table([r for r in rows if r["kernel"] != "dense_sweep"], ["kernel", "batch", "context", "selected_frac", "median_us", "achieved_GBps", "copy_GBps",
+    print_table([r for r in rows if r["kernel"] not in ("dense_sweep", "dense_diag")], ["kernel", "batch", "context", "selected_frac", "median_us", "achieved_GBps", "copy_GBps",
                       "cudnn_us", "cudnn_GBps", "xla_us", "jax_gqa_us", "rel_err_o", "error"])
+    diag = [r for r in rows if r["kernel"] == "dense_diag"]
+    if diag:
+        print()
+        print_table(diag, ["batch", "context", "num_splits", "median_us", "kernel_only_us", "achieved_GBps", "error"])
 
 
 if __name__ == "__main__":
