@@ -112,6 +112,19 @@ class KVManager:
     def close(self) -> None:
         self.executor.close(wait=False)
 
+    def use_store(self, store: KVStore, n_tokens: np.ndarray) -> None:
+        """Adopt an already filled host store holding sequences 0..B-1 (benchmarks: a context
+        written directly instead of prefilled). n_tokens [B]: each sequence's total length."""
+        if store.config.n_layers != self.n_layers or store.config.block_size != self.cfg.block_size:
+            raise ValueError("use_store: the store's layers / block size differ from this manager's")
+        self.executor.close(wait=True)
+        self.store = store
+        self.executor = HostExecutor(store, n_workers=1, n_threads=self.executor.n_threads)
+        self.bridge = HostBridge(store, self.executor, range(self.batch), self.model_config.attention_scale)
+        self.n_tokens = np.asarray(n_tokens, np.int64).copy()
+        self._needs_reevaluate = False
+        self.reset_counters()
+
     # ---- counters ----------------------------------------------------------------------------
     def reset_counters(self) -> None:
         self._c = dict(evict_s=0.0, transfer_s=0.0, recall_s=0.0, bytes_to_host=0, bytes_to_device=0,

@@ -1,0 +1,365 @@
+"""Decode speed of every attention mode, side by side: full, recall, hgca, scout, streaming, topk.
+
+    PYTHONPATH=. python3 benchmarks/bench_hybrid.py --out benchmarks/results/hybrid-h100.json
+    PYTHONPATH=. python3 benchmarks/bench_hybrid.py --quick       # CPU smoke run (tiny model)
+
+Model: Llama-3-8B-shaped (d_model 4096, 32 query / 8 KV heads of dim 128, MLP 14336, vocab 128256),
+random bf16 weights, `--layers` decoder layers (default 4, not 32: the KV of 32 layers x 32K tokens x
+batch 32 is 128 GiB, more than the 80 GB GPU holds for `full` and than the 128 GiB host holds for
+the store; per-layer costs scale linearly, so tokens/s of a 32-layer model is ~ layers/32 of ours).
+
+Context: the 32K-token context is written directly with random KV (GPU window, host store, digests,
+hgca's sparse context cache with `--hgca-keep` of the offloaded tokens salient, recall's mirror)
+instead of running a 32K prefill; then `--steps` decode steps are timed after `--warmup` steps.
+
+Row keys: mode, batch, context, gpu_window, tokens_per_s, step_ms, gpu_attn_ms, cpu_attn_ms,
+callback_ms, gpu_idle_frac, gpu_kv_bytes, host_kv_bytes, plus callbacks_per_step,
+callback_us_per_call, callback_share (of the step), wait_ms (GPU blocked on an unfinished CPU task),
+evict_ms, transfer_ms, recall_ms, cpu_share (scout/topk: CPU-attended tokens / selected budget).
+  step_ms      wall time of one decode step of the whole batch (bookkeeping included)
+  gpu_attn_ms  the step's GPU attention kernels alone, timed in a separate jitted probe over all layers
+  cpu_attn_ms  worker time in the Numba attention kernels per step
+  callback_ms  time inside host callbacks per step; on a GPU the stream is stalled meanwhile, so
+  gpu_idle_frac = callback_ms / step_ms  (the GPU idles while the host holds it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import print_table, write_results  # noqa: E402
+
+from host import KVStore, StoreConfig  # noqa: E402
+from host.kv_store import from_storage  # noqa: E402
+from host.sparsify import sparsify_evicted  # noqa: E402
+from jhybrid.attention.full import masked_attention  # noqa: E402
+from jhybrid.attention.hybrid import make_backend  # noqa: E402
+from jhybrid.hybrid import HybridConfig  # noqa: E402
+from jhybrid.hybrid.config import evicted_blocks  # noqa: E402
+from jhybrid.hybrid.manager import KV_DTYPE_OF  # noqa: E402
+from jhybrid.hybrid.ring import ring_meta  # noqa: E402
+from jhybrid.hybrid.selection import select  # noqa: E402
+from jhybrid.models import ModelConfig, create_model  # noqa: E402
+from pallas_kernels.block_sparse_attention import block_sparse_attention  # noqa: E402
+from pallas_kernels.window_attention import window_attention  # noqa: E402
+
+MODES = ("full", "recall", "hgca", "scout", "streaming", "topk")
+KEYS = ["mode", "batch", "context", "gpu_window", "tokens_per_s", "step_ms", "gpu_attn_ms", "cpu_attn_ms",
+        "callback_ms", "gpu_idle_frac", "gpu_kv_bytes", "host_kv_bytes"]
+EXTRA = ["callbacks_per_step", "callback_us_per_call", "callback_share", "wait_ms", "evict_ms",
+         "transfer_ms", "recall_ms", "cpu_share"]
+
+
+def model_config(args) -> ModelConfig:
+    if args.quick:
+        return ModelConfig(family="llama", vocab_size=512, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                           head_dim=128, mlp_dim=512, max_position_embeddings=args.context + 512,
+                           dtype="bfloat16")
+    return ModelConfig(family="llama", vocab_size=128256, d_model=4096, num_layers=args.layers, num_heads=32,
+                       num_kv_heads=8, head_dim=128, mlp_dim=14336, max_position_embeddings=args.context + 1024,
+                       rope_theta=500000.0, dtype="bfloat16")
+
+
+def window_for(fraction: float, context: int, sink: int, block: int) -> int:
+    ring = max(block, int(fraction * context - sink) // block * block)
+    return sink + ring
+
+
+# ---------------------------------------------------------------------------- context fill
+
+def random_blocks(rng, n: int, bs: int, hkv: int, d: int):
+    """n random blocks [n, bs, Hkv, D] as bf16 bits (uint16)."""
+    x = rng.standard_normal((n, bs, hkv, d), dtype=np.float32)
+    return (x.view(np.uint32) >> 16).astype(np.uint16)
+
+
+class Context:
+    """A random context of `context` tokens per sequence for one (batch, window): one host store
+    shared by every mode (blocks cycle through a pool of random blocks)."""
+
+    def __init__(self, mcfg: ModelConfig, hcfg: HybridConfig, batch: int, context: int, keep: float, seed=0):
+        self.mcfg, self.hcfg, self.batch, self.context = mcfg, hcfg, batch, context
+        rng = np.random.default_rng(seed)
+        hkv, d, bs, nl = mcfg.num_kv_heads, mcfg.head_dim, hcfg.block_size, mcfg.num_layers
+        self.e = int(evicted_blocks(np.int64(context), hcfg))
+        self.pool_k = random_blocks(rng, 64, bs, hkv, d)
+        self.pool_v = random_blocks(rng, 64, bs, hkv, d)
+        threshold = hcfg.beta / hcfg.window_tokens
+        self.pool_maw = np.where(rng.random((64, bs, hkv)) < keep, 2 * threshold, 0.0).astype(np.float32)
+        t0 = time.perf_counter()
+        self.store = KVStore(StoreConfig(n_layers=nl, n_kv_heads=hkv, head_dim=d, block_size=bs,
+                                         kv_dtype="bf16", initial_blocks_per_layer=max(16, batch * self.e)))
+        positions = hcfg.sink + np.arange(self.e * bs, dtype=np.int64).reshape(self.e, bs)
+        for b in range(batch):
+            self.store.add_sequence(b)
+        for layer in range(nl):
+            for b in range(batch):
+                idx = self.index(layer, b)
+                self.store.append_blocks(layer, b, self.pool_k[idx], self.pool_v[idx], self.pool_maw[idx], positions)
+            sparsify_evicted(self.store, layer, range(batch), [np.arange(self.e)] * batch, hcfg.beta,
+                             hcfg.window_tokens)
+        self.fill_s = time.perf_counter() - t0
+
+    def rewind(self) -> None:
+        """Forget the blocks a mode's decode steps evicted, so the next mode starts from the same
+        context (benchmark only: reaches into the store's block counts; the slots simply leak)."""
+        with self.store.lock:
+            for b in range(self.batch):
+                self.store._n_blocks[b][:] = self.e
+
+    def index(self, layer: int, b: int) -> np.ndarray:
+        return (np.arange(self.e) + 7 * b + 13 * layer) % self.pool_k.shape[0]
+
+    def digests(self, layer: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+        kf = from_storage(self.pool_k, "bf16")  # [P, bs, Hkv, D]
+        pmin, pmax = kf.min(axis=1), kf.max(axis=1)  # [P, Hkv, D]
+        shape = (self.batch, self.mcfg.num_kv_heads, nb, self.mcfg.head_dim)
+        kmin, kmax = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        for b in range(self.batch):
+            idx = self.index(layer, b)
+            kmin[b, :, :self.e] = pmin[idx].transpose(1, 0, 2)
+            kmax[b, :, :self.e] = pmax[idx].transpose(1, 0, 2)
+        return kmin, kmax
+
+    def load(self, backend, cache, key):
+        """Write the context into a fresh hybrid cache and hand the store to the backend's manager."""
+        hcfg, manager = backend.config, backend.manager
+        nb = hcfg.host_blocks(manager.max_len)
+        layers = []
+        for layer, state in enumerate(cache.layers):
+            state = dict(state)
+            for name in ("sink_k", "sink_v", "k_ring", "v_ring"):
+                key, sub = jax.random.split(key)
+                state[name] = jax.random.normal(sub, state[name].shape, state[name].dtype)
+            state["maw"] = jnp.full_like(state["maw"], 1.0 / hcfg.window_tokens)
+            for prefix, source in (("", layer), ("next_", layer + 1)):
+                if prefix + "kmin" in state:
+                    kmin, kmax = self.digests(source, nb)
+                    dtype = state[prefix + "kmin"].dtype
+                    state[prefix + "kmin"] = jnp.asarray(kmin, dtype)
+                    state[prefix + "kmax"] = jnp.asarray(kmax, dtype)
+            layers.append(state)
+        if manager.mirror is not None:
+            for layer in range(len(layers)):
+                for b in range(self.batch):
+                    idx = self.index(layer, b)
+                    for name, pool in (("k", self.pool_k), ("v", self.pool_v)):
+                        x = from_storage(pool[idx], "bf16").transpose(2, 0, 1, 3).reshape(
+                            self.mcfg.num_kv_heads, self.e * hcfg.block_size, self.mcfg.head_dim)
+                        manager.mirror[name][layer, b, :, :x.shape[1]] = x.astype(manager.mirror[name].dtype)
+        manager.use_store(self.store, np.full(self.batch, self.context))
+        return cache.replace(layers=tuple(layers), lengths=jnp.full((self.batch,), self.context, jnp.int32))
+
+
+def load_full(cache, context: int, key):
+    layers = []
+    for state in cache.layers:
+        new = {}
+        for name, x in state.items():
+            key, sub = jax.random.split(key)
+            mask = (jnp.arange(x.shape[1]) < context)[None, :, None, None]
+            new[name] = jnp.where(mask, jax.random.normal(sub, x.shape, x.dtype), 0).astype(x.dtype)
+        layers.append(new)
+    b = cache.lengths.shape[0]
+    return cache.replace(layers=tuple(layers), lengths=jnp.full((b,), context, jnp.int32))
+
+
+# ---------------------------------------------------------------------------- GPU attention probe
+
+def gpu_attention_probe(mode, backend, mcfg, cache, batch):
+    """Median ms of the step's GPU attention kernels alone (all layers), in one jitted function."""
+    scale = mcfg.attention_scale
+    q = jax.random.normal(jax.random.key(3), (batch, 1, mcfg.num_heads, mcfg.head_dim), jnp.bfloat16)
+    lengths = cache.lengths
+    positions = (lengths - 1)[:, None]
+
+    def probe(q, layers):
+        outs = []
+        for state in layers:
+            if mode == "full":
+                outs.append(masked_attention(q, state["k"], state["v"], positions, lengths, scale)[1])
+                continue
+            outs.append(backend._window(q, state, lengths, scale)[1])
+            cfg = backend.config
+            if mode == "recall":
+                e = ring_meta(cfg, lengths)[0]
+                outs.append(window_attention(q, state["off_k"], state["off_v"], e * cfg.block_size,
+                                             jnp.zeros_like(e), scale=scale, backend=cfg.kernel_backend)[1])
+            if mode in ("scout", "topk"):
+                e = ring_meta(cfg, lengths)[0]
+                kmin = state.get("kmin", state.get("next_kmin"))
+                kmax = state.get("kmax", state.get("next_kmax"))
+                if kmin is not None:
+                    sel = select(q[:, 0], kmin, kmax, e, backend._k(state), state.get("pool_blocks"),
+                                 cfg.kernel_backend)
+                    outs.append(sel.cpu_ids.astype(jnp.float32))
+                if "pool_k" in state:  # upper bound: every pool block selected
+                    r = state["pool_blocks"].shape[1]
+                    ids = jnp.broadcast_to(jnp.arange(batch * r, dtype=jnp.int32).reshape(batch, 1, r),
+                                           (batch, mcfg.num_kv_heads, r))
+                    counts = jnp.full((batch, mcfg.num_kv_heads), r, jnp.int32)
+                    outs.append(block_sparse_attention(q, state["pool_k"], state["pool_v"], ids, counts,
+                                                       scale=scale, backend=cfg.kernel_backend)[1])
+        return [jnp.sum(o.astype(jnp.float32)) for o in outs]
+
+    fn = jax.jit(probe)
+    jax.block_until_ready(fn(q, cache.layers))
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(q, cache.layers))
+        samples.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(samples))
+
+
+# ---------------------------------------------------------------------------- one mode
+
+def run_mode(mode, args, mcfg, model_parts, batch, window, ctx_cache):
+    graphdef, params = model_parts
+    hcfg = HybridConfig(mode="hgca" if mode == "full" else mode, window_tokens=window, block_size=args.block_size,
+                        sink=args.sink, beta=args.beta, topk_blocks=args.topk_tokens // args.block_size,
+                        recall_blocks=args.recall_blocks, n_threads=args.threads)
+    backend = make_backend(dataclasses.replace(hcfg, mode=mode))
+    max_len = args.context + args.warmup + args.steps + 8
+    model = nnx.merge(graphdef, params)
+    cache = model.init_cache(batch, max_len, backend)
+    key = jax.random.key(1)
+    if mode == "full":
+        cache = load_full(cache, args.context, key)
+    else:
+        if ctx_cache.get("ctx") is None:
+            ctx_cache["ctx"] = Context(mcfg, hcfg, batch, args.context, args.hgca_keep)
+            print(f"  context written: {ctx_cache['ctx'].fill_s:.1f} s", flush=True)
+        ctx_cache["ctx"].rewind()
+        cache = ctx_cache["ctx"].load(backend, cache, key)
+    jax.block_until_ready(cache)
+
+    def decode(params, tokens, positions, cache):
+        m = nnx.merge(graphdef, params)
+        logits, cache = m(tokens[:, None], positions[:, None], cache, backend)
+        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
+
+    step = jax.jit(decode, donate_argnums=(3,))
+    hook = getattr(backend, "before_step", None)
+    tokens = np.zeros(batch, np.int32)
+    held = args.context
+    times = []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup and hook is not None:
+            backend.manager.reset_counters()
+        t0 = time.perf_counter()
+        positions = np.full(batch, held, np.int32)
+        if hook is not None:
+            cache = hook(cache, positions[:, None])
+        tokens, cache = step(params, tokens, positions, cache)
+        tokens = np.asarray(tokens)
+        times.append(time.perf_counter() - t0)
+        held += 1
+    step_s = float(np.median(times[args.warmup:]))
+    steps = args.steps
+    row = dict(mode=mode, batch=batch, context=args.context,
+               gpu_window=args.context if mode == "full" else window, tokens_per_s=batch / step_s, step_ms=1e3 * step_s)
+    row["gpu_attn_ms"] = gpu_attention_probe(mode, backend, mcfg, cache, batch)
+    row["gpu_kv_bytes"] = int(sum(x.nbytes for x in jax.tree_util.tree_leaves(cache.layers)))
+    if hook is None:
+        row.update(cpu_attn_ms=0.0, callback_ms=0.0, gpu_idle_frac=0.0, host_kv_bytes=0, callbacks_per_step=0)
+        return row
+    c = backend.manager.counters()
+    total_s = float(np.sum(times[args.warmup:]))
+    row.update(
+        cpu_attn_ms=1e3 * c["cpu_attn_s"] / steps,
+        callback_ms=1e3 * c["callback_s"] / steps,
+        gpu_idle_frac=c["callback_s"] / total_s,
+        host_kv_bytes=int(backend.manager.host_kv_bytes()),
+        callbacks_per_step=c["n_callbacks"] / steps,
+        callback_us_per_call=1e6 * c["callback_s"] / max(c["n_callbacks"], 1),
+        callback_share=c["callback_s"] / total_s,
+        wait_ms=1e3 * c["wait_s"] / steps,
+        evict_ms=1e3 * c["evict_s"] / steps,
+        transfer_ms=1e3 * c["transfer_s"] / steps,
+        recall_ms=1e3 * c["recall_s"] / steps,
+    )
+    if mode in ("scout", "topk"):
+        budget = steps * mcfg.num_layers * batch * mcfg.num_kv_heads * min(args.topk_tokens, ctx_cache["ctx"].e * args.block_size)
+        row["cpu_share"] = c["cpu_tokens"] / max(budget, 1)
+    backend.manager.close()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="JSON output (default benchmarks/results/hybrid-<device>.json)")
+    p.add_argument("--quick", action="store_true", help="tiny model and context: a CPU smoke run")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--batches", default="8,32")
+    p.add_argument("--windows", default="0.25,0.05", help="GPU window as fractions of the context")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sink", type=int, default=16)
+    p.add_argument("--beta", type=float, default=1.0)
+    p.add_argument("--hgca-keep", type=float, default=0.1, help="fraction of offloaded tokens hgca keeps")
+    p.add_argument("--topk-tokens", type=int, default=2048, help="scout/topk budget in tokens")
+    p.add_argument("--recall-blocks", type=int, default=128, help="scout GPU pool blocks per sequence")
+    p.add_argument("--threads", type=int, default=None, help="Numba threads (default cores - 1)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--budget-s", type=float, default=390.0, help="skip what is left after this many seconds")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.context, args.batches, args.steps, args.warmup = 1024, "2", 3, 2
+        args.topk_tokens, args.recall_blocks = 256, 8
+        args.layers = 2
+    start = time.perf_counter()
+    mcfg = model_config(args)
+    model = create_model(mcfg, seed=0)
+    graphdef, params = nnx.split(model)
+    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params)
+    del model
+    modes = [m for m in args.modes.split(",") if m]
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for fraction in [float(w) for w in args.windows.split(",")]:
+            window = window_for(fraction, args.context, args.sink, args.block_size)
+            ctx_cache = {}
+            for mode in modes:
+                if time.perf_counter() - start > args.budget_s:
+                    print(f"time budget spent: skipping {mode} batch {batch} window {window}", flush=True)
+                    rows.append(dict(mode=mode, batch=batch, context=args.context, gpu_window=window,
+                                     error="skipped: time budget"))
+                    continue
+                print(f"{mode}: batch {batch}, context {args.context}, window {window}", flush=True)
+                try:
+                    row = run_mode(mode, args, mcfg, (graphdef, params), batch, window, ctx_cache)
+                except Exception as exc:  # noqa: BLE001 - an OOM in one mode must not lose the others
+                    traceback.print_exc()
+                    row = dict(mode=mode, batch=batch, context=args.context, gpu_window=window,
+                               error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                rows.append(row)
+                print("  " + ", ".join(f"{k}={row.get(k)}" for k in KEYS[4:] if k in row), flush=True)
+            ctx_cache.clear()
+    print_table(rows, KEYS + EXTRA)
+    config = dict(vars(args), model=dataclasses.asdict(mcfg), kv_dtype=KV_DTYPE_OF["bfloat16"],
+                  note=("random weights and a random context written directly (no prefill); "
+                        f"{mcfg.num_layers} of Llama-3-8B's 32 layers"))
+    device = "cpu" if jax.devices()[0].platform == "cpu" else "h100"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"hybrid-{device}{'-quick' if args.quick else ''}.json")
+    write_results(out, "hybrid attention modes: decode speed and per-step breakdown", config, rows)
+    print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
