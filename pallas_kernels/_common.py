@@ -159,5 +159,35 @@ def dot_f32(a, b, *, trans_b: bool = False, exact: bool = False):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def online_softmax_init(rows: int, d: int):
+    """Initial (acc [rows, D], running max [rows], running sum [rows]) of the online softmax."""
+    return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG_BIG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax_step(carry, s, valid, v_tile, exact: bool):
+    """Fold one KV tile into the online softmax (FlashAttention-2 style, unnormalised acc).
+
+    carry: (acc [R, D], m [R], l [R]) float32; s: [R, N] scaled scores; valid: [R, N] or [1, N] bool;
+    v_tile: [N, D]. Masked entries get probability exactly 0 (not exp of a large negative number),
+    so rows that have seen no valid token stay at acc = 0, l = 0.
+    """
+    acc, m_prev, l_prev = carry
+    m_next = jnp.maximum(m_prev, jnp.max(jnp.where(valid, s, NEG_BIG), axis=1))
+    corr = jnp.exp(m_prev - m_next)
+    p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
+    acc = acc * corr[:, None] + dot_f32(p.astype(v_tile.dtype), v_tile, exact=exact)
+    return acc, m_next, l_prev * corr + jnp.sum(p, axis=1)
+
+
+def gpu_compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
+    """``pallas_call`` keyword arguments for the Triton lowering (none in interpret mode)."""
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as plgpu
+
+    return {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+
 def softcap_scores(s: jnp.ndarray, softcap: float | None) -> jnp.ndarray:
     return s if softcap is None else softcap * jnp.tanh(s / softcap)

@@ -92,12 +92,8 @@ def block_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, num_blocks: jax
     g = hq // hkv
     bn = min(blocks_per_program, C.next_pow2(nb))
     qg = q.reshape(b, hkv, g, d)
-    extra = {}
     interpret = backend == "interpret"
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    extra = C.gpu_compiler_params(interpret, num_warps, num_stages=2)
     return pl.pallas_call(
         functools.partial(_score_kernel, group=g, bn=bn, nb=nb),
         grid=(b, hkv, -(-nb // bn)),

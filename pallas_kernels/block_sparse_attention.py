@@ -74,11 +74,7 @@ def block_sparse_attention(
     )
     k_flat = k_pool.reshape(p_blocks * hkv * bs, d)
     v_flat = v_pool.reshape(p_blocks * hkv * bs, d)
-    extra = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    extra = C.gpu_compiler_params(interpret, num_warps, num_stages)
     full2 = lambda x: pl.BlockSpec(x.shape, lambda bi, hi, ri, si: (0, 0))  # noqa: E731
     o_parts, lse_parts = pl.pallas_call(
         kernel,
@@ -154,7 +150,6 @@ def _sparse_kernel(count_ref, ids_ref, blen_ref, q_ref, k_ref, v_ref, o_ref, lse
     dcol = jnp.arange(d, dtype=jnp.int32)
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry
         tok = lo + i * block_k + col  # token index within this (sequence, head)'s list
         entry = tok // bs
         row_in_block = tok % bs
@@ -165,20 +160,10 @@ def _sparse_kernel(count_ref, ids_ref, blen_ref, q_ref, k_ref, v_ref, o_ref, lse
         flat_row = (pool_id * hkv + head) * bs + row_in_block
         kv = plgpu.load(k_ref.at[flat_row[:, None], dcol[None, :]], mask=valid[:, None], other=0.0)
         s = C.softcap_scores(C.dot_f32(q, kv, trans_b=True, exact=exact_fp32) * scale, softcap)
-        m_cur = jnp.max(jnp.where(valid[None, :], s, C.NEG_BIG), axis=1)
-        m_next = jnp.maximum(m_prev, m_cur)
-        corr = jnp.exp(m_prev - m_next)
-        p = jnp.where(valid[None, :], jnp.exp(s - m_next[:, None]), 0.0)
         vv = plgpu.load(v_ref.at[flat_row[:, None], dcol[None, :]], mask=valid[:, None], other=0.0)
-        acc = acc * corr[:, None] + C.dot_f32(p.astype(vv.dtype), vv, exact=exact_fp32)
-        return acc, m_next, l_prev * corr + jnp.sum(p, axis=1)
+        return C.online_softmax_step(carry, s, valid[None, :], vv, exact_fp32)
 
-    init = (
-        jnp.zeros((q.shape[0], d), jnp.float32),
-        jnp.full((q.shape[0],), C.NEG_BIG, jnp.float32),
-        jnp.zeros((q.shape[0],), jnp.float32),
-    )
-    acc, m, l = jax.lax.fori_loop(0, n_iter, body, init)
+    acc, m, l = jax.lax.fori_loop(0, n_iter, body, C.online_softmax_init(row_tile, d))
     o, lse = C.finish_split(acc, m, l, o_ref.dtype)
     C.store_rows(o_ref, row_idx, row_tile, rows, o)
     C.store_rows(lse_ref, row_idx, row_tile, rows, lse)

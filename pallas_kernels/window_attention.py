@@ -196,11 +196,7 @@ def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, sof
     if want_scores:
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, rows, w), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, rows, w), lambda bi, hi, ri, si: (bi, hi, 0, 0)))
-    extra = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    extra = C.gpu_compiler_params(interpret, num_warps, num_stages)
     outs = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_tiles, num_splits),
@@ -238,7 +234,6 @@ def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *score
     col = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry
         slot0 = split_lo + i * block_k
         slots = slot0 + col
         in_ring = slots < ring
@@ -253,20 +248,10 @@ def _ring_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *score
                 jnp.where(valid, s, -jnp.inf),
                 mask=(row_ids < rows)[:, None] & in_ring[None, :],
             )
-        m_cur = jnp.max(jnp.where(valid, s, C.NEG_BIG), axis=1)
-        m_next = jnp.maximum(m_prev, m_cur)
-        corr = jnp.exp(m_prev - m_next)
-        p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
         vv = plgpu.load(v_ref.at[pl.ds(slot0, block_k), :], mask=in_ring[:, None], other=0.0)
-        acc = acc * corr[:, None] + C.dot_f32(p.astype(vv.dtype), vv, exact=exact_fp32)
-        return acc, m_next, l_prev * corr + jnp.sum(p, axis=1)
+        return C.online_softmax_step(carry, s, valid, vv, exact_fp32)
 
-    init = (
-        jnp.zeros((row_tile, d), jnp.float32),
-        jnp.full((row_tile,), C.NEG_BIG, jnp.float32),
-        jnp.zeros((row_tile,), jnp.float32),
-    )
-    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
+    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, C.online_softmax_init(row_tile, d))
     o, lse = C.finish_split(acc, m, l, o_ref.dtype)
     C.store_rows(o_ref, row_idx, row_tile, rows, o)
     C.store_rows(lse_ref, row_idx, row_tile, rows, lse)
