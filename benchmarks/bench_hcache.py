@@ -15,7 +15,8 @@ values). Storage:
         every file is dropped with posix_fadvise(DONTNEED) after fsync before each read (no
         O_DIRECT), so reads come from the device.
 The planner profiles per-layer costs (layer-0 transfer of hidden and KV, one projection; the
-recompute cost per layer is the measured recompute restore / L) and picks per layer a method.
+recompute cost per layer is the measured recompute restore / L), picks per layer a method, and
+(confirm_plan) keeps a mixed plan only if it measures faster than the best single method.
 restore_ms: median wall time of restore_kv until every layer's K, V is on the device.
 
     PYTHONPATH=. python3 benchmarks/bench_hcache.py --out $OUT/hcache-h100.json      # GPU, < 5 min
@@ -48,7 +49,7 @@ from rich.progress import Progress
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import device_description, print_table, write_results  # noqa: E402
-from jhybrid.hcache.planner import LayerCosts, plan_restore  # noqa: E402
+from jhybrid.hcache.planner import LayerCosts, confirm_plan, plan_restore  # noqa: E402
 from jhybrid.hcache.restorer import (CollectingSink, LayerKernels, SessionFileSource,  # noqa: E402
                                      bytes_per_token, restore_kv, to_device)
 from jhybrid.hcache.saver import pinned_host_sharding  # noqa: E402
@@ -105,11 +106,12 @@ def reference_prefill(model, tokens: np.ndarray):
 
 
 def max_relative_error(sink: CollectingSink, kv_rows: np.ndarray) -> float:
+    """Worst layer's ||restored - prefill|| / ||prefill|| over its K and V (float32)."""
     worst = 0.0
     for layer, (k, v) in enumerate(sink.layers):
         got = np.concatenate([np.asarray(k[0], np.float32), np.asarray(v[0], np.float32)], axis=1)
         want = kv_rows[layer].astype(np.float32).reshape(got.shape)
-        worst = max(worst, float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6)))
+        worst = max(worst, float(np.linalg.norm(got - want) / (np.linalg.norm(want) + 1e-12)))
     return worst
 
 
@@ -184,19 +186,6 @@ class DiskStore:
         return self.sources[method](layer, method)
 
 
-def time_restore(run, prepare, repeats: int) -> float:
-    """Median ms of run() after prepare() (not timed), one untimed warm-up."""
-    prepare()
-    run()
-    samples = []
-    for _ in range(repeats):
-        prepare()
-        start = time.perf_counter()
-        run()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
 def median_seconds(fn, prepare, repeats: int = 3) -> float:
     prepare()
     fn()
@@ -209,7 +198,7 @@ def median_seconds(fn, prepare, repeats: int = 3) -> float:
     return statistics.median(samples)
 
 
-def bench_model(name, config, args, rows, progress, deadline):
+def bench_model(name, config, args, rows, checks, progress, deadline):
     console.log(f"[bold]{name}[/]: building random bf16 weights")
     model = build_model(config)
     kernels = LayerKernels(model)
@@ -242,11 +231,16 @@ def bench_model(name, config, args, rows, progress, deadline):
                 sink.block()
                 err = max_relative_error(sink, kv)
                 label = methods[0] if len(set(methods)) == 1 else "mixed"
-                if err > args.tolerance:
+                # Recomputed layers run in other XLA fusions than the eager reference prefill;
+                # bf16 rounding then drifts through the layers (~1.3e-2 after 32 layers on CPU).
+                tolerance = args.tolerance * (5 if "recompute" in methods else 1)
+                if err > tolerance:
                     raise SystemExit(f"{name} {storage_name} {label}: restored KV differs from the "
-                                     f"prefill's (max relative error {err:.3g} > {args.tolerance})")
+                                     f"prefill's (relative error {err:.3g} > {tolerance})")
+                checks.append({"model": name, "storage": storage_name, "method": label,
+                               "history_tokens": n, "relative_error": err, "tolerance": tolerance})
                 console.log(f"{name} {storage_name} {label}: restored KV matches the prefill "
-                            f"(max relative error {err:.2g})")
+                            f"(relative error {err:.2g} <= {tolerance})")
         points = [("dram", n) for n in histories] + [("disk", n) for n in disk_histories]
         for storage_name, n in points:
             tokens = np.resize(tokens_check, n)
@@ -258,38 +252,66 @@ def bench_model(name, config, args, rows, progress, deadline):
                 prepare = lambda s=store, n=n: s.prepare(n)  # noqa: E731
             else:
                 prepare = lambda s=store, n=n: setattr(s, "num_tokens", n)  # noqa: E731
-            measured = {}
-            for method in METHODS + ("planner",):
-                if method == "planner":
-                    costs = LayerCosts(
-                        num_tokens=n,
-                        io_hidden=median_seconds(lambda: store.fetch(0, "hidden").block_until_ready(), prepare),
-                        io_kv=median_seconds(lambda: store.fetch(0, "kv").block_until_ready(), prepare),
-                        project=median_seconds(
-                            lambda r=store.fetch(0, "hidden"): jax.block_until_ready(kernels.project(0, r)),
-                            lambda: None),
-                        recompute=measured["recompute"] / 1e3 / L)
-                    plan = plan_restore(costs, L)
-                    methods = plan.methods
-                else:
-                    methods = (method,) * L
+            # One untimed run of each single method (compilation, and the recompute cost the
+            # planner needs), then the planner's plan, then all four timed in interleaved rounds
+            # so that machine noise hits them alike.
+            def run(methods):
+                sink = CollectingSink(L)
+                restore_kv(kernels, methods, tokens, store.fetch, sink, args.recompute_chunk)
+                sink.block()
 
-                def run(methods=methods):
-                    sink = CollectingSink(L)
-                    restore_kv(kernels, methods, tokens, store.fetch, sink, args.recompute_chunk)
-                    sink.block()
+            plans = {m: (m,) * L for m in METHODS}
+            warm = {}
+            for method, methods in plans.items():
+                prepare()
+                start = time.perf_counter()
+                run(methods)
+                warm[method] = time.perf_counter() - start
+            prepare()
+            rows_hidden = store.fetch(0, "hidden")
+            costs = LayerCosts(
+                num_tokens=n,
+                io_hidden=median_seconds(lambda: store.fetch(0, "hidden").block_until_ready(), prepare),
+                io_kv=median_seconds(lambda: store.fetch(0, "kv").block_until_ready(), prepare),
+                project=median_seconds(
+                    lambda: jax.block_until_ready(kernels.project(0, rows_hidden)), lambda: None),
+                recompute=warm["recompute"] / L)
+            plan = plan_restore(costs, L)
+            prepare()
+            run(plan.methods)  # compile what the plan needs
 
-                repeats = args.repeats if method != "recompute" else max(1, args.repeats - 1)
-                if storage_name == "disk":
-                    repeats = min(repeats, args.disk_repeats)
-                measured[method] = time_restore(run, prepare, repeats)
+            def measure(methods):
+                prepare()
+                start = time.perf_counter()
+                run(methods)
+                return time.perf_counter() - start
+
+            plan = confirm_plan(plan, measure, repeats=2)
+            plans["planner"] = plan.methods
+            repeats = args.disk_repeats if storage_name == "disk" else args.repeats
+            samples = {m: [] for m in plans}
+            order = list(plans)
+            for round_index in range(repeats):
+                # Rotate the order each round: what ran just before a method (e.g. recompute's
+                # large temporaries being freed) must not always hit the same method.
+                for method in order[round_index % 4:] + order[:round_index % 4]:
+                    methods = plans[method]
+                    if method == "recompute" and len(samples[method]) >= max(1, repeats - 1):
+                        continue  # the slowest by far: one run fewer
+                    prepare()
+                    gc.collect()
+                    start = time.perf_counter()
+                    run(methods)
+                    samples[method].append((time.perf_counter() - start) * 1e3)
+            measured = {m: statistics.median(v) for m, v in samples.items()}
+            best = min(measured[m] for m in METHODS)
+            for method, methods in plans.items():
                 row = {"model": name, "history_tokens": n, "method": method,
                        "storage": storage_name, "restore_ms": round(measured[method], 3),
                        "bytes_per_token": bytes_per_token(config, methods, itemsize)}
                 if method == "planner":
                     row["plan"] = plan.describe()
                     row["estimated_ms"] = round(plan.estimated_seconds * 1e3, 3)
-                    best = min(measured[m] for m in METHODS)
                     row["vs_best_single"] = round(measured["planner"] / best, 3)
                 rows.append(row)
                 progress.advance(progress.task_ids[0])
@@ -312,11 +334,12 @@ def main():
     p.add_argument("--check-tokens", type=int, default=None, help="real prefill length (and DRAM piece)")
     p.add_argument("--disk-max-tokens", type=int, default=None, help="disk rows up to this history")
     p.add_argument("--disk-dir", default=None, help="folder for the chunk files (default: $TMPDIR)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per point (default 3; 7 with --quick)")
-    p.add_argument("--disk-repeats", type=int, default=None, help="timed runs per disk point (default 2; 5 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per point (default 4; 8 with --quick)")
+    p.add_argument("--disk-repeats", type=int, default=None, help="timed runs per disk point (default 2; 8 with --quick)")
     p.add_argument("--recompute-chunk", type=int, default=None, help="tokens per recompute chunk")
-    p.add_argument("--tolerance", type=float, default=3e-2, help="max relative KV error (bf16)")
-    p.add_argument("--time-budget", type=float, default=250.0, help="seconds; later points are skipped")
+    p.add_argument("--tolerance", type=float, default=1e-2,
+                   help="max relative KV error (Frobenius, per layer) of hidden/kv; x5 with recompute")
+    p.add_argument("--time-budget", type=float, default=220.0, help="seconds; later points are skipped")
     p.add_argument("--models", nargs="+", default=None)
     args = p.parse_args()
     if args.quick:
@@ -324,14 +347,14 @@ def main():
         args.check_tokens = args.check_tokens or 256
         args.disk_max_tokens = args.disk_max_tokens or 1024
         args.recompute_chunk = args.recompute_chunk or 256
-        args.repeats = args.repeats or 7
-        args.disk_repeats = args.disk_repeats or 5
+        args.repeats = args.repeats or 8
+        args.disk_repeats = args.disk_repeats or 8
     else:
         args.histories = args.histories or [1024, 2048, 4096, 8192, 16384]
         args.check_tokens = args.check_tokens or 1024
         args.disk_max_tokens = args.disk_max_tokens or 4096
         args.recompute_chunk = args.recompute_chunk or 2048
-        args.repeats = args.repeats or 3
+        args.repeats = args.repeats or 4
         args.disk_repeats = args.disk_repeats or 2
     logging.basicConfig(level=logging.WARNING)
     configs = model_configs(args.quick)
@@ -340,6 +363,7 @@ def main():
     start = time.monotonic()
     deadline = start + args.time_budget
     rows: list[dict] = []
+    checks: list[dict] = []
     total = sum(len(args.histories) * 4 * 2 for _ in configs)
     copy_path = None
     with Progress(console=console, transient=True) as progress:
@@ -347,7 +371,8 @@ def main():
         for i, (name, config) in enumerate(configs.items()):
             # Each model gets an equal share of what is left of the budget.
             share = (deadline - time.monotonic()) / (len(configs) - i)
-            copy_path = bench_model(name, config, args, rows, progress, time.monotonic() + share)
+            copy_path = bench_model(name, config, args, rows, checks, progress,
+                                    time.monotonic() + share)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    "hcache-" + ("cpu" if args.quick else "gpu") + ".json")
     config = {
@@ -364,7 +389,9 @@ def main():
         "restore_end": "every layer's K, V [1, n, Hkv, D] on the device (CollectingSink, blocked)",
         "recompute": "chunked prefill of all layers (full backend, plain-jnp attention)",
         "planner": "profiled per point: layer-0 hidden/KV transfer, one projection; recompute per "
-                   "layer = measured recompute restore / L",
+                   "layer = measured recompute restore / L; plan_restore, then confirm_plan "
+                   "(2 interleaved runs vs the best single method by estimate)",
+        "correctness": checks,
         "elapsed_s": round(time.monotonic() - start, 1),
     }
     write_results(out, "hcache-restore", config, rows)

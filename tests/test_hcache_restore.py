@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jhybrid.hcache import (CollectingSink, HostMemorySource, LayerCosts, LayerKernels,
+from jhybrid.hcache import (CollectingSink, HostMemorySource, LayerCosts, LayerKernels, confirm_plan,
                             bytes_per_token, estimate_seconds, plan_restore, profile_costs,
                             restore_kv)
 from jhybrid.hcache.restorer import validate_plan
@@ -110,3 +110,32 @@ def test_profile_costs_on_this_machine(prefilled):
     assert costs.num_tokens == N
     assert all(t > 0 for t in (costs.io_hidden, costs.project, costs.io_kv, costs.recompute))
     assert len(plan_restore(costs, CONFIG.num_layers).methods) == CONFIG.num_layers
+
+
+def test_confirm_plan_falls_back_to_the_faster_single_method():
+    costs = LayerCosts(num_tokens=1024, io_hidden=1.0, project=2.0, io_kv=2.0, recompute=40.0)
+    plan = plan_restore(costs, 8)
+    assert len(set(plan.methods)) > 1
+    # The machine disagrees with the model: mixed plans are slow here, all-hidden is not.
+    slow_mixed = confirm_plan(plan, lambda methods: 1.0 if len(set(methods)) > 1 else 0.5)
+    assert slow_mixed.methods == (min(plan.single_method_seconds,
+                                      key=plan.single_method_seconds.get),) * 8
+    fast_mixed = confirm_plan(plan, lambda methods: 0.1 if len(set(methods)) > 1 else 0.5)
+    assert fast_mixed.methods == plan.methods
+
+
+def test_reads_run_on_a_reader_thread_in_io_order(prefilled):
+    import threading
+
+    model, tokens, _, hidden, kv = prefilled
+    source = HostMemorySource(list(hidden), list(kv), N)
+    calls = []
+
+    def fetch(layer, method):
+        calls.append((layer, method, threading.current_thread().name))
+        return source(layer, method)
+
+    sink = CollectingSink(CONFIG.num_layers)
+    restore_kv(LayerKernels(model), ("recompute", "hidden", "kv"), tokens, fetch, sink, 32)
+    assert [(l, m) for l, m, _ in calls] == [(1, "hidden"), (2, "kv")]
+    assert all(name.startswith("hcache-reader") for _, _, name in calls)

@@ -213,3 +213,18 @@ def test_smollm2_session_restore_matches_never_evicted(tmp_path):
     session_id = session.save()
     session.close()
     assert engine.restore(session_id).generate(turns[1], 12, stop_tokens=stop) == expected[1]
+
+
+def test_sampled_continuation_and_empty_session(model, prompts, tmp_path):
+    from jhybrid.generation import SamplingParams
+
+    engine = make_engine(model, tmp_path, prefix_reuse=False)
+    sampling = SamplingParams(temperature=1.0, seed=3)
+    reference = engine.new_session()
+    expected = [reference.generate(p, 5, sampling) for p in prompts[:2]]
+    session = engine.new_session()
+    assert session.generate(prompts[0], 5, sampling) == expected[0]
+    restored = engine.restore(session.save())
+    assert restored.generate(prompts[1], 5, sampling) == expected[1]
+    empty_id = engine.new_session().save()
+    assert engine.restore(empty_id).generate(prompts[1], 6) == engine.new_session().generate(prompts[1], 6)

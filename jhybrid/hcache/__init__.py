@@ -8,14 +8,15 @@
   jhybrid.hcache.session   HCacheEngine / Session: generate, save, restore, prefix reuse
 """
 
-from jhybrid.hcache.planner import LayerCosts, RestorePlan, estimate_seconds, plan_restore, profile_costs
+from jhybrid.hcache.planner import (LayerCosts, RestorePlan, confirm_plan, estimate_seconds, plan_restore,
+                                   profile_costs)
 from jhybrid.hcache.restorer import (CollectingSink, FullCacheWriter, HostMemorySource, LayerKernels,
                                      SessionFileSource, bytes_per_token, recompute_kv, restore_kv)
 from jhybrid.hcache.session import HCacheEngine, Session
 from jhybrid.hcache.storage import (CorruptSession, HCacheError, ModelMismatch, SessionNotFound,
                                     StorageFull)
 
-__all__ = ["HCacheEngine", "Session", "LayerCosts", "RestorePlan", "estimate_seconds", "plan_restore",
+__all__ = ["HCacheEngine", "Session", "LayerCosts", "RestorePlan", "confirm_plan", "estimate_seconds", "plan_restore",
            "profile_costs", "CollectingSink", "FullCacheWriter", "HostMemorySource", "LayerKernels",
            "SessionFileSource", "bytes_per_token", "recompute_kv", "restore_kv", "CorruptSession",
            "HCacheError", "ModelMismatch", "SessionNotFound", "StorageFull"]

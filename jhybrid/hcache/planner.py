@@ -10,7 +10,8 @@ I/O stream and the compute stream finish together. The paper solves this in clos
 (hidden + kv) or (recompute + hidden); we simulate the two-stream pipeline for every split
 (r recomputed, h hidden, k KV layers; O(L^2) plans, microseconds) and take the fastest. The
 single-method plans are among the candidates, so the chosen plan is never estimated slower than
-the best single method. Bytes decide by themselves: for grouped-query models KV rows
+the best single method; `confirm_plan` then checks a mixed plan against the best single one on
+the machine, where the two-stream model can be wrong. Bytes decide by themselves: for grouped-query models KV rows
 (2*Hkv*D values) can be smaller than hidden rows (d_model; SmolLM2: 384 vs 576) and then io_kv <
 io_hidden with no projection to pay, and the search picks KV.
 """
@@ -18,12 +19,15 @@ io_hidden with no projection to pay, and the search picks KV.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 
 import numpy as np
 
 from jhybrid.hcache.restorer import CollectingSink, LayerKernels, recompute_kv
+
+log = logging.getLogger("jhybrid.hcache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,31 @@ def plan_restore(costs: LayerCosts, num_layers: int) -> RestorePlan:
                 best = (seconds, methods)
     singles = {m: estimate_seconds((m,) * num_layers, costs) for m in ("hidden", "kv", "recompute")}
     return RestorePlan(methods=best[1], estimated_seconds=best[0], single_method_seconds=singles)
+
+
+def confirm_plan(plan: RestorePlan, measure, repeats: int = 3) -> RestorePlan:
+    """Checks a mixed plan on the machine: measure(methods) -> seconds of one restore. Keeps the
+    plan unless the best single-method plan (by estimate) measures faster, then returns that one.
+
+    The two-stream model assumes transfer and compute do not slow each other down; where they
+    share a resource (on a CPU backend both use the same cores; a disk read with checksums costs
+    CPU time) a mixed plan can lose to its estimate, and this check keeps the planner from
+    losing to a single method.
+    """
+    num_layers = len(plan.methods)
+    single = min(plan.single_method_seconds, key=plan.single_method_seconds.get)
+    if plan.methods == (single,) * num_layers:
+        return plan
+    mixed_s, single_s = [], []
+    for _ in range(repeats):  # interleaved, so noise hits both alike
+        mixed_s.append(measure(plan.methods))
+        single_s.append(measure((single,) * num_layers))
+    if statistics.median(single_s) < statistics.median(mixed_s):
+        log.info("hcache planner: %s measured %.2f ms > all-%s %.2f ms; using all-%s", plan.describe(),
+                 statistics.median(mixed_s) * 1e3, single, statistics.median(single_s) * 1e3, single)
+        return dataclasses.replace(plan, methods=(single,) * num_layers,
+                                   estimated_seconds=plan.single_method_seconds[single])
+    return plan
 
 
 def _median_seconds(fn, repeats: int) -> float:

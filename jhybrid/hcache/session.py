@@ -183,7 +183,6 @@ class Session:
         self.generation = 0              # number of the next save
         self.prefix_tokens_reused = 0
         self.closed = False
-        self.key = jax.random.key(0)
         if manifest is None:
             self.cache = engine.model.init_cache(1, engine.max_len)
             self.writer = SessionWriter(engine.layout, session_id, self.row_values, engine.dtype)
@@ -286,8 +285,9 @@ class Session:
             feed = feed[self._reuse_prefix(feed):]
         logits = self._feed(feed, self.engine.prefill_chunk)
         stop, out = set(int(t) for t in stop_tokens), []
+        seed_key = jax.random.key(sampling.seed)
         for step in range(max_new_tokens):
-            key = jax.random.fold_in(self.key, len(self.tokens))
+            key = jax.random.fold_in(seed_key, len(self.tokens))  # same key at the same position
             token = int(np.asarray(sample_tokens(logits, key, sampling))[0])
             if token in stop or step == max_new_tokens - 1 or len(self.tokens) >= self.engine.max_len:
                 if token not in stop:
