@@ -72,7 +72,9 @@ def model_config(args) -> ModelConfig:
 
 
 def window_for(fraction: float, context: int, sink: int, block: int) -> int:
-    ring = max(block, int(fraction * context - sink) // block * block)
+    """sink + a ring of ~fraction * context tokens, a multiple of 64 (the kernels' KV tile)."""
+    step = max(64, block)
+    ring = max(step, int(round(fraction * context / step)) * step)
     return sink + ring
 
 
@@ -227,10 +229,13 @@ def gpu_attention_probe(mode, backend, mcfg, cache, batch):
 
 def run_mode(mode, args, mcfg, model_parts, batch, window, ctx_cache):
     graphdef, params = model_parts
-    hcfg = HybridConfig(mode="hgca" if mode == "full" else mode, window_tokens=window, block_size=args.block_size,
+    hcfg = HybridConfig(mode="hgca" if mode in ("full", "hgca-sync") else mode, window_tokens=window, block_size=args.block_size,
                         sink=args.sink, beta=args.beta, topk_blocks=args.topk_tokens // args.block_size,
                         recall_blocks=args.recall_blocks, n_threads=args.threads)
-    backend = make_backend(dataclasses.replace(hcfg, mode=mode))
+    if mode == "hgca-sync":
+        backend = make_backend(dataclasses.replace(hcfg, mode="hgca", exchange="sync"))
+    else:
+        backend = make_backend(dataclasses.replace(hcfg, mode=mode))
     max_len = args.context + args.warmup + args.steps + 8
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(batch, max_len, backend)
@@ -306,6 +311,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="8,32")
     p.add_argument("--windows", default="0.25,0.05", help="GPU window as fractions of the context")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--first-config-modes", default="hgca-sync",
+                   help="extra modes run for the first (batch, window) only: hgca-sync = hgca with one "
+                        "synchronous callback per layer instead of submit/collect around the GPU window")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--sink", type=int, default=16)
     p.add_argument("--beta", type=float, default=1.0)
@@ -327,13 +335,15 @@ def main(argv=None) -> int:
     graphdef, params = nnx.split(model)
     params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params)
     del model
-    modes = [m for m in args.modes.split(",") if m]
     rows = []
+    first = True
     for batch in [int(b) for b in args.batches.split(",")]:
         for fraction in [float(w) for w in args.windows.split(",")]:
             window = window_for(fraction, args.context, args.sink, args.block_size)
             ctx_cache = {}
-            for mode in modes:
+            modes = args.modes.split(",") + (args.first_config_modes.split(",") if first else [])
+            first = False
+            for mode in [m for m in modes if m]:
                 if time.perf_counter() - start > args.budget_s:
                     print(f"time budget spent: skipping {mode} batch {batch} window {window}", flush=True)
                     rows.append(dict(mode=mode, batch=batch, context=args.context, gpu_window=window,

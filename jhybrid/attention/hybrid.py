@@ -127,6 +127,10 @@ class HybridAttention(AttentionBackend):
             raise RuntimeError("hybrid backend: call model.init_cache(..., backend) before stepping")
         return self.manager.before_step(cache, positions)
 
+    def counters(self) -> dict:
+        """Cumulative per-run instrumentation (seconds, counts): see KVManager / host.bridge."""
+        return {} if self.manager is None else self.manager.counters()
+
     # ---- attention -------------------------------------------------------------------------------
     def _window(self, q, state, lengths, scale):
         cfg = self.config
