@@ -173,12 +173,15 @@ class DiskStore:
                                       "num_full_chunks": n_max // chunk_tokens, "chunk_crc": crcs,
                                       "num_tokens": n_max}
         self.dtype = hidden.dtype
-        self.sources = {}
+        self.sources, self.num_tokens = {}, None
 
     def prepare(self, num_tokens: int) -> None:
-        """New readers (host buffers reused across repeats) and a cold page cache."""
-        self.sources = {m: SessionFileSource(self.layout, man, num_tokens, self.dtype)
-                        for m, man in self.manifests.items()}
+        """Readers for num_tokens (host buffers allocated once and reused, as the engine does)
+        and a cold page cache."""
+        if num_tokens != self.num_tokens:
+            self.num_tokens = num_tokens
+            self.sources = {m: SessionFileSource(self.layout, man, num_tokens, self.dtype)
+                            for m, man in self.manifests.items()}
         for path in self.files:
             drop_page_cache(path)
 

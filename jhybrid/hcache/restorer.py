@@ -52,6 +52,34 @@ def validate_plan(methods, num_layers: int) -> tuple[str, ...]:
     return methods
 
 
+# Module-level jitted functions with the (hashable) graphdef and config as static arguments, so
+# every LayerKernels / engine of the same model shares one compilation per shape.
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _project(config, graphdef, state, rows, positions):
+    hidden = rows[None].astype(config.dtype)  # [1, n, d]
+    return kv_from_hidden(nnx.merge(graphdef, state), hidden, positions)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(5,))
+def _run_layer(graphdef, state, x, positions, lengths, layer_cache):
+    layer = nnx.merge(graphdef, state)
+    return layer(x, positions, lengths, layer_cache, FullAttention(), None)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _embed(config, graphdef, state, tokens, positions):
+    # Mirrors the first lines of CausalLM.hidden_states (embedding, scale, learned positions).
+    embed, position_embed = nnx.merge(graphdef, state)
+    x = embed(tokens)
+    if config.embed_scale is not None:
+        x = x * jnp.asarray(config.embed_scale, x.dtype)
+    if position_embed is not None:
+        x = x + position_embed(jnp.maximum(positions, 0) + config.learned_position_offset)
+    return x
+
+
 class LayerKernels:
     """Jitted per-layer functions of one model, compiled once per layer KIND (not per layer).
 
@@ -72,43 +100,20 @@ class LayerKernels:
             self.graphdef_of.append(representative[kind])
             self.states.append(state)
         self.embed_parts = nnx.split((model.embed, model.position_embed))
-        self._project = jax.jit(self._project_fn, static_argnums=0)
-        self._layer = jax.jit(self._layer_fn, static_argnums=0, donate_argnums=(5,))
-        self._embed = jax.jit(self._embed_fn, static_argnums=0)
-
-    # -- pure functions --
-
-    def _project_fn(self, graphdef, state, rows, positions):
-        hidden = rows[None].astype(self.config.dtype)  # [1, n, d]
-        return kv_from_hidden(nnx.merge(graphdef, state), hidden, positions)
-
-    def _layer_fn(self, graphdef, state, x, positions, lengths, layer_cache):
-        layer = nnx.merge(graphdef, state)
-        return layer(x, positions, lengths, layer_cache, FullAttention(), None)
-
-    def _embed_fn(self, graphdef, state, tokens, positions):
-        # Mirrors the first lines of CausalLM.hidden_states (embedding, scale, learned positions).
-        embed, position_embed = nnx.merge(graphdef, state)
-        x = embed(tokens)
-        if self.config.embed_scale is not None:
-            x = x * jnp.asarray(self.config.embed_scale, x.dtype)
-        if position_embed is not None:
-            x = x + position_embed(jnp.maximum(positions, 0) + self.config.learned_position_offset)
-        return x
-
-    # -- calls --
 
     def project(self, layer: int, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
         """rows [n, d_model] (storage dtype) -> k, v [1, n, Hkv, D] at positions 0..n-1."""
         positions = jnp.arange(rows.shape[0], dtype=jnp.int32)[None]
-        return self._project(self.graphdef_of[layer], self.states[layer], rows, positions)
+        return _project(self.config, self.graphdef_of[layer], self.states[layer], rows, positions)
 
-    def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        return self._embed(self.embed_parts[0], self.embed_parts[1], tokens, positions)
+    def embed(self, tokens, positions) -> jax.Array:
+        """tokens, positions [B, T] int32 -> the first layer's input [B, T, d_model]."""
+        return _embed(self.config, self.embed_parts[0], self.embed_parts[1], tokens, positions)
 
     def run_layer(self, layer: int, x, positions, lengths, layer_cache):
-        return self._layer(self.graphdef_of[layer], self.states[layer], x, positions, lengths,
-                           layer_cache)
+        """One DecoderLayer on the full backend: -> (output [B, T, d_model], new layer cache)."""
+        return _run_layer(self.graphdef_of[layer], self.states[layer], x, positions, lengths,
+                          layer_cache)
 
 
 def recompute_kv(kernels: LayerKernels, tokens: np.ndarray, num_layers: int, sink: Sink,
@@ -235,13 +240,16 @@ class SessionFileSource:
     the device.
     """
 
-    def __init__(self, layout: ChunkLayout, manifest: dict, num_tokens: int, dtype):
+    def __init__(self, layout: ChunkLayout, manifest: dict, num_tokens: int, dtype,
+                 buffers: dict | None = None):
         self.layout, self.manifest, self.num_tokens = layout, manifest, num_tokens
         self.session_id = manifest["session_id"]
         self.dtype = np.dtype(dtype)
         chunk = layout.chunk_tokens
         self.num_chunks = min(manifest["num_full_chunks"] or 0, num_tokens // chunk)
-        self.buffers: dict[int, np.ndarray] = {}
+        # Host read buffers by row width, reused across restores when the caller passes a dict
+        # (first touch of fresh memory is slow); one restore at a time per dict.
+        self.buffers: dict[int, np.ndarray] = {} if buffers is None else buffers
         self.tail_bytes = None
         if num_tokens > self.num_chunks * chunk:
             if num_tokens > manifest["num_tokens"]:
@@ -256,9 +264,10 @@ class SessionFileSource:
 
     def _buffer(self, row: int) -> np.ndarray:
         rows_needed = -(-self.num_tokens // self.layout.chunk_tokens) * self.layout.chunk_tokens
-        if row not in self.buffers:
-            self.buffers[row] = np.empty((rows_needed, row), self.dtype)
-        return self.buffers[row]
+        buf = self.buffers.get(row)
+        if buf is None or len(buf) < rows_needed or buf.dtype != self.dtype:
+            buf = self.buffers[row] = np.empty((rows_needed, row), self.dtype)
+        return buf
 
     def __call__(self, layer: int, method: str) -> jax.Array:
         import zlib

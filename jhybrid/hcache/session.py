@@ -21,6 +21,7 @@ match alone is not trusted), restores that prefix and prefills only the rest.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -74,7 +75,7 @@ class HCacheEngine:
         self.weights_fingerprint = storage.weights_fingerprint(model)
         self.kernels = LayerKernels(model)
         self.graphdef, self.params = nnx.split(model)
-        self._forward = jax.jit(self._forward_fn, static_argnums=0, donate_argnums=(4,))
+        self.read_buffers: dict = {}  # host buffers reused by every restore of this engine
         self.costs: LayerCosts | None = None
         self.restore_plan: RestorePlan | None = None
         if plan == "auto":
@@ -88,15 +89,8 @@ class HCacheEngine:
 
     # -- device work --
 
-    def _forward_fn(self, hidden_layers, params, tokens, positions, cache):
-        """-> logits at the last valid token [B, V], new cache, hidden [len(hidden_layers), B, T, d]."""
-        model = nnx.merge(self.graphdef, params)
-        final, cache, layer_inputs = model.hidden_states(tokens, positions, cache,
-                                                         return_hidden_states=True)
-        last = jnp.argmax(positions, axis=1)
-        last_hidden = jnp.take_along_axis(final, last[:, None, None], axis=1)[:, 0]
-        saved = layer_inputs[jnp.asarray(hidden_layers, jnp.int32)] if hidden_layers else None
-        return model.logits(last_hidden), cache, saved
+    def _forward(self, hidden_layers, params, tokens, positions, cache):
+        return _forward(self.graphdef, hidden_layers, params, tokens, positions, cache)
 
     def profile_and_plan(self, num_tokens: int) -> RestorePlan:
         """Profiles this machine (scratch files in the first stripe directory, page cache dropped
@@ -168,6 +162,19 @@ class HCacheEngine:
         return None
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
+def _forward(graphdef, hidden_layers, params, tokens, positions, cache):
+    """-> logits at the last valid token [B, V], new cache, hidden [len(hidden_layers), B, T, d]
+    (the input of each layer in hidden_layers; None when there are none)."""
+    model = nnx.merge(graphdef, params)
+    final, cache, layer_inputs = model.hidden_states(tokens, positions, cache,
+                                                     return_hidden_states=True)
+    last = jnp.argmax(positions, axis=1)
+    last_hidden = jnp.take_along_axis(final, last[:, None, None], axis=1)[:, 0]
+    saved = layer_inputs[jnp.asarray(hidden_layers, jnp.int32)] if hidden_layers else None
+    return model.logits(last_hidden), cache, saved
+
+
 class Session:
     """One conversation: its device KV cache, its history and its save state."""
 
@@ -197,7 +204,7 @@ class Session:
         tokens = manifest["tokens"]
         if len(tokens) != n:
             raise CorruptSession(f"session {self.id}: manifest holds {len(tokens)} tokens, says {n}")
-        source = SessionFileSource(engine.layout, manifest, n, engine.dtype)
+        source = SessionFileSource(engine.layout, manifest, n, engine.dtype, engine.read_buffers)
         sink = FullCacheWriter(engine.model, engine.max_len, n)
         restore_kv(engine.kernels, self.methods, np.asarray(tokens, np.int32), source, sink)
         self.cache = sink.cache()
@@ -234,7 +241,7 @@ class Session:
             if method == "hidden":
                 self.writer.submit([layer], lambda rows=rows.copy(): rows[None])
 
-        source = SessionFileSource(engine.layout, manifest, n, engine.dtype)
+        source = SessionFileSource(engine.layout, manifest, n, engine.dtype, engine.read_buffers)
         sink = FullCacheWriter(engine.model, engine.max_len, n)
         fetch = _capturing(source, keep_rows)
         restore_kv(engine.kernels, self.methods, np.asarray(feed[:n], np.int32), fetch, sink)
@@ -390,6 +397,7 @@ def _capturing(source, on_rows):
 
 def _scratch_disk_fetch(config, layout: ChunkLayout, num_tokens: int, dtype):
     """A layer-0 `fetch` over scratch files holding random rows (for profiling the disk path)."""
+    buffers: dict = {}
     from jhybrid.hcache.storage import LayerAppender
 
     chunk = layout.chunk_tokens
@@ -409,7 +417,7 @@ def _scratch_disk_fetch(config, layout: ChunkLayout, num_tokens: int, dtype):
 
     def fetch(layer, method):
         storage.drop_page_cache(layout.layer_file(0, f"profile-{method}", 0))
-        return SessionFileSource(layout, manifests[method], num_tokens, dtype)(0, method)
+        return SessionFileSource(layout, manifests[method], num_tokens, dtype, buffers)(0, method)
 
     return fetch
 
