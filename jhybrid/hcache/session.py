@@ -135,6 +135,11 @@ class HCacheEngine:
                                 f"{manifest['chunk_tokens']}; this engine uses {self.dtype.name}, "
                                 f"{self.layout.chunk_tokens}")
 
+    def layout_of(self, manifest: dict) -> ChunkLayout:
+        """Where a saved session's chunks are: the stripe directories it was saved with."""
+        return ChunkLayout(stripe_dirs=tuple(manifest["stripe_dirs"]),
+                           chunk_tokens=manifest["chunk_tokens"])
+
     def _find_prefix(self, prompt: list[int]) -> tuple[dict, int] | None:
         """(manifest, tokens to restore) of the longest verified saved prefix of prompt, or None."""
         chunk = self.layout.chunk_tokens
@@ -181,6 +186,7 @@ class Session:
     def __init__(self, engine: HCacheEngine, session_id: str, methods: tuple[str, ...],
                  manifest: dict | None = None):
         self.engine, self.id, self.methods = engine, session_id, methods
+        self.layout = engine.layout if manifest is None else engine.layout_of(manifest)
         self.hidden_layers = tuple(l for l, m in enumerate(methods) if m == "hidden")
         self.kv_layers = tuple(l for l, m in enumerate(methods) if m == "kv")
         self.row_values = row_values(engine.config, methods)
@@ -192,7 +198,7 @@ class Session:
         self.closed = False
         if manifest is None:
             self.cache = engine.model.init_cache(1, engine.max_len)
-            self.writer = SessionWriter(engine.layout, session_id, self.row_values, engine.dtype)
+            self.writer = SessionWriter(self.layout, session_id, self.row_values, engine.dtype)
         else:
             self._restore_from(manifest)
 
@@ -204,7 +210,7 @@ class Session:
         tokens = manifest["tokens"]
         if len(tokens) != n:
             raise CorruptSession(f"session {self.id}: manifest holds {len(tokens)} tokens, says {n}")
-        source = SessionFileSource(engine.layout, manifest, n, engine.dtype, engine.read_buffers)
+        source = SessionFileSource(self.layout, manifest, n, engine.dtype, engine.read_buffers)
         sink = FullCacheWriter(engine.model, engine.max_len, n)
         restore_kv(engine.kernels, self.methods, np.asarray(tokens, np.int32), source, sink)
         self.cache = sink.cache()
@@ -221,7 +227,7 @@ class Session:
             if zlib.crc32(raw) != manifest["tail_crc"][layer]:
                 raise CorruptSession(f"session {self.id} layer {layer}: tail checksum mismatch")
             tails.append(np.frombuffer(raw, engine.dtype).reshape(-1, row))
-        self.writer = SessionWriter(engine.layout, self.id, self.row_values, engine.dtype,
+        self.writer = SessionWriter(self.layout, self.id, self.row_values, engine.dtype,
                                     committed_chunks=manifest["num_full_chunks"] or 0, tails=tails,
                                     crcs=manifest["chunk_crc"])
         log.info("hcache: restored session %s (%d tokens, plan %s)", self.id, n,
@@ -241,7 +247,8 @@ class Session:
             if method == "hidden":
                 self.writer.submit([layer], lambda rows=rows.copy(): rows[None])
 
-        source = SessionFileSource(engine.layout, manifest, n, engine.dtype, engine.read_buffers)
+        source = SessionFileSource(engine.layout_of(manifest), manifest, n, engine.dtype,
+                                   engine.read_buffers)
         sink = FullCacheWriter(engine.model, engine.max_len, n)
         fetch = _capturing(source, keep_rows)
         restore_kv(engine.kernels, self.methods, np.asarray(feed[:n], np.int32), fetch, sink)
@@ -330,14 +337,14 @@ class Session:
             offsets.append([pos, pos + len(raw)])
             crcs.append(zlib.crc32(raw))
             pos += len(raw)
-        chunk = engine.layout.chunk_tokens
+        chunk = self.layout.chunk_tokens
         hashes = storage.chain_hashes(self.tokens, chunk, engine.config_hash)
         full_chunks = committed["num_full_chunks"]
         manifest = {
             "format": storage.MANIFEST_FORMAT, "session_id": self.id, "generation": gen,
             "config_hash": engine.config_hash, "config": engine.config.to_json(),
             "weights_fingerprint": engine.weights_fingerprint, "dtype": engine.dtype.name,
-            "chunk_tokens": chunk, "stripe_dirs": list(engine.layout.stripe_dirs),
+            "chunk_tokens": chunk, "stripe_dirs": list(self.layout.stripe_dirs),
             "num_tokens": n, "tokens": list(self.tokens), "pending_tokens": list(self.pending),
             "methods": list(self.methods), "row_values": self.row_values,
             "num_full_chunks": full_chunks if full_chunks is not None else n // chunk,
@@ -345,8 +352,8 @@ class Session:
             "tail_file": tail_file, "tail_offsets": offsets, "tail_crc": crcs,
         }
         try:
-            os.makedirs(engine.layout.session_dir(0, self.id), exist_ok=True)
-            storage.write_file_atomically(engine.layout.tail_file(self.id, gen), b"".join(blobs))
+            os.makedirs(self.layout.session_dir(0, self.id), exist_ok=True)
+            storage.write_file_atomically(self.layout.tail_file(self.id, gen), b"".join(blobs))
             storage.save_manifest(engine.root, self.id, gen, manifest)
         except OSError as err:
             raise storage.storage_full_error(err, "writing the manifest", self.id) from err
@@ -367,7 +374,7 @@ class Session:
 
     def _drop_old_tails(self) -> None:
         kept = set(storage.committed_generations(self.engine.root, self.id))
-        folder = self.engine.layout.session_dir(0, self.id)
+        folder = self.layout.session_dir(0, self.id)
         for name in os.listdir(folder):
             if name.startswith("tail-") and name.endswith(".bin"):
                 try:
