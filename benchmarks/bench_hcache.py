@@ -17,7 +17,8 @@ values). Storage:
 The planner profiles per-layer costs (layer-0 transfer of hidden and KV, one projection; the
 recompute cost per layer is the measured recompute restore / L), picks per layer a method, and
 (confirm_plan) keeps a mixed plan only if it measures faster than the best single method.
-restore_ms: median wall time of restore_kv until every layer's K, V is on the device.
+restore_ms: median wall time of restore_kv until every layer's K, V is on the device (and
+restore_ms_min, the fastest run: on a shared machine the less noisy of the two).
 
     PYTHONPATH=. python3 benchmarks/bench_hcache.py --out $OUT/hcache-h100.json      # GPU, < 5 min
     PYTHONPATH=. python3 benchmarks/bench_hcache.py --quick --out benchmarks/results/hcache-cpu2.json
@@ -189,6 +190,21 @@ class DiskStore:
         return self.sources[method](layer, method)
 
 
+def filesystem_of(path: str) -> str:
+    """'ext4 /dev/nvme0n1p1 on /' for the mount holding path (from /proc/mounts), or 'unknown'."""
+    path, best = os.path.realpath(path), None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                device, mount, fstype = line.split()[:3]
+                if path == mount or path.startswith(mount.rstrip("/") + "/"):
+                    if best is None or len(mount) > len(best[1]):
+                        best = (device, mount, fstype)
+    except OSError:
+        return "unknown"
+    return "unknown" if best is None else f"{best[2]} {best[0]} on {best[1]}"
+
+
 def median_seconds(fn, prepare, repeats: int = 3) -> float:
     prepare()
     fn()
@@ -215,7 +231,12 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
     stores = {}
     console.log(f"{name}: filling DRAM store ({n_max} tokens)")
     stores["dram"] = DramStore(hidden, kv, n_max, L)
+    os.makedirs(args.disk_dir, exist_ok=True)
     disk_dir = tempfile.mkdtemp(prefix="hcache-bench-", dir=args.disk_dir)
+    args.disk_filesystem = filesystem_of(disk_dir)
+    if args.disk_filesystem.split()[0] in ("tmpfs", "ramfs", "overlay", "unknown"):
+        console.log(f"[yellow]disk rows: {disk_dir} is on {args.disk_filesystem}; page-cache drops "
+                    "may not reach a real device there (pass --disk-dir on a disk)")
     disk_histories = [n for n in histories if n <= args.disk_max_tokens]
     if disk_histories:
         console.log(f"{name}: writing chunk files ({max(disk_histories)} tokens) to {disk_dir}")
@@ -311,6 +332,7 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
             for method, methods in plans.items():
                 row = {"model": name, "history_tokens": n, "method": method,
                        "storage": storage_name, "restore_ms": round(measured[method], 3),
+                       "restore_ms_min": round(min(samples[method]), 3),
                        "bytes_per_token": bytes_per_token(config, methods, itemsize)}
                 if method == "planner":
                     row["plan"] = plan.describe()
@@ -322,6 +344,10 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
                 f"{m} {t:.1f} ms" for m, t in measured.items()))
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
+        try:
+            os.rmdir(args.disk_dir)  # only if empty
+        except OSError:
+            pass
         copy_path = stores["dram"].copy_path
         del stores, model, kernels
         gc.collect()
@@ -336,7 +362,9 @@ def main():
                    help="history lengths (multiples of --check-tokens)")
     p.add_argument("--check-tokens", type=int, default=None, help="real prefill length (and DRAM piece)")
     p.add_argument("--disk-max-tokens", type=int, default=None, help="disk rows up to this history")
-    p.add_argument("--disk-dir", default=None, help="folder for the chunk files (default: $TMPDIR)")
+    p.add_argument("--disk-dir", default=".hcache-bench",
+                   help="folder for the chunk files (default ./.hcache-bench, removed afterwards; "
+                        "its filesystem is recorded)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per point (default 4; 8 with --quick)")
     p.add_argument("--disk-repeats", type=int, default=None, help="timed runs per disk point (default 2; 8 with --quick)")
     p.add_argument("--recompute-chunk", type=int, default=None, help="tokens per recompute chunk")
@@ -387,6 +415,8 @@ def main():
         "disk_repeats": args.disk_repeats,
         "recompute_chunk": args.recompute_chunk, "chunk_tokens": 64,
         "dram_copy_path": copy_path,
+        "disk_dir": os.path.abspath(args.disk_dir),
+        "disk_filesystem": getattr(args, "disk_filesystem", None),
         "disk_cache_policy": "fsync + posix_fadvise(DONTNEED) on every file before each read; no O_DIRECT",
         "disk_checksums": "crc32 of every 64-token chunk verified on read (8-thread pool)",
         "restore_end": "every layer's K, V [1, n, Hkv, D] on the device (CollectingSink, blocked)",
@@ -399,8 +429,8 @@ def main():
     }
     write_results(out, "hcache-restore", config, rows)
     console.log(f"wrote {out} ({device_description()}, {config['elapsed_s']} s)")
-    print_table(rows, ["model", "history_tokens", "storage", "method", "restore_ms", "bytes_per_token",
-                       "plan", "vs_best_single"])
+    print_table(rows, ["model", "history_tokens", "storage", "method", "restore_ms", "restore_ms_min",
+                       "bytes_per_token", "plan", "vs_best_single"])
 
 
 if __name__ == "__main__":
