@@ -228,20 +228,20 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
     itemsize = hidden.dtype.itemsize
     histories = [n for n in args.histories if n % args.check_tokens == 0]
     n_max = max(histories)
-    stores = {}
+    stores: dict = {}
     console.log(f"{name}: filling DRAM store ({n_max} tokens)")
     stores["dram"] = DramStore(hidden, kv, n_max, L)
     os.makedirs(args.disk_dir, exist_ok=True)
     disk_dir = tempfile.mkdtemp(prefix="hcache-bench-", dir=args.disk_dir)
-    args.disk_filesystem = filesystem_of(disk_dir)
-    if args.disk_filesystem.split()[0] in ("tmpfs", "ramfs", "overlay", "unknown"):
-        console.log(f"[yellow]disk rows: {disk_dir} is on {args.disk_filesystem}; page-cache drops "
-                    "may not reach a real device there (pass --disk-dir on a disk)")
-    disk_histories = [n for n in histories if n <= args.disk_max_tokens]
-    if disk_histories:
-        console.log(f"{name}: writing chunk files ({max(disk_histories)} tokens) to {disk_dir}")
-        stores["disk"] = DiskStore(disk_dir, hidden, kv, max(disk_histories), L)
     try:
+        args.disk_filesystem = filesystem_of(disk_dir)
+        if args.disk_filesystem.split()[0] in ("tmpfs", "ramfs", "overlay", "unknown"):
+            console.log(f"[yellow]disk rows: {disk_dir} is on {args.disk_filesystem}; page-cache "
+                        "drops may not reach a real device there (pass --disk-dir on a disk)")
+        disk_histories = [n for n in histories if n <= args.disk_max_tokens]
+        if disk_histories:
+            console.log(f"{name}: writing chunk files ({max(disk_histories)} tokens) to {disk_dir}")
+            stores["disk"] = DiskStore(disk_dir, hidden, kv, max(disk_histories), L)
         # Correctness first: every method and a mixed plan against the prefill's KV.
         n = args.check_tokens
         for storage_name, store in stores.items():
@@ -348,7 +348,7 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
             os.rmdir(args.disk_dir)  # only if empty
         except OSError:
             pass
-        copy_path = stores["dram"].copy_path
+        copy_path = stores["dram"].copy_path if "dram" in stores else None
         del stores, model, kernels
         gc.collect()
     return copy_path
