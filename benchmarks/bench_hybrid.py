@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -34,6 +35,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -80,63 +82,83 @@ def window_for(fraction: float, context: int, sink: int, block: int) -> int:
 
 # ---------------------------------------------------------------------------- context fill
 
-def random_blocks(rng, n: int, bs: int, hkv: int, d: int):
-    """n random blocks [n, bs, Hkv, D] as bf16 bits (uint16)."""
-    x = rng.standard_normal((n, bs, hkv, d), dtype=np.float32)
+def random_blocks(rng, n: int, hkv: int, bs: int, d: int):
+    """n random blocks [n, Hkv, bs, D] as bf16 bits (uint16), head-major like the store's arena."""
+    x = rng.standard_normal((n, hkv, bs, d), dtype=np.float32)
     return (x.view(np.uint32) >> 16).astype(np.uint16)
 
 
 class Context:
-    """A random context of `context` tokens per sequence for one (batch, window): one host store
-    shared by every mode (blocks cycle through a pool of random blocks)."""
+    """A random context shared by every mode and configuration: one host store filled once for the
+    largest batch and the most offloaded blocks; each (batch, window) uses sequences 0..batch-1 and
+    a prefix of their blocks (`prepare`). Blocks cycle through a pool of 64 random blocks."""
 
-    def __init__(self, mcfg: ModelConfig, hcfg: HybridConfig, batch: int, context: int, keep: float, seed=0):
-        self.mcfg, self.hcfg, self.batch, self.context = mcfg, hcfg, batch, context
+    POOL = 64
+
+    def __init__(self, mcfg: ModelConfig, block_size: int, sink: int, batch: int, context: int, e_max: int,
+                 keep: float, seed=0):
+        self.mcfg, self.batch, self.context, self.e_max = mcfg, batch, context, e_max
+        self.bs, self.sink = block_size, sink
         rng = np.random.default_rng(seed)
-        hkv, d, bs, nl = mcfg.num_kv_heads, mcfg.head_dim, hcfg.block_size, mcfg.num_layers
-        self.e = int(evicted_blocks(np.int64(context), hcfg))
-        self.pool_k = random_blocks(rng, 64, bs, hkv, d)
-        self.pool_v = random_blocks(rng, 64, bs, hkv, d)
-        threshold = hcfg.beta / hcfg.window_tokens
-        self.pool_maw = np.where(rng.random((64, bs, hkv)) < keep, 2 * threshold, 0.0).astype(np.float32)
+        hkv, d, nl = mcfg.num_kv_heads, mcfg.head_dim, mcfg.num_layers
+        self.pool_k = random_blocks(rng, self.POOL, hkv, block_size, d)
+        self.pool_v = random_blocks(rng, self.POOL, hkv, block_size, d)
+        # MAW 1.0 (above beta / window for any window, beta <= 1) for `keep` of the tokens, else 0.
+        self.pool_maw = np.where(rng.random((self.POOL, block_size, hkv)) < keep, 1.0, 0.0).astype(np.float32)
+        kf = from_storage(self.pool_k, "bf16")  # [P, Hkv, bs, D]
+        self.pool_min, self.pool_max = kf.min(axis=2), kf.max(axis=2)  # [P, Hkv, D]
         t0 = time.perf_counter()
-        self.store = KVStore(StoreConfig(n_layers=nl, n_kv_heads=hkv, head_dim=d, block_size=bs,
-                                         kv_dtype="bf16", initial_blocks_per_layer=max(16, batch * self.e)))
-        positions = hcfg.sink + np.arange(self.e * bs, dtype=np.int64).reshape(self.e, bs)
+        self.store = KVStore(StoreConfig(n_layers=nl, n_kv_heads=hkv, head_dim=d, block_size=block_size,
+                                         kv_dtype="bf16", initial_blocks_per_layer=max(16, batch * e_max)))
+        positions = sink + np.arange(e_max * block_size, dtype=np.int64).reshape(e_max, block_size)
         for b in range(batch):
             self.store.add_sequence(b)
         for layer in range(nl):
             for b in range(batch):
-                idx = self.index(layer, b)
-                self.store.append_blocks(layer, b, self.pool_k[idx], self.pool_v[idx], self.pool_maw[idx], positions)
-            sparsify_evicted(self.store, layer, range(batch), [np.arange(self.e)] * batch, hcfg.beta,
-                             hcfg.window_tokens)
+                idx = self.index(layer, b, e_max)
+                # A transposed view of head-major blocks: the store's own transpose is then a memcpy.
+                self.store.append_blocks(layer, b, self.pool_k[idx].transpose(0, 2, 1, 3),
+                                         self.pool_v[idx].transpose(0, 2, 1, 3), self.pool_maw[idx], positions)
         self.fill_s = time.perf_counter() - t0
+        self.prepared = None
 
-    def rewind(self) -> None:
-        """Forget the blocks a mode's decode steps evicted, so the next mode starts from the same
-        context (benchmark only: reaches into the store's block counts; the slots simply leak)."""
-        with self.store.lock:
+    def index(self, layer: int, b: int, e: int) -> np.ndarray:
+        return (np.arange(e) + 7 * b + 13 * layer) % self.POOL
+
+    def prepare(self, e: int, beta: float, window_tokens: int) -> float:
+        """Offloaded blocks 0..e-1 per sequence; hgca's sparse context cache rebuilt for them. Also
+        forgets blocks a previous mode's decode steps evicted (benchmark only: sets the store's
+        block counts directly; the dropped slots simply leak)."""
+        t0 = time.perf_counter()
+        store = self.store
+        with store.lock:
             for b in range(self.batch):
-                self.store._n_blocks[b][:] = self.e
+                store._n_blocks[b][:] = e
+        if self.prepared != (e, beta, window_tokens):
+            with store.lock:
+                for layer in range(self.mcfg.num_layers):
+                    for b in range(self.batch):
+                        for h in range(self.mcfg.num_kv_heads):
+                            store.context.clear_head_locked(layer, b, h)
+            for layer in range(self.mcfg.num_layers):
+                sparsify_evicted(store, layer, range(self.batch), [np.arange(e)] * self.batch, beta, window_tokens)
+            self.prepared = (e, beta, window_tokens)
+        return time.perf_counter() - t0
 
-    def index(self, layer: int, b: int) -> np.ndarray:
-        return (np.arange(self.e) + 7 * b + 13 * layer) % self.pool_k.shape[0]
-
-    def digests(self, layer: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
-        kf = from_storage(self.pool_k, "bf16")  # [P, bs, Hkv, D]
-        pmin, pmax = kf.min(axis=1), kf.max(axis=1)  # [P, Hkv, D]
-        shape = (self.batch, self.mcfg.num_kv_heads, nb, self.mcfg.head_dim)
+    def digests(self, layer: int, batch: int, e: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+        shape = (batch, self.mcfg.num_kv_heads, nb, self.mcfg.head_dim)
         kmin, kmax = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-        for b in range(self.batch):
-            idx = self.index(layer, b)
-            kmin[b, :, :self.e] = pmin[idx].transpose(1, 0, 2)
-            kmax[b, :, :self.e] = pmax[idx].transpose(1, 0, 2)
+        for b in range(batch):
+            idx = self.index(layer, b, e)
+            kmin[b, :, :e] = self.pool_min[idx].transpose(1, 0, 2)
+            kmax[b, :, :e] = self.pool_max[idx].transpose(1, 0, 2)
         return kmin, kmax
 
-    def load(self, backend, cache, key):
+    def load(self, backend, cache, key, batch: int):
         """Write the context into a fresh hybrid cache and hand the store to the backend's manager."""
         hcfg, manager = backend.config, backend.manager
+        e = int(evicted_blocks(np.int64(self.context), hcfg))
+        print(f"  host context ready in {self.prepare(e, hcfg.beta, hcfg.window_tokens):.1f} s", flush=True)
         nb = hcfg.host_blocks(manager.max_len)
         layers = []
         for layer, state in enumerate(cache.layers):
@@ -147,21 +169,23 @@ class Context:
             state["maw"] = jnp.full_like(state["maw"], 1.0 / hcfg.window_tokens)
             for prefix, source in (("", layer), ("next_", layer + 1)):
                 if prefix + "kmin" in state:
-                    kmin, kmax = self.digests(source, nb)
+                    kmin, kmax = self.digests(source, batch, e, nb)
                     dtype = state[prefix + "kmin"].dtype
                     state[prefix + "kmin"] = jnp.asarray(kmin, dtype)
                     state[prefix + "kmax"] = jnp.asarray(kmax, dtype)
             layers.append(state)
         if manager.mirror is not None:
+            t0 = time.perf_counter()
             for layer in range(len(layers)):
-                for b in range(self.batch):
-                    idx = self.index(layer, b)
+                for b in range(batch):
+                    idx = self.index(layer, b, e)
                     for name, pool in (("k", self.pool_k), ("v", self.pool_v)):
-                        x = from_storage(pool[idx], "bf16").transpose(2, 0, 1, 3).reshape(
-                            self.mcfg.num_kv_heads, self.e * hcfg.block_size, self.mcfg.head_dim)
-                        manager.mirror[name][layer, b, :, :x.shape[1]] = x.astype(manager.mirror[name].dtype)
-        manager.use_store(self.store, np.full(self.batch, self.context))
-        return cache.replace(layers=tuple(layers), lengths=jnp.full((self.batch,), self.context, jnp.int32))
+                        x = pool[idx].view(ml_dtypes.bfloat16).transpose(1, 0, 2, 3).reshape(
+                            self.mcfg.num_kv_heads, e * self.bs, self.mcfg.head_dim)
+                        manager.mirror[name][layer, b, :, :x.shape[1]] = x
+            print(f"  recall mirror written in {time.perf_counter() - t0:.1f} s", flush=True)
+        manager.use_store(self.store, np.full(batch, self.context))
+        return cache.replace(layers=tuple(layers), lengths=jnp.full((batch,), self.context, jnp.int32))
 
 
 def load_full(cache, context: int, key):
@@ -227,7 +251,7 @@ def gpu_attention_probe(mode, backend, mcfg, cache, batch):
 
 # ---------------------------------------------------------------------------- one mode
 
-def run_mode(mode, args, mcfg, model_parts, batch, window, ctx_cache):
+def run_mode(mode, args, mcfg, model_parts, batch, window, ctx):
     graphdef, params = model_parts
     hcfg = HybridConfig(mode="hgca" if mode in ("full", "hgca-sync") else mode, window_tokens=window, block_size=args.block_size,
                         sink=args.sink, beta=args.beta, topk_blocks=args.topk_tokens // args.block_size,
@@ -243,11 +267,7 @@ def run_mode(mode, args, mcfg, model_parts, batch, window, ctx_cache):
     if mode == "full":
         cache = load_full(cache, args.context, key)
     else:
-        if ctx_cache.get("ctx") is None:
-            ctx_cache["ctx"] = Context(mcfg, hcfg, batch, args.context, args.hgca_keep)
-            print(f"  context written: {ctx_cache['ctx'].fill_s:.1f} s", flush=True)
-        ctx_cache["ctx"].rewind()
-        cache = ctx_cache["ctx"].load(backend, cache, key)
+        cache = ctx.load(backend, cache, key, batch)
     jax.block_until_ready(cache)
 
     def decode(params, tokens, positions, cache):
@@ -260,8 +280,11 @@ def run_mode(mode, args, mcfg, model_parts, batch, window, ctx_cache):
     tokens = np.zeros(batch, np.int32)
     held = args.context
     times = []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup and hook is not None:
+    warmup, steps = args.warmup, args.steps
+    if mode == "recall":  # every step uploads the whole offloaded KV: a few steps say enough
+        warmup, steps = 1, min(steps, args.recall_steps)
+    for i in range(warmup + steps):
+        if i == warmup and hook is not None:
             backend.manager.reset_counters()
         t0 = time.perf_counter()
         positions = np.full(batch, held, np.int32)
@@ -271,8 +294,7 @@ def run_mode(mode, args, mcfg, model_parts, batch, window, ctx_cache):
         tokens = np.asarray(tokens)
         times.append(time.perf_counter() - t0)
         held += 1
-    step_s = float(np.median(times[args.warmup:]))
-    steps = args.steps
+    step_s = float(np.median(times[warmup:]))
     row = dict(mode=mode, batch=batch, context=args.context,
                gpu_window=args.context if mode == "full" else window, tokens_per_s=batch / step_s, step_ms=1e3 * step_s)
     row["gpu_attn_ms"] = gpu_attention_probe(mode, backend, mcfg, cache, batch)
@@ -281,7 +303,7 @@ def run_mode(mode, args, mcfg, model_parts, batch, window, ctx_cache):
         row.update(cpu_attn_ms=0.0, callback_ms=0.0, gpu_idle_frac=0.0, host_kv_bytes=0, callbacks_per_step=0)
         return row
     c = backend.manager.counters()
-    total_s = float(np.sum(times[args.warmup:]))
+    total_s = float(np.sum(times[warmup:]))
     row.update(
         cpu_attn_ms=1e3 * c["cpu_attn_s"] / steps,
         callback_ms=1e3 * c["callback_s"] / steps,
@@ -296,7 +318,7 @@ def run_mode(mode, args, mcfg, model_parts, batch, window, ctx_cache):
         recall_ms=1e3 * c["recall_s"] / steps,
     )
     if mode in ("scout", "topk"):
-        budget = steps * mcfg.num_layers * batch * mcfg.num_kv_heads * min(args.topk_tokens, ctx_cache["ctx"].e * args.block_size)
+        budget = steps * mcfg.num_layers * batch * mcfg.num_kv_heads * min(args.topk_tokens, int(evicted_blocks(np.int64(args.context), backend.config)) * args.block_size)
         row["cpu_share"] = c["cpu_tokens"] / max(budget, 1)
     backend.manager.close()
     return row
@@ -323,6 +345,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="Numba threads (default cores - 1)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--recall-steps", type=int, default=3, help="timed steps of recall (after 1 warm-up)")
     p.add_argument("--budget-s", type=float, default=390.0, help="skip what is left after this many seconds")
     args = p.parse_args(argv)
     if args.quick:
@@ -337,10 +360,16 @@ def main(argv=None) -> int:
     del model
     rows = []
     first = True
-    for batch in [int(b) for b in args.batches.split(",")]:
-        for fraction in [float(w) for w in args.windows.split(",")]:
-            window = window_for(fraction, args.context, args.sink, args.block_size)
-            ctx_cache = {}
+    batches = [int(b) for b in args.batches.split(",")]
+    windows = [window_for(float(w), args.context, args.sink, args.block_size) for w in args.windows.split(",")]
+    e_max = max(int(evicted_blocks(np.int64(args.context),
+                                   HybridConfig(window_tokens=w, block_size=args.block_size, sink=args.sink)))
+                for w in windows)
+    ctx = Context(mcfg, args.block_size, args.sink, max(batches), args.context, e_max, args.hgca_keep)
+    print(f"host store: {max(batches)} sequences x {e_max} blocks x {mcfg.num_layers} layers written in "
+          f"{ctx.fill_s:.1f} s ({ctx.store.bytes_used() / 2**30:.1f} GiB)", flush=True)
+    for batch in batches:
+        for window in windows:
             modes = args.modes.split(",") + (args.first_config_modes.split(",") if first else [])
             first = False
             for mode in [m for m in modes if m]:
@@ -351,14 +380,14 @@ def main(argv=None) -> int:
                     continue
                 print(f"{mode}: batch {batch}, context {args.context}, window {window}", flush=True)
                 try:
-                    row = run_mode(mode, args, mcfg, (graphdef, params), batch, window, ctx_cache)
+                    row = run_mode(mode, args, mcfg, (graphdef, params), batch, window, ctx)
                 except Exception as exc:  # noqa: BLE001 - an OOM in one mode must not lose the others
                     traceback.print_exc()
                     row = dict(mode=mode, batch=batch, context=args.context, gpu_window=window,
                                error=f"{type(exc).__name__}: {str(exc)[:300]}")
                 rows.append(row)
                 print("  " + ", ".join(f"{k}={row.get(k)}" for k in KEYS[4:] if k in row), flush=True)
-            ctx_cache.clear()
+                gc.collect()
     print_table(rows, KEYS + EXTRA)
     config = dict(vars(args), model=dataclasses.asdict(mcfg), kv_dtype=KV_DTYPE_OF["bfloat16"],
                   note=("random weights and a random context written directly (no prefill); "

@@ -129,3 +129,20 @@ def test_bridge_submit_collect_matches_reference(rng):
     np.testing.assert_allclose(lse, lse_ref, atol=1e-5)
     assert np.isfinite(o_b).all() and counters["n_tasks"] == 2 and counters["n_callbacks"] == 2
     assert counters["cpu_tokens"] == 3 * bs
+
+
+def test_cli_unknown_mode_is_reported(capsys):
+    from jhybrid.cli import main
+
+    assert main(["generate", "--mode", "warp", "hello"]) == 2
+    assert "unknown attention mode 'warp'" in capsys.readouterr().err
+
+
+def test_cli_generate_in_a_hybrid_mode(capsys):
+    pytest.importorskip("gguf")
+    from jhybrid.cli import main
+
+    assert main(["generate", "--mode", "scout", "--window", "48", "--sink", "16", "--max-tokens", "6",
+                 "What is the capital of France?"]) == 0
+    captured = capsys.readouterr()
+    assert "decode" in captured.err and "tok/s" in captured.err

@@ -140,8 +140,13 @@ class KVManager:
         return {**self._c, **self.bridge.counters()}
 
     def host_kv_bytes(self) -> int:
+        """Host bytes of this batch's offloaded K/V (+ hgca's sparse copies, + recall's mirror)."""
+        c = self.store.config
+        block = 2 * c.n_kv_heads * c.block_size * c.head_dim * np.dtype(self.dtype).itemsize
+        blocks = sum(self.store.n_blocks(layer, b) for layer in range(self.n_layers) for b in range(self.batch))
         mirror = 0 if self.mirror is None else self.mirror["k"].nbytes * 2
-        return self.store.bytes_used() + mirror
+        context = self.store.context.bytes_used() if self.cfg.mode == "hgca" else 0
+        return blocks * block + context + mirror
 
     def stored_tokens(self, layer: int, seq: int) -> int:
         return self.store.n_tokens(layer, seq)
