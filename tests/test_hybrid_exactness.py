@@ -154,6 +154,13 @@ def test_generator_greedy_tokens_match_full(model, mode):
     prompts = [rng.integers(0, 97, 23).tolist(), rng.integers(0, 97, 41).tolist()]  # ragged
     expected = Generator(model, prefill_chunk=16).generate(prompts, max_new_tokens=40).tokens
     backend = make_backend(mode, **KEEP_ALL)
-    got = Generator(model, backend, prefill_chunk=64).generate(prompts, max_new_tokens=40)
+    generator = Generator(model, backend, prefill_chunk=64)
+    got = generator.generate(prompts, max_new_tokens=40)
     assert got.tokens == expected
     assert backend.manager.counters()["n_evicted_blocks"] > 0
+    history = backend.manager.history
+    assert len(history) > 40 and all(h["wall_s"] > 0 for h in history)
+    if mode == "hgca":  # a second run on the same generator: fresh host runtime, same executables
+        compiled = generator.compile_seconds
+        assert generator.generate(prompts, max_new_tokens=40).tokens == expected
+        assert generator.compile_seconds == compiled

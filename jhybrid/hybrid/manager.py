@@ -18,7 +18,8 @@ per-token work:
     into the layer's GPU pool. Simplification: done between steps, synchronously (the paper issues
     it after the layer and consumes it one step later).
 
-Counters (cumulative seconds): evict_s, transfer_s (device<->host bulk copies), recall_s,
+Instrumentation: `history` holds one dict per step (its counter deltas + wall_s, the time
+between two step starts); cumulative counters (seconds): evict_s, transfer_s (device<->host bulk copies), recall_s,
 bytes_to_host, bytes_to_device, n_evicted_blocks, n_recalls, n_reevaluations; plus the bridge's.
 """
 
@@ -131,13 +132,28 @@ class KVManager:
         self.reset_counters()
 
     # ---- counters ----------------------------------------------------------------------------
+    HISTORY = 4096  # steps kept in `history`
+
     def reset_counters(self) -> None:
+        self.history: list[dict] = []
+        self._last_snapshot = None
         self._c = dict(evict_s=0.0, transfer_s=0.0, recall_s=0.0, bytes_to_host=0, bytes_to_device=0,
                        n_evicted_blocks=0, n_recalls=0, n_reevaluations=0)
         self.bridge.reset_counters()
 
     def counters(self) -> dict:
         return {**self._c, **self.bridge.counters()}
+
+    def _record_step(self) -> None:
+        """Per-step instrumentation: the counters' change since the previous step began, and the
+        wall time between the two step starts (bookkeeping + the jitted step + the caller's work)."""
+        now, totals = time.perf_counter(), self.counters()
+        if self._last_snapshot is not None:
+            then, before = self._last_snapshot
+            self.history.append({"wall_s": now - then,
+                                 **{k: totals[k] - before.get(k, 0) for k in totals}})
+            del self.history[:-self.HISTORY]
+        self._last_snapshot = (now, totals)
 
     def host_kv_bytes(self) -> int:
         """Host bytes of this batch's offloaded K/V (+ hgca's sparse copies, + recall's mirror)."""
@@ -155,6 +171,7 @@ class KVManager:
     def before_step(self, cache, positions):
         """Call with the cache and the step's positions [B, T] before running the step."""
         self.bridge.raise_pending()
+        self._record_step()
         pos = np.asarray(positions).astype(np.int64)
         valid = pos >= 0
         n_new = valid.sum(axis=1)
