@@ -370,7 +370,7 @@ def main():
     p.add_argument("--recompute-chunk", type=int, default=None, help="tokens per recompute chunk")
     p.add_argument("--tolerance", type=float, default=1e-2,
                    help="max relative KV error (Frobenius, per layer) of hidden/kv; x5 with recompute")
-    p.add_argument("--time-budget", type=float, default=220.0, help="seconds; later points are skipped")
+    p.add_argument("--time-budget", type=float, default=210.0, help="seconds; later points are skipped")
     p.add_argument("--models", nargs="+", default=None)
     args = p.parse_args()
     if args.quick:
