@@ -164,3 +164,14 @@ def test_generator_greedy_tokens_match_full(model, mode):
         compiled = generator.compile_seconds
         assert generator.generate(prompts, max_new_tokens=40).tokens == expected
         assert generator.compile_seconds == compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["recall", "hgca", "topk", "scout-exact-query"])
+def test_gpu_triton_kernels_keep_all(model, tokens, reference, case):
+    """On a GPU: the same keep-all parity with the Triton kernels, pinned_host transfers and real
+    callbacks (run with `pytest -m gpu tests/test_hybrid_exactness.py` on the device)."""
+    options = {**KEEP_ALL, **CASES[case], "n_threads": None}
+    logits, backend, _, held = run_forced(model, make_backend(options.pop("mode"), **options), *tokens)
+    np.testing.assert_allclose(logits, reference, atol=2e-3, rtol=0)
+    assert_nothing_lost(backend, held)
