@@ -252,14 +252,24 @@ def gpu_attention_probe(mode, backend, mcfg, cache, batch):
 # ---------------------------------------------------------------------------- one mode
 
 def run_mode(mode, args, mcfg, model_parts, batch, window, ctx):
-    graphdef, params = model_parts
-    hcfg = HybridConfig(mode="hgca" if mode in ("full", "hgca-sync") else mode, window_tokens=window, block_size=args.block_size,
-                        sink=args.sink, beta=args.beta, topk_blocks=args.topk_tokens // args.block_size,
-                        recall_blocks=args.recall_blocks, n_threads=args.threads)
+    hcfg = HybridConfig(window_tokens=window, block_size=args.block_size, sink=args.sink, beta=args.beta,
+                        topk_blocks=args.topk_tokens // args.block_size, recall_blocks=args.recall_blocks,
+                        n_threads=args.threads)
     if mode == "hgca-sync":
         backend = make_backend(dataclasses.replace(hcfg, mode="hgca", exchange="sync"))
     else:
         backend = make_backend(dataclasses.replace(hcfg, mode=mode))
+    try:
+        return _run_mode(mode, args, mcfg, model_parts, batch, window, ctx, backend)
+    finally:
+        manager = getattr(backend, "manager", None)
+        if manager is not None:  # compiled steps may outlive this call: drop the big host buffers now
+            manager.close()
+            manager.mirror = None
+
+
+def _run_mode(mode, args, mcfg, model_parts, batch, window, ctx, backend):
+    graphdef, params = model_parts
     max_len = args.context + args.warmup + args.steps + 8
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(batch, max_len, backend)
@@ -295,8 +305,8 @@ def run_mode(mode, args, mcfg, model_parts, batch, window, ctx):
         times.append(time.perf_counter() - t0)
         held += 1
     step_s = float(np.median(times[warmup:]))
-    row = dict(mode=mode, batch=batch, context=args.context,
-               gpu_window=args.context if mode == "full" else window, tokens_per_s=batch / step_s, step_ms=1e3 * step_s)
+    row = dict(mode=mode, batch=batch, context=args.context, gpu_window=args.context if mode == "full" else window,
+               tokens_per_s=batch / step_s, step_ms=1e3 * step_s)
     row["gpu_attn_ms"] = gpu_attention_probe(mode, backend, mcfg, cache, batch)
     row["gpu_kv_bytes"] = int(sum(x.nbytes for x in jax.tree_util.tree_leaves(cache.layers)))
     if hook is None:
@@ -318,9 +328,9 @@ def run_mode(mode, args, mcfg, model_parts, batch, window, ctx):
         recall_ms=1e3 * c["recall_s"] / steps,
     )
     if mode in ("scout", "topk"):
-        budget = steps * mcfg.num_layers * batch * mcfg.num_kv_heads * min(args.topk_tokens, int(evicted_blocks(np.int64(args.context), backend.config)) * args.block_size)
+        offloaded = int(evicted_blocks(np.int64(args.context), backend.config)) * args.block_size
+        budget = steps * mcfg.num_layers * batch * mcfg.num_kv_heads * min(args.topk_tokens, offloaded)
         row["cpu_share"] = c["cpu_tokens"] / max(budget, 1)
-    backend.manager.close()
     return row
 
 
