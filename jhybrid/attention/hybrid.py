@@ -29,9 +29,6 @@ Every producer returns (o, lse); `jhybrid.merge.merge_partials` combines them ex
 
 from __future__ import annotations
 
-import logging
-
-import jax
 import jax.numpy as jnp
 
 from jhybrid.attention.base import AttentionBackend, LayerContext
@@ -45,8 +42,6 @@ from jhybrid.hybrid.selection import select
 from jhybrid.merge import merge_partials
 from pallas_kernels.block_sparse_attention import block_sparse_attention
 from pallas_kernels.window_attention import window_attention
-
-log = logging.getLogger(__name__)
 
 
 def make_backend(config: HybridConfig | str = "hgca", **overrides) -> AttentionBackend:
@@ -189,7 +184,7 @@ class HybridAttention(AttentionBackend):
         return min(self.config.topk_blocks or nb, nb)
 
     def _gpu_selected(self, q, state, sel, scale):
-        """GPU part over the window and the selected blocks held in the recall pool."""
+        """GPU partial state over the selected blocks held in the recall pool (none without a pool)."""
         parts = []
         if "pool_k" in state:
             parts.append(block_sparse_attention(q, state["pool_k"], state["pool_v"], sel.gpu_ids,
