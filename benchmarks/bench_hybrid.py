@@ -122,6 +122,25 @@ class Context:
         self.fill_s = time.perf_counter() - t0
         self.prepared = None
 
+    def mirror(self, empty: dict, batch: int) -> dict:
+        """recall's host mirror of the offloaded KV ({"k", "v"} [L, B, Hkv, N, D]) with all e_max
+        blocks written; built once per batch and reused (a run with fewer offloaded blocks masks
+        the rest by length)."""
+        cached = getattr(self, "_mirrors", {})
+        self._mirrors = cached
+        if batch not in cached:
+            t0 = time.perf_counter()
+            for layer in range(self.mcfg.num_layers):
+                for b in range(batch):
+                    idx = self.index(layer, b, self.e_max)
+                    for name, pool in (("k", self.pool_k), ("v", self.pool_v)):
+                        x = pool[idx].view(ml_dtypes.bfloat16).transpose(1, 0, 2, 3).reshape(
+                            self.mcfg.num_kv_heads, self.e_max * self.bs, self.mcfg.head_dim)
+                        empty[name][layer, b, :, :x.shape[1]] = x
+            cached[batch] = empty
+            print(f"  recall mirror written in {time.perf_counter() - t0:.1f} s", flush=True)
+        return cached[batch]
+
     def index(self, layer: int, b: int, e: int) -> np.ndarray:
         return (np.arange(e) + 7 * b + 13 * layer) % self.POOL
 
@@ -175,15 +194,7 @@ class Context:
                     state[prefix + "kmax"] = jnp.asarray(kmax, dtype)
             layers.append(state)
         if manager.mirror is not None:
-            t0 = time.perf_counter()
-            for layer in range(len(layers)):
-                for b in range(batch):
-                    idx = self.index(layer, b, e)
-                    for name, pool in (("k", self.pool_k), ("v", self.pool_v)):
-                        x = pool[idx].view(ml_dtypes.bfloat16).transpose(1, 0, 2, 3).reshape(
-                            self.mcfg.num_kv_heads, e * self.bs, self.mcfg.head_dim)
-                        manager.mirror[name][layer, b, :, :x.shape[1]] = x
-            print(f"  recall mirror written in {time.perf_counter() - t0:.1f} s", flush=True)
+            manager.mirror = self.mirror(manager.mirror, batch)
         manager.use_store(self.store, np.full(batch, self.context))
         return cache.replace(layers=tuple(layers), lengths=jnp.full((batch,), self.context, jnp.int32))
 
