@@ -38,9 +38,11 @@ THREADING_LAYER = configure_threading_layer()
 _FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 _TWO_POW_112 = np.float32(2.0 ** 112)
 ITEMS_PER_THREAD = 4
-# Tokens widened to float32 at a time: K and V scratch (2 x 16 x D x 4 B) stay in L1 (16 measured a
-# little faster than 32 or 64 on the 2-core EPYC machine).
+# Tokens widened to float32 at a time by _token_probabilities (scratch 16 x D x 4 B stays in L1).
 _CHUNK = 16
+# Bytes of K per chunk in the attention kernel (16 tokens at D=128 bf16, 32 at D=64): measured best
+# on the 2-core EPYC (16 vs 32/64 tokens at D=128; 32 vs 16 at D=64).
+_CHUNK_BYTES = 4096
 # Software prefetch distance (rows of the next page fetched while the current page ends); measured
 # on the 2-core EPYC: +10-20% for 64-token store blocks, and no loss on 256-token context pages
 # (prefetching whole pages ahead there was 25% slower).
@@ -122,9 +124,16 @@ def _attend_chunk(qs, k, v, n, acc, run_max, run_sum, s, exponent):
     for r in range(n4, n_rows):
         scores1(qs[r], k, n, s[r])
     for r in range(n_rows):
-        m_new = run_max[r]
-        for j in range(n):
-            m_new = max(m_new, s[r, j])
+        m0 = m1 = m2 = m3 = run_max[r]  # four partial maxima: short dependency chains
+        for jb in range(n // 4):
+            j = 4 * jb
+            m0 = max(m0, s[r, j])
+            m1 = max(m1, s[r, j + 1])
+            m2 = max(m2, s[r, j + 2])
+            m3 = max(m3, s[r, j + 3])
+        for j in range(n - n % 4, n):
+            m0 = max(m0, s[r, j])
+        m_new = max(max(m0, m1), max(m2, m3))
         _exp_shifted(s[r], n, m_new, exponent)
         total = np.float32(0.0)
         for j in range(n):
@@ -147,14 +156,15 @@ def _partial_states(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n
                     item_unit, item_page_lo, item_page_hi, part_acc, part_max, part_sum):
     """Per work item: unnormalised accumulator [R, D], running max [R], sum of exp [R] (R = Tq*G).
 
-    Pages are processed in chunks of `_CHUNK` tokens; while chunk c of page i is computed, the same
-    rows of page i + 1 (K and V) are prefetched. bf16 and float32 pages are read in place (widened
-    in registers); fp16 chunks are first converted into float32 scratch."""
+    Pages are processed in chunks of about `_CHUNK_BYTES` of K (16-64 tokens); near the end of page
+    i the first rows of page i + 1 (K and V) are prefetched. bf16 and float32 pages are read in
+    place (widened in registers); fp16 chunks are first converted into float32 scratch."""
     _, tq, hq, d_size = q.shape
     group = hq // n_kv_heads
     n_rows = tq * group
     page_tokens = k_pages.shape[1]
     row_bytes = k_pages.strides[1]
+    chunk = min(64, max(16, _CHUNK_BYTES // max(1, row_bytes)))
     for it in prange(item_unit.shape[0]):
         u = item_unit[it]
         b = u // n_kv_heads
@@ -167,18 +177,18 @@ def _partial_states(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n
         acc = np.zeros((n_rows, d_size), np.float32)
         run_max = np.full(n_rows, -np.inf, np.float32)
         run_sum = np.zeros(n_rows, np.float32)
-        s = np.empty((n_rows, _CHUNK), np.float32)
-        exponent = np.empty(_CHUNK, np.int32)
-        kf = np.empty((_CHUNK if fmt == 2 else 0, d_size), np.float32)
-        vf = np.empty((_CHUNK if fmt == 2 else 0, d_size), np.float32)
+        s = np.empty((n_rows, chunk), np.float32)
+        exponent = np.empty(chunk, np.int32)
+        kf = np.empty((chunk if fmt == 2 else 0, d_size), np.float32)
+        vf = np.empty((chunk if fmt == 2 else 0, d_size), np.float32)
         hi = item_page_hi[it]
         for pi in range(item_page_lo[it], hi):
             page = page_ids[page_ptr[u] + pi]
             n_page = min(page_tokens, unit_tokens[u] - pi * page_tokens)
             next_page = page_ids[page_ptr[u] + pi + 1] if pi + 1 < hi else -1
             n_next = min(page_tokens, unit_tokens[u] - (pi + 1) * page_tokens) if pi + 1 < hi else 0
-            for c0 in range(0, n_page, _CHUNK):
-                n = min(_CHUNK, n_page - c0)
+            for c0 in range(0, n_page, chunk):
+                n = min(chunk, n_page - c0)
                 # rows _PREFETCH_ROWS ahead that lie in the next page (hardware prefetchers cover
                 # the rest of a page but do not cross into the next, scattered one)
                 p_lo = max(0, c0 + _PREFETCH_ROWS - n_page)

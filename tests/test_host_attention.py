@@ -211,3 +211,46 @@ def test_long_context_parity(rng):
     ks, vs = stored_tokens(store, 0, seqs[0])
     ro, rl = reference_attention(q, [ks], [vs], hkv)
     assert norm_relative_error(o, ro) < 1e-4 and norm_relative_error(lse, rl) < 1e-5
+
+
+def _random_paged_view(rng, kv_dtype, d, page_tokens, unit_tokens, n_kv_heads, spare_pages=3):
+    """A PagedKV over shuffled pages of random values; returns (view, keys[b][h], values[b][h])."""
+    from host.kv_store import FORMAT_CODE
+
+    pages_per_unit = [-(-n // page_tokens) for n in unit_tokens]
+    n_pages = sum(pages_per_unit) + spare_pages
+    k = (rng.standard_normal((n_pages, page_tokens, d)) * 2).astype(np.float32)
+    v = rng.standard_normal((n_pages, page_tokens, d)).astype(np.float32)
+    ks, vs = to_storage(k, kv_dtype), to_storage(v, kv_dtype)
+    kf, vf = from_storage(ks, kv_dtype), from_storage(vs, kv_dtype)
+    order = rng.permutation(n_pages)
+    page_ptr = np.zeros(len(unit_tokens) + 1, np.int64)
+    np.cumsum(pages_per_unit, out=page_ptr[1:])
+    page_ids = order[:page_ptr[-1]].astype(np.int64)
+    keys, values = [], []
+    for u, n in enumerate(unit_tokens):
+        if u % n_kv_heads == 0:
+            keys.append([])
+            values.append([])
+        pages = page_ids[page_ptr[u]:page_ptr[u + 1]]
+        keys[-1].append(kf[pages].reshape(-1, d)[:n])
+        values[-1].append(vf[pages].reshape(-1, d)[:n])
+    view = PagedKV(ks, vs, FORMAT_CODE[kv_dtype], page_ptr, page_ids, np.asarray(unit_tokens, np.int64), n_kv_heads)
+    return view, keys, values
+
+
+@pytest.mark.parametrize("kv_dtype,d", [("bf16", 128), ("bf16", 64), ("fp16", 64), ("fp32", 128)])
+@pytest.mark.parametrize("group,tq", [(4, 1), (2, 3), (3, 1), (1, 2)])
+def test_large_pages_ragged_units_row_blocks(rng, kv_dtype, d, group, tq):
+    """Pages of 256 tokens (several kernel chunks and prefetch windows per page), ragged unit sizes
+    (partial last pages, token counts not multiples of 4, an empty unit) and query-row counts that
+    are / are not multiples of the kernel's 4-row blocks, over several work-item splits."""
+    hkv = 2
+    unit_tokens = [700, 0, 1, 37, 513, 256]  # B = 3 sequences x Hkv = 2
+    view, keys, values = _random_paged_view(rng, kv_dtype, d, 256, unit_tokens, hkv)
+    q = queries(rng, 3, tq, hkv * group, d)
+    ro, rl = reference_attention(q, keys, values, hkv)
+    for n_items in (None, 1, 7):
+        o, lse = paged_attention(q, view, n_items=n_items)
+        assert norm_relative_error(o, ro) < TOL and norm_relative_error(lse, rl) < TOL
+        assert np.all(lse[0, :, group:] == -np.inf) and np.all(o[0, :, group:] == 0)  # unit 1 = (b 0, h 1)
