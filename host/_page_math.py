@@ -8,11 +8,15 @@ value accumulation adds four tokens to four rows per pass over D (D innermost: v
 Also a software prefetch hint (`prefetch`) used to fetch the next page of a work item while the
 current one is computed: hardware prefetchers stop at 4 KiB boundaries and pages lie scattered, so
 without it the kernel waits on memory at every page start instead of overlapping.
+
+Numba's on-disk cache (cache=True) of host.attention does not track this module: after editing it,
+delete host/__pycache__/attention.*.nbi/.nbc (or touch host/attention.py) before measuring.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -50,6 +54,10 @@ def _kv_value(x):
     return lambda x: np.float32(x)
 
 
+# Opaque pointers from LLVM 17 on ("p0"); typed pointer mangling before ("p0i8").
+_PREFETCH_NAME = "llvm.prefetch.p0" if llvm.llvm_version_info >= (17,) else "llvm.prefetch.p0i8"
+
+
 @intrinsic
 def prefetch(typingctx, arr, index, byte_offset):
     """Prefetch hint (into the outer caches, not L1) for the line holding byte `byte_offset` of arr[index]
@@ -67,7 +75,7 @@ def prefetch(typingctx, arr, index, byte_offset):
         addr = builder.gep(builder.bitcast(ptr, i8p), [args[2]])
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
         builder.call(fn, [addr, i32(0), i32(1), i32(1)])  # read, low locality (outer caches), data
         return context.get_dummy_value()
 
