@@ -1,6 +1,6 @@
 """Print the markdown tables of BENCHMARKS.md from the JSON files in benchmarks/results/.
 
-  python benchmarks/render_tables.py kernels|host|ppl [results/file.json]
+  python benchmarks/render_tables.py kernels|diag|host|hybrid|hcache [results/file.json]
 """
 
 from __future__ import annotations
@@ -65,8 +65,54 @@ def host(path):
             print(f"\n{r['kernel']}: {r['median_us']:.0f} µs ({r.get('note', '')})")
 
 
+def dense_diag(path):
+    d = json.load(open(path))
+    rows = [r for r in d["rows"] if r["kernel"] == "dense_diag"]
+    print(table(["B", "context", "splits", "whole op µs", "kernel alone µs"],
+                [[str(r["batch"]), str(r["context"]), str(r["num_splits"]), _f(r.get("median_us")),
+                  _f(r.get("kernel_only_us"))] for r in rows]))
+
+
+def hybrid(path):
+    d = json.load(open(path))
+    print(f"Device: {d['device']}; {d['date']}; {d['config'].get('note', '')}\n")
+    print(table(
+        ["mode", "B", "GPU window", "tok/s (mean step)", "step ms mean", "step ms median", "GPU attn ms",
+         "CPU attn ms", "callback ms", "callbacks/step", "GPU idle (callbacks / time)", "recall ms",
+         "GPU KV GB", "host KV GB"],
+        [[r["mode"], str(r["batch"]), str(r["gpu_window"]),
+          _f(r.get("tokens_per_s_mean", r["tokens_per_s"] if not r.get("callback_share") else None)),
+          _f(r.get("step_ms_mean", r["step_ms"] if not r.get("callback_share") else None), 2), _f(r["step_ms"], 2),
+          _f(r["gpu_attn_ms"], 2), _f(r["cpu_attn_ms"], 2), _f(r["callback_ms"], 2),
+          _f(r.get("callbacks_per_step"), 0), _f(r["gpu_idle_frac"], 2), _f(r.get("recall_ms"), 1),
+          _f(r["gpu_kv_bytes"] / 1e9, 2), _f(r["host_kv_bytes"] / 1e9, 2)] for r in d["rows"]]))
+
+
+def hcache(path):
+    d = json.load(open(path))
+    print(f"Device: {d['device']}; {d['date']}\n")
+    rows = d["rows"]
+    keys = sorted({(r["model"], r["storage"], r["history_tokens"]) for r in rows},
+                  key=lambda k: (k[0], k[1] != "dram", k[2]))
+    out = []
+    for model, storage, n in keys:
+        by = {r["method"]: r for r in rows if (r["model"], r["storage"], r["history_tokens"]) == (model, storage, n)}
+        ms = {m: by[m]["restore_ms"] for m in by}
+        best_single = min(ms[m] for m in ("hidden", "kv", "recompute") if m in ms)
+        out.append([model, storage, str(n)] + [_f(ms.get(m)) for m in ("hidden", "kv", "recompute", "planner")]
+                   + [by.get("planner", {}).get("plan", "-"),
+                      _f(ms["kv"] / ms["hidden"], 2) if "kv" in ms and "hidden" in ms else "-",
+                      _f(ms["recompute"] / ms["hidden"], 1) if "recompute" in ms and "hidden" in ms else "-",
+                      _f(ms["planner"] / best_single, 2) if "planner" in ms else "-"])
+    print(table(["model", "storage", "history", "hidden ms", "kv ms", "recompute ms", "planner ms", "plan",
+                 "kv / hidden", "recompute / hidden", "planner / best single"], out))
+    bpt = {(r["model"], r["method"]): r["bytes_per_token"] for r in rows if r["method"] in ("hidden", "kv")}
+    print("\nStorage bytes per token: " + "; ".join(f"{m} {meth} {v}" for (m, meth), v in sorted(bpt.items())))
+
+
 if __name__ == "__main__":
     what = sys.argv[1]
-    default = {"kernels": "kernels-h100.json", "host": "host-attention-h100.json"}[what]
+    default = {"kernels": "kernels-h100.json", "host": "host-attention-h100.json", "diag": "kernels-h100-run2.json",
+               "hybrid": "hybrid-h100.json", "hcache": "hcache-h100.json"}[what]
     path = sys.argv[2] if len(sys.argv) > 2 else os.path.join(HERE, "results", default)
-    {"kernels": kernels, "host": host}[what](path)
+    {"kernels": kernels, "host": host, "diag": dense_diag, "hybrid": hybrid, "hcache": hcache}[what](path)
