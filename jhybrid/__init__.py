@@ -2,7 +2,9 @@
 
 Package map (one concept per module):
   jhybrid.models       Flax NNX decoder models (Llama family, OPT, GPT-NeoX, Gemma 3) and configs
-  jhybrid.attention    the attention backend interface and its backends (`full`; hybrid modes plug in)
+  jhybrid.attention    the attention backend interface and its backends (`full`, the hybrid modes)
+  jhybrid.hybrid       KV manager (GPU ring, eviction to host), callback bridge, mode configs
+  jhybrid.hcache       session save/restore from per-layer hidden states (HCache), planner
   jhybrid.loading      Hugging Face / GGUF / Orbax weights, tokenizers, chat templates
   jhybrid.generation   chunked prefill, jitted decode, sampling, the step API
   jhybrid.merge        exact log-sum-exp merge of partial attention states (o, lse)
