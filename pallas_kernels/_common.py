@@ -73,6 +73,29 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
     return num_q_heads // num_kv_heads
 
 
+def check_query_and_kv(q, k, v, k_name: str, v_name: str, kv_layout: str):
+    """Validate queries [B, Tq, Hq, D] against a K/V pair laid out as [_, Hkv, _, D].
+
+    Checks ranks, equal K/V shapes and dtypes, float dtypes, the head dim and GQA grouping, and
+    names the offending value. Returns (Hq // Hkv, Hkv).
+    """
+    if q.ndim != 4:
+        raise ValueError(f"q.shape={tuple(q.shape)}; expected [B, Tq, Hq, D]")
+    if k.ndim != 4:
+        raise ValueError(f"{k_name}.shape={tuple(k.shape)}; expected {kv_layout}")
+    if v.shape != k.shape:
+        raise ValueError(f"{v_name}.shape={tuple(v.shape)} differs from {k_name}.shape={tuple(k.shape)}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"{k_name} head dim {k.shape[3]} differs from q head dim {q.shape[3]}")
+    check_head_dim(q.shape[3])
+    group = check_gqa(q.shape[2], k.shape[1])
+    for name, x in (("q", q), (k_name, k), (v_name, v)):
+        check_float_dtype(name, x)
+    if k.dtype != v.dtype:
+        raise ValueError(f"{k_name}.dtype={k.dtype} differs from {v_name}.dtype={v.dtype}")
+    return group, k.shape[1]
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 

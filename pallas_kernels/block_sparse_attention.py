@@ -104,22 +104,8 @@ def block_sparse_attention(
 
 
 def _validate(q, k_pool, v_pool, block_ids, counts, block_lens):
-    if q.ndim != 4:
-        raise ValueError(f"q.shape={tuple(q.shape)}; expected [B, Tq, Hq, D]")
-    b, _, hq, d = q.shape
-    if k_pool.ndim != 4:
-        raise ValueError(f"k_pool.shape={tuple(k_pool.shape)}; expected [P, Hkv, block_size, D]")
-    if v_pool.shape != k_pool.shape:
-        raise ValueError(f"v_pool.shape={tuple(v_pool.shape)} differs from k_pool.shape={tuple(k_pool.shape)}")
-    p_blocks, hkv, bs, kd = k_pool.shape
-    if kd != d:
-        raise ValueError(f"k_pool head dim {kd} differs from q head dim {d}")
-    C.check_head_dim(d)
-    C.check_gqa(hq, hkv)
-    for name, x in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
-        C.check_float_dtype(name, x)
-    if k_pool.dtype != v_pool.dtype:
-        raise ValueError(f"k_pool.dtype={k_pool.dtype} differs from v_pool.dtype={v_pool.dtype}")
+    _, hkv = C.check_query_and_kv(q, k_pool, v_pool, "k_pool", "v_pool", "[P, Hkv, block_size, D]")
+    b, p_blocks = q.shape[0], k_pool.shape[0]
     if block_ids.ndim != 3 or block_ids.shape[:2] != (b, hkv):
         raise ValueError(f"block_ids.shape={tuple(block_ids.shape)}; expected [B={b}, Hkv={hkv}, M]")
     if block_ids.shape[2] < 1:

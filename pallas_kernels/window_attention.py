@@ -102,26 +102,14 @@ def window_attention(
 
 
 def _validate(q, k_ring, v_ring, lengths, ring_start, sink_k, sink_v, sink_lengths):
-    if q.ndim != 4:
-        raise ValueError(f"q.shape={tuple(q.shape)}; expected [B, Tq, Hq, D]")
-    b, tq, hq, d = q.shape
-    if k_ring.ndim != 4:
-        raise ValueError(f"k_ring.shape={tuple(k_ring.shape)}; expected [B, Hkv, W, D]")
-    if v_ring.shape != k_ring.shape:
-        raise ValueError(f"v_ring.shape={tuple(v_ring.shape)} differs from k_ring.shape={tuple(k_ring.shape)}")
-    kb, hkv, w, kd = k_ring.shape
-    if kb != b or kd != d:
-        raise ValueError(f"k_ring.shape={tuple(k_ring.shape)} does not match q.shape={tuple(q.shape)} (B, D)")
+    _, hkv = C.check_query_and_kv(q, k_ring, v_ring, "k_ring", "v_ring", "[B, Hkv, W, D]")
+    b, tq, _, d = q.shape
+    if k_ring.shape[0] != b:
+        raise ValueError(f"k_ring.shape={tuple(k_ring.shape)} does not match q's batch B={b}")
     if not 1 <= tq <= MAX_TQ:
         raise ValueError(f"Tq={tq}; expected 1 <= Tq <= {MAX_TQ} (decode or an append chunk)")
-    if w < 1:
-        raise ValueError(f"ring size W={w}; expected W >= 1")
-    C.check_head_dim(d)
-    C.check_gqa(hq, hkv)
-    for name, x in (("q", q), ("k_ring", k_ring), ("v_ring", v_ring)):
-        C.check_float_dtype(name, x)
-    if k_ring.dtype != v_ring.dtype:
-        raise ValueError(f"k_ring.dtype={k_ring.dtype} differs from v_ring.dtype={v_ring.dtype}")
+    if k_ring.shape[2] < 1:
+        raise ValueError(f"ring size W={k_ring.shape[2]}; expected W >= 1")
     C.check_int_vector("lengths", lengths, b)
     C.check_int_vector("ring_start", ring_start, b)
     given = [x is not None for x in (sink_k, sink_v, sink_lengths)]
