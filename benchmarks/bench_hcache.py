@@ -16,7 +16,7 @@ values). Storage:
         O_DIRECT), so reads come from the device.
 The planner profiles per-layer costs (layer-0 transfer of hidden and KV, one projection; the
 recompute cost per layer is the measured recompute restore / L), picks per layer a method, and
-(confirm_plan) keeps a mixed plan only if it measures faster than the best single method.
+(confirm_plan) measures that plan against every single-method plan and keeps the fastest.
 restore_ms: median wall time of restore_kv until every layer's K, V is on the device (and
 restore_ms_min, the fastest run: on a shared machine the less noisy of the two).
 

@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import os
+import time
 import uuid
 import zlib
 from typing import Sequence
@@ -36,9 +37,9 @@ from flax import nnx
 
 from jhybrid.generation import SamplingParams, sample_tokens
 from jhybrid.hcache import storage
-from jhybrid.hcache.planner import LayerCosts, RestorePlan, plan_restore, profile_costs
-from jhybrid.hcache.restorer import (FullCacheWriter, LayerKernels, SessionFileSource, restore_kv,
-                                     row_values, validate_plan)
+from jhybrid.hcache.planner import LayerCosts, RestorePlan, confirm_plan, plan_restore, profile_costs
+from jhybrid.hcache.restorer import (CollectingSink, FullCacheWriter, LayerKernels, SessionFileSource,
+                                     restore_kv, row_values, validate_plan)
 from jhybrid.hcache.saver import SessionWriter, snapshot_to_host
 from jhybrid.hcache.storage import (ChunkLayout, CorruptSession, HCacheError, ModelMismatch,
                                     StorageFull)
@@ -102,6 +103,18 @@ class HCacheEngine:
         fetch = _scratch_disk_fetch(self.config, scratch, num_tokens, self.dtype)
         self.costs = profile_costs(self.kernels, num_tokens, fetch)
         plan = plan_restore(self.costs, self.config.num_layers)
+        tokens = np.zeros(num_tokens, np.int32)
+
+        def measure(methods) -> float:  # one whole restore from the scratch files, device work included
+            sink = CollectingSink(self.config.num_layers)
+            start = time.perf_counter()
+            restore_kv(self.kernels, methods, tokens, fetch, sink, self.prefill_chunk)
+            sink.block()
+            return time.perf_counter() - start
+
+        for methods in {plan.methods, *((m,) * self.config.num_layers for m in ("hidden", "kv", "recompute"))}:
+            measure(methods)  # compile every candidate before timing any
+        plan = confirm_plan(plan, measure, repeats=2)
         log.info("hcache planner: %s (estimated %.2f ms; single methods %s) from %s", plan.describe(),
                  plan.estimated_seconds * 1e3,
                  {m: round(s * 1e3, 2) for m, s in plan.single_method_seconds.items()}, self.costs)
