@@ -1,4 +1,5 @@
-"""The `jhybrid` console script: `jhybrid version`, `jhybrid generate`, `jhybrid convert`."""
+"""The `jhybrid` console script: `jhybrid version`, `jhybrid generate`, `jhybrid convert`,
+`jhybrid bench`, `jhybrid budget`."""
 
 from __future__ import annotations
 
@@ -118,20 +119,77 @@ def _convert(args) -> int:
     return 0
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark sweep from a YAML config (configs/*.yaml)")
+    p.add_argument("config", help="a YAML run config, e.g. configs/smoke.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a setting, e.g. --set offload.beta=0.5 (repeatable)")
+    p.add_argument("--output-dir", default=None, help="results folder (default: benchmark.output_dir)")
+    p.add_argument("--list", action="store_true", help="print the sweep's points and exit")
+
+
+def _add_budget(sub) -> None:
+    p = sub.add_parser("budget", help="KV cache budget: what fits on the GPU, what to offload")
+    p.add_argument("--model", required=True,
+                   help="a known shape (smollm2, llama3-8b, llama3-70b, tiny) or a config.json path")
+    p.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--gpu-mem", required=True, help="GPU memory: 80 (GiB), 80GiB, 80GB, 512MiB")
+    p.add_argument("--gpu-share", type=float, default=0.25,
+                   help="target share of each sequence's KV kept on the GPU (default 0.25)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sink", type=int, default=16)
+    p.add_argument("--kv-dtype", default=None, help="KV element type (default: the model's dtype)")
+    p.add_argument("--reserve", default="0", help="GPU memory kept for activations (same units)")
+
+
+def _bench(args) -> int:
+    from jhybrid.bench.runner import run_sweep
+    from jhybrid.config import expand_sweep, load_config
+
+    run = load_config(args.config, args.overrides)
+    if args.list:
+        for point in expand_sweep(run):
+            print(point.key)
+        return 0
+    outcome = run_sweep(run, output_dir=args.output_dir, argv=args.argv)
+    print(f"{outcome.ran} points run, {outcome.resumed} resumed, {outcome.skipped} skipped; wrote "
+          + ", ".join(outcome.paths), file=sys.stderr)
+    return 130 if outcome.interrupted else 0
+
+
+def _budget(args) -> int:
+    from jhybrid.bench.budget import format_budget, kv_budget, parse_bytes
+    from jhybrid.bench.shapes import model_config_for
+
+    budget = kv_budget(args.model, model_config_for(args.model), args.context, args.batch,
+                       parse_bytes(args.gpu_mem), gpu_share=args.gpu_share, sink=args.sink,
+                       block_size=args.block_size, kv_dtype=args.kv_dtype,
+                       reserve_bytes=parse_bytes(args.reserve) if args.reserve != "0" else 0)
+    width = max(len(label) for label, _ in format_budget(budget))
+    for label, value in format_budget(budget):
+        print(f"{label.ljust(width)}  {value}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jhybrid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version")
     _add_generate(sub)
     _add_convert(sub)
+    _add_bench(sub)
+    _add_budget(sub)
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in results files
     if args.command == "version":
         import jhybrid
 
         print(jhybrid.__version__)
         return 0
     try:
-        return _generate(args) if args.command == "generate" else _convert(args)
+        commands = {"generate": _generate, "convert": _convert, "bench": _bench, "budget": _budget}
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

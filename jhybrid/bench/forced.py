@@ -1,0 +1,64 @@
+"""Teacher-forced scoring through any attention backend (full or a hybrid mode).
+
+The text goes in as a prefill of `context` tokens (chunks of `chunk` tokens, the last one padded
+with position -1), then one token per decode step, exactly as generation would run it. Only the
+decode steps are scored: they are the steps where the hybrid modes differ from full attention
+(prefill is exact in every mode). `backend.before_step` is called before each step, as the
+`Generator` does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jhybrid.generation import make_step
+
+log = logging.getLogger(__name__)
+
+
+def _token_log_prob(logits, target: int) -> float:
+    """log p(target) from logits [V] float32."""
+    return float(jax.nn.log_softmax(logits)[target])
+
+
+def forced_nll(model, backend, tokens: np.ndarray, context: int, chunk: int = 256,
+               on_step=None) -> np.ndarray:
+    """Negative log-likelihoods (nats) of tokens[context + 1:], each predicted by a decode step.
+
+    tokens: [N] int32 token ids, N > context + 1. Returns float64 [N - context - 1].
+    on_step(done, total) is called after each decode step (for progress bars).
+    """
+    tokens = np.asarray(tokens, np.int32)
+    n = len(tokens)
+    if not 0 < context < n - 1:
+        raise ValueError(f"context={context} must be in (0, {n - 1}) for {n} tokens")
+    chunk = min(chunk, getattr(backend, "max_prefill_chunk", chunk))
+    step, params = make_step(model, backend)
+    cache = model.init_cache(1, n, backend)
+    before_step = getattr(backend, "before_step", None)
+
+    for begin in range(0, context, chunk):
+        part = tokens[begin:min(begin + chunk, context)]
+        pad = chunk - len(part)
+        ids = np.pad(part, (0, pad))[None]
+        pos = np.pad(np.arange(begin, begin + len(part), dtype=np.int32), (0, pad),
+                     constant_values=-1)[None]
+        if before_step is not None:
+            cache = before_step(cache, pos)
+        _, cache = step(params, jnp.asarray(ids), jnp.asarray(pos), cache)
+
+    nll = np.empty(n - context - 1)
+    for i, position in enumerate(range(context, n - 1)):
+        pos = np.full((1, 1), position, np.int32)
+        if before_step is not None:
+            cache = before_step(cache, pos)
+        logits, cache = step(params, jnp.asarray(tokens[None, position:position + 1]),
+                             jnp.asarray(pos), cache)
+        nll[i] = -_token_log_prob(logits[0, 0], int(tokens[position + 1]))
+        if on_step is not None:
+            on_step(i + 1, len(nll))
+    return nll

@@ -1,0 +1,56 @@
+"""Needle in a haystack (RULER-style single needle): "The special magic number is N." is spliced
+into essay text at a depth (0 = start, 1 = end, snapped to the next sentence end), followed by a
+question; greedy decoding must produce N.
+
+Row: mode, length, depth, retrieved (+ number, answer, window, gpu_ratio, beta, budget).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jhybrid.bench.offload import PointSkipped, backend_for
+from jhybrid.bench.texts import text_tokens
+from jhybrid.generation import Generator
+
+QUESTION = ("\n\nQuestion: What is the special magic number mentioned in the text above?\n"
+            "Answer: The special magic number is")
+
+
+def needle_number(length: int, depth: float) -> int:
+    """A 7-digit number fixed by (length, depth): every mode sees the same prompt."""
+    return int(np.random.default_rng([length, int(depth * 1000)]).integers(1_000_000, 10_000_000))
+
+
+def build_prompt(pretrained, text: str, length: int, depth: float) -> tuple[list[int], int]:
+    """(prompt ids of exactly `length` tokens, the number)."""
+    number = needle_number(length, depth)
+    needle = pretrained.tokenizer.encode(f" The special magic number is {number}.").ids  # no BOS
+    question = pretrained.tokenizer.encode(QUESTION).ids
+    room = length - len(needle) - len(question)
+    if room < 16:
+        raise PointSkipped(f"niah_length {length} leaves no room for a haystack")
+    hay = text_tokens(pretrained, text, room).tolist()
+    at = int(depth * room)
+    while at < room and "." not in pretrained.tokenizer.id_to_token(hay[at - 1] if at else hay[0]):
+        at += 1  # after a sentence end
+    return hay[:at] + needle + hay[at:] + question, number
+
+
+def run_niah(model, pretrained, point, on_step=None) -> list[dict]:
+    bench, offload = point.benchmark, point.offload
+    if pretrained is None:
+        raise PointSkipped("niah needs a model with a tokenizer (real weights)")
+    prompt, number = build_prompt(pretrained, bench.text, bench.niah_length, bench.niah_depth)
+    backend, window = backend_for(offload, len(prompt) + bench.answer_tokens)
+    generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk,
+                          max_len=len(prompt) + bench.answer_tokens)
+    result = generator.generate([prompt], max_new_tokens=bench.answer_tokens,
+                                on_tokens=(lambda *_: on_step(0, 0)) if on_step else None)
+    answer = pretrained.tokenizer.decode(result.tokens[0])
+    return [{"task": "niah", "mode": offload.mode, "length": bench.niah_length,
+             "depth": bench.niah_depth, "retrieved": str(number) in answer.replace(" ", ""),
+             "number": number, "answer": answer.strip(), "window": window,
+             "gpu_ratio": offload.gpu_ratio if window else None,
+             "beta": offload.beta if offload.mode == "hgca" else None,
+             "budget": offload.budget if offload.mode in ("scout", "topk") else None}]

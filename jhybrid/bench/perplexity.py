@@ -1,0 +1,36 @@
+"""Perplexity task: teacher-forced decoding of a real text through the point's attention mode.
+
+Row: mode, text, tokens, gpu_ratio, beta, budget, ppl (+ window, scored, mean_nll, seconds).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jhybrid.bench.forced import forced_nll
+from jhybrid.bench.offload import PointSkipped, backend_for
+from jhybrid.bench.texts import text_tokens
+
+
+def run_perplexity(model, pretrained, point, on_step=None) -> list[dict]:
+    bench, offload = point.benchmark, point.offload
+    if pretrained is None:  # random-weight model: random tokens (a smoke test of the path)
+        tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, bench.tokens).astype(np.int32)
+        text = "random"
+    else:
+        tokens, text = text_tokens(pretrained, bench.text, bench.tokens), bench.text
+    if bench.scored_tokens >= bench.tokens - 1:
+        raise PointSkipped(f"scored_tokens {bench.scored_tokens} >= tokens {bench.tokens} - 1")
+    backend, window = backend_for(offload, bench.tokens)
+    context = bench.tokens - 1 - bench.scored_tokens
+    start = time.perf_counter()
+    nll = forced_nll(model, backend, tokens, context, chunk=bench.prefill_chunk, on_step=on_step)
+    return [{"task": "perplexity", "mode": offload.mode, "text": text, "tokens": bench.tokens,
+             "gpu_ratio": offload.gpu_ratio if window else None, "window": window,
+             "beta": offload.beta if offload.mode == "hgca" else None,
+             "budget": offload.budget if offload.mode in ("scout", "topk") else None,
+             "scored": len(nll), "mean_nll": round(float(nll.mean()), 6),
+             "ppl": round(float(np.exp(nll.mean())), 4),
+             "seconds": round(time.perf_counter() - start, 2)}]

@@ -1,0 +1,132 @@
+"""PNG plots of a results file's rows (matplotlib, Agg backend: no display needed).
+
+perplexity: ppl vs beta, one line per GPU ratio (hgca), full attention as a dashed line, the other
+modes as labelled markers. niah: one retrieved/not heat map (depth x length) per mode.
+throughput: decode tokens/s vs context (batch 1... per batch) and vs batch, per mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+
+def _ok(rows, task):
+    return [r for r in rows if r.get("task") == task and not r.get("skipped")]
+
+
+def plot_perplexity(rows: list[dict], path: str) -> str | None:
+    rows = _ok(rows, "perplexity")
+    if not rows:
+        return None
+    texts = sorted({(r["text"], r["tokens"]) for r in rows})
+    fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4.5), squeeze=False)
+    for ax, (text, tokens) in zip(axes[0], texts):
+        sel = [r for r in rows if r["text"] == text and r["tokens"] == tokens]
+        full = [r["ppl"] for r in sel if r["mode"] == "full"]
+        if full:
+            ax.axhline(full[0], color="black", ls="--", label=f"full {full[0]:.3f}")
+            ax.axhspan(full[0], full[0] * 1.01, color="grey", alpha=0.15, label="full +1%")
+        by_ratio = defaultdict(list)
+        for r in sel:
+            if r["mode"] == "hgca" and r["beta"] is not None and r["beta"] >= 1e-6:
+                by_ratio[r["gpu_ratio"] if r["gpu_ratio"] is not None else f"w{r['window']}"].append(r)
+        for ratio, group in sorted(by_ratio.items(), key=lambda kv: str(kv[0])):
+            group.sort(key=lambda r: r["beta"])
+            ax.plot([r["beta"] for r in group], [r["ppl"] for r in group], "o-", label=f"hgca ratio {ratio}")
+        others = [r for r in sel if r["mode"] not in ("full", "hgca")]
+        for i, r in enumerate(others):
+            tag = r["mode"] + (f" b{r['budget']}" if r.get("budget") else "") + \
+                (f" r{r['gpu_ratio']}" if r.get("gpu_ratio") else "")
+            ax.plot([1.05 + 0.03 * i], [r["ppl"]], "s", label=f"{tag}: {r['ppl']:.3f}")
+        ax.set_xlabel("beta (hgca); other modes at the right")
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"{text}, {tokens} tokens")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _tag(r):
+    tag = r["mode"]
+    if r.get("gpu_ratio"):
+        tag += f" r{r['gpu_ratio']}"
+    if r.get("beta") is not None:
+        tag += f" b{r['beta']:g}"
+    if r.get("budget"):
+        tag += f" k{r['budget']}"
+    return tag
+
+
+def plot_niah(rows: list[dict], path: str) -> str | None:
+    rows = _ok(rows, "niah")
+    if not rows:
+        return None
+    tags = list(dict.fromkeys(_tag(r) for r in rows))
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    fig, axes = plt.subplots(1, len(tags), figsize=(2.2 + 1.1 * len(lengths) * len(tags), 3.5), squeeze=False)
+    for ax, tag in zip(axes[0], tags):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for r in rows:
+            if _tag(r) == tag:
+                grid[depths.index(r["depth"]), lengths.index(r["length"])] = float(r["retrieved"])
+        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(tag, fontsize=8)
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(j, i, "yes" if v else "no", ha="center", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(rows: list[dict], path: str) -> str | None:
+    rows = _ok(rows, "throughput")
+    if not rows:
+        return None
+    fig, (by_context, by_batch) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        sel = [r for r in rows if r["mode"] == mode]
+        for batch in sorted({r["batch"] for r in sel}):
+            pts = sorted((r["context"], r["decode_tok_s"]) for r in sel if r["batch"] == batch)
+            by_context.plot(*zip(*pts), "o-", label=f"{mode} batch {batch}")
+        for context in sorted({r["context"] for r in sel}):
+            pts = sorted((r["batch"], r["decode_tok_s"]) for r in sel if r["context"] == context)
+            by_batch.plot(*zip(*pts), "o-", label=f"{mode} ctx {context}")
+    by_context.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens/s", title="throughput vs context")
+    by_batch.set(xlabel="batch", ylabel="decode tokens/s", title="throughput vs batch")
+    by_context.legend(fontsize=7)
+    by_batch.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PLOTS = {"perplexity": plot_perplexity, "niah": plot_niah, "throughput": plot_throughput}
+
+
+def render_plots(rows: list[dict], stem: str) -> list[str]:
+    """Every plot the rows allow, as <stem>-<task>.png; returns the paths written."""
+    written = []
+    for task, plot in PLOTS.items():
+        path = plot(rows, f"{stem}-{task}.png")
+        if path:
+            written.append(path)
+    return written

@@ -1,0 +1,172 @@
+"""The run-config schema: what a YAML file under `configs/` may say, as small dataclasses.
+
+    name: accuracy-smollm2-cpu          # results go to <output_dir>/<name>.json|csv|-*.png
+    model:     {name: smollm2, dtype: float32}
+    offload:   {mode: hgca, gpu_ratio: 0.25, beta: 0.5, ...}     # OffloadSpec
+    benchmark: {task: perplexity, text: paul_graham, ...}         # BenchmarkSpec
+    sweep:                                # a list of groups; each group is the cartesian product
+      - {offload.mode: full}              # of its lists; the groups run one after the other
+      - {offload.mode: hgca, offload.gpu_ratio: [0.25, 0.5], offload.beta: [0.5, 1.0]}
+
+Every field is checked against its annotation (int, float, str, bool, optional, list) and, where
+`choices` is given, against the allowed values. Unknown keys are errors that list the allowed keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from jhybrid.hybrid.config import EXCHANGES, MODES
+
+TASKS = ("perplexity", "niah", "throughput")
+TEXTS = ("paul_graham", "squad")
+
+
+class ConfigError(ValueError):
+    """An invalid run config; the message names the key and what is allowed."""
+
+
+def _choices(*values):
+    return {"choices": values}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """name: 'smollm2' / 'gemma3' (real weights), a .gguf / Hugging Face / Orbax folder path, or a
+    known shape with random weights ('llama3-8b', 'tiny', see jhybrid.bench.shapes).
+    dtype: parameter/activation dtype (None: as loaded / float32). seed: random-weight seed."""
+
+    name: str = "smollm2"
+    dtype: str | None = dataclasses.field(default=None, metadata=_choices(None, "float32", "bfloat16", "float16"))
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadSpec:
+    """The attention mode and its GPU window / host policy (maps onto jhybrid.hybrid.HybridConfig).
+
+    window_tokens or gpu_ratio (not both): GPU tokens per layer and sequence, sinks included, or
+    that share of the point's context (rounded down to sink + whole blocks).
+    budget: scout/topk offloaded tokens attended per step (rounded up to blocks; None = all).
+    host_threads: Numba threads of the host worker (None: all cores but one)."""
+
+    mode: str = dataclasses.field(default="full", metadata=_choices(*MODES))
+    window_tokens: int | None = None
+    gpu_ratio: float | None = None
+    sink: int = 16
+    block_size: int = 16
+    alpha: float = 0.1
+    beta: float = 1.0
+    budget: int | None = None
+    recall_blocks: int = 8
+    recall_threshold: float = 0.12
+    predict_query: bool = True
+    exchange: str = dataclasses.field(default="split", metadata=_choices(*EXCHANGES))
+    host_threads: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkSpec:
+    """task perplexity: teacher-forced over the first `tokens` tokens of `text`, the last
+    `scored_tokens` predicted by decode steps. task niah: a needle at `niah_depth` (0..1) of a
+    `niah_length`-token haystack, `answer_tokens` greedy tokens. task throughput: `batch` random
+    prompts of `context` tokens, `decode_tokens` decode steps. prefill_chunk: tokens per prefill step."""
+
+    task: str = dataclasses.field(default="perplexity", metadata=_choices(*TASKS))
+    text: str = dataclasses.field(default="paul_graham", metadata=_choices(*TEXTS))
+    tokens: int = 2048
+    scored_tokens: int = 256
+    niah_length: int = 2048
+    niah_depth: float = 0.5
+    answer_tokens: int = 8
+    batch: int = 1
+    context: int = 1024
+    decode_tokens: int = 32
+    prefill_chunk: int = 256
+    output_dir: str = "benchmarks/results"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One YAML file: the base settings and the sweep over them (groups of 'section.key': values)."""
+
+    name: str
+    model: ModelSpec = ModelSpec()
+    offload: OffloadSpec = OffloadSpec()
+    benchmark: BenchmarkSpec = BenchmarkSpec()
+    sweep: tuple = ()
+    description: str = ""
+
+
+SECTIONS = {"model": ModelSpec, "offload": OffloadSpec, "benchmark": BenchmarkSpec}
+POSITIVE = {"tokens", "scored_tokens", "niah_length", "answer_tokens", "batch", "context",
+            "decode_tokens", "prefill_chunk", "block_size", "window_tokens", "budget",
+            "host_threads"}
+
+
+def allowed_keys() -> list[str]:
+    """Every 'section.key' a sweep or --set may name."""
+    return [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _type_ok(value, annotation) -> bool:
+    """Does value fit the field annotation (a string from `from __future__ import annotations`)?"""
+    optional = annotation.endswith("| None")
+    base = annotation.replace("| None", "").strip()
+    if value is None:
+        return optional
+    if base == "bool":
+        return isinstance(value, bool)
+    if base == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base == "str":
+        return isinstance(value, str)
+    return True
+
+
+def build_section(section: str, values) -> typing.Any:
+    """The section's dataclass from a dict, or ConfigError naming the bad key."""
+    cls = SECTIONS[section]
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"'{section}' must be a mapping of keys to values, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key '{section}.{key}'; allowed keys in '{section}': "
+                              f"{', '.join(fields)}")
+        field = fields[key]
+        if not _type_ok(value, field.type):
+            raise ConfigError(f"'{section}.{key}' = {value!r}: expected {field.type}")
+        choices = field.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"'{section}.{key}' = {value!r}: allowed values are "
+                              f"{', '.join(repr(c) for c in choices)}")
+        if key in POSITIVE and value is not None and value <= 0:
+            raise ConfigError(f"'{section}.{key}' = {value!r}: expected a positive int")
+    spec = cls(**{k: float(v) if fields[k].type.startswith("float") and v is not None else v
+                  for k, v in values.items()})
+    _check_ranges(section, spec)
+    return spec
+
+
+def _check_ranges(section: str, spec) -> None:
+    if section == "offload":
+        if spec.window_tokens is not None and spec.gpu_ratio is not None:
+            raise ConfigError("'offload.window_tokens' and 'offload.gpu_ratio' are exclusive: set one "
+                              "(the other to null)")
+        if spec.gpu_ratio is not None and not 0.0 < spec.gpu_ratio <= 1.0:
+            raise ConfigError(f"'offload.gpu_ratio' = {spec.gpu_ratio}: expected a fraction in (0, 1]")
+        if not 0.0 < spec.alpha <= 1.0:
+            raise ConfigError(f"'offload.alpha' = {spec.alpha}: expected a float in (0, 1]")
+        if not spec.beta > 0.0:
+            raise ConfigError(f"'offload.beta' = {spec.beta}: expected a float > 0")
+        if not 0.0 <= spec.recall_threshold <= 1.0:
+            raise ConfigError(f"'offload.recall_threshold' = {spec.recall_threshold}: expected a "
+                              "fraction in [0, 1]")
+    if section == "benchmark" and not 0.0 <= spec.niah_depth <= 1.0:
+        raise ConfigError(f"'benchmark.niah_depth' = {spec.niah_depth}: expected a fraction in [0, 1]")

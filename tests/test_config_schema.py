@@ -1,0 +1,100 @@
+"""Run-config schema: YAML loading, validation errors that name the key, overrides, sweeps."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from jhybrid.config import ConfigError, expand_sweep, load_config, parse_override
+from jhybrid.config.loading import config_from_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_minimal_config_defaults(tmp_path):
+    run = load_config(write(tmp_path, "name: x\n"))
+    assert run.offload.mode == "full" and run.benchmark.task == "perplexity"
+    assert [p.key for p in expand_sweep(run)] == ["base"]
+
+
+@pytest.mark.parametrize("text, names", [
+    ("name: x\noffload: {windw: 3}\n", ["offload.windw", "window_tokens", "gpu_ratio"]),
+    ("name: x\nmodle: {name: tiny}\n", ["modle", "model", "offload", "sweep"]),
+    ("name: x\nsweep: [{offload.bogus: [1, 2]}]\n", ["offload.bogus", "offload.mode"]),
+    ("name: x\nsweep: [{nosection: [1]}]\n", ["nosection", "benchmark.task"]),
+])
+def test_unknown_keys_are_errors_that_list_allowed_keys(tmp_path, text, names):
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, text))
+    for name in names:
+        assert name in str(error.value)
+
+
+@pytest.mark.parametrize("text, names", [
+    ("name: x\noffload: {mode: fast}\n", ["offload.mode", "'fast'", "hgca", "scout"]),
+    ("name: x\noffload: {sink: many}\n", ["offload.sink", "int"]),
+    ("name: x\noffload: {gpu_ratio: 1.5}\n", ["offload.gpu_ratio", "(0, 1]"]),
+    ("name: x\noffload: {gpu_ratio: 0.5, window_tokens: 64}\n", ["window_tokens", "gpu_ratio", "exclusive"]),
+    ("name: x\nbenchmark: {task: speed}\n", ["benchmark.task", "perplexity", "niah", "throughput"]),
+    ("name: x\nbenchmark: {tokens: -4}\n", ["benchmark.tokens", "positive"]),
+    ("name: x\nsweep: [{offload.beta: [0.5, -1]}]\n", ["offload.beta", "-1"]),  # a bad sweep value
+    ("name: x\nsweep: [{offload.mode: []}]\n", ["offload.mode", "empty"]),
+    ("offload: {mode: hgca}\n", ["'name' is required"]),
+    ("- just\n- a list\n", ["mapping"]),
+])
+def test_bad_values_name_the_key_and_allowed_values(tmp_path, text, names):
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, text))
+    for name in names:
+        assert name in str(error.value)
+
+
+def test_invalid_yaml_says_so_with_the_file(tmp_path):
+    path = write(tmp_path, "name: x\noffload: {mode: hgca\n")
+    with pytest.raises(ConfigError, match="invalid YAML") as error:
+        load_config(path)
+    assert path in str(error.value)
+
+
+def test_overrides_are_yaml_values():
+    assert parse_override("offload.beta=0.5") == ("offload.beta", 0.5)
+    assert parse_override("offload.budget=null") == ("offload.budget", None)
+    run = config_from_dict({"name": "x"}, ["offload.mode=hgca", "offload.gpu_ratio=0.5"])
+    assert run.offload.mode == "hgca" and run.offload.gpu_ratio == 0.5
+    with pytest.raises(ConfigError, match="offload.nope"):
+        config_from_dict({"name": "x"}, ["offload.nope=1"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_override("offload.beta")
+
+
+def test_sweep_groups_are_cartesian_products_run_in_order():
+    run = config_from_dict({"name": "x", "offload": {"gpu_ratio": 0.25}, "sweep": [
+        {"offload.mode": "full"},
+        {"offload.mode": "hgca", "offload.gpu_ratio": [0.25, 0.5], "offload.beta": [0.5, 1.0]},
+        {"offload.mode": "full"},  # duplicate: kept once
+    ]})
+    points = expand_sweep(run)
+    assert [p.key for p in points] == [
+        "offload.mode=full",
+        "offload.mode=hgca,offload.gpu_ratio=0.25,offload.beta=0.5",
+        "offload.mode=hgca,offload.gpu_ratio=0.25,offload.beta=1.0",
+        "offload.mode=hgca,offload.gpu_ratio=0.5,offload.beta=0.5",
+        "offload.mode=hgca,offload.gpu_ratio=0.5,offload.beta=1.0",
+    ]
+    assert points[4].offload.gpu_ratio == 0.5 and points[4].offload.beta == 1.0
+    assert points[0].offload.gpu_ratio == 0.25  # the base value where the group does not say
+    single = config_from_dict({"name": "x", "sweep": {"benchmark.batch": [1, 2, 4]}})
+    assert [p.benchmark.batch for p in expand_sweep(single)] == [1, 2, 4]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_shipped_configs_load(path):
+    assert expand_sweep(load_config(path))
