@@ -90,3 +90,25 @@ def test_bench_list_and_bad_config_exit_code(tmp_path, capsys):
     good.write_text(CONFIG)
     assert cli.main(["bench", str(good), "--list", "--set", "offload.sink=0"]) == 0
     assert "offload.mode=full" in capsys.readouterr().out
+
+
+def test_interrupt_keeps_rows_and_rerun_resumes(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(CONFIG)
+    run = load_config(str(path))
+    real = runner.TASKS["perplexity"]
+
+    def interrupted_after_full(model, pretrained, point, on_step=None):
+        if point.offload.mode != "full":
+            raise KeyboardInterrupt
+        return real(model, pretrained, point, on_step)
+
+    monkeypatch.setitem(runner.TASKS, "perplexity", interrupted_after_full)
+    outcome = runner.run_sweep(run, output_dir=str(tmp_path), argv=[], show_progress=False)
+    assert outcome.interrupted and [r["point"] for r in outcome.rows] == ["offload.mode=full"]
+    saved = json.loads((tmp_path / "tiny-bench.json").read_text())["rows"]
+    assert [r["point"] for r in saved] == ["offload.mode=full"]
+    monkeypatch.setitem(runner.TASKS, "perplexity", lambda *a, **k: [{"task": "perplexity", "mode": "x"}])
+    monkeypatch.setitem(runner.TASKS, "throughput", lambda *a, **k: [{"task": "throughput", "mode": "x"}])
+    again = runner.run_sweep(run, output_dir=str(tmp_path), argv=[], show_progress=False)
+    assert again.resumed == 1 and again.ran == 4 and len(again.rows) == 5  # the stubs never skip

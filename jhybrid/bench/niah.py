@@ -32,8 +32,10 @@ def build_prompt(pretrained, text: str, length: int, depth: float) -> tuple[list
         raise PointSkipped(f"niah_length {length} leaves no room for a haystack")
     hay = text_tokens(pretrained, text, room).tolist()
     at = int(depth * room)
-    while at < room and "." not in pretrained.tokenizer.id_to_token(hay[at - 1] if at else hay[0]):
-        at += 1  # after a sentence end
+    if pretrained.bos_token_id is not None and hay[0] == pretrained.bos_token_id:
+        at = max(at, 1)  # the needle never goes before BOS
+    while 0 < at < room and "." not in pretrained.tokenizer.id_to_token(hay[at - 1]):
+        at += 1  # just after a sentence end (depth 0: the very start)
     return hay[:at] + needle + hay[at:] + question, number
 
 

@@ -19,8 +19,9 @@ def window_for(offload, context: int) -> int | None:
         return None
     if offload.window_tokens is not None:
         return offload.window_tokens
-    ratio = offload.gpu_ratio if offload.gpu_ratio is not None else 0.25
-    ring = int(ratio * context) - offload.sink
+    if offload.gpu_ratio is None:
+        raise PointSkipped(f"mode {offload.mode} needs offload.window_tokens or offload.gpu_ratio")
+    ring = int(offload.gpu_ratio * context) - offload.sink
     return offload.sink + max(2, ring // offload.block_size) * offload.block_size
 
 

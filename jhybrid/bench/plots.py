@@ -19,8 +19,12 @@ import numpy as np  # noqa: E402
 log = logging.getLogger(__name__)
 
 
+MEASURE = {"perplexity": "ppl", "niah": "retrieved", "throughput": "decode_tok_s"}
+
+
 def _ok(rows, task):
-    return [r for r in rows if r.get("task") == task and not r.get("skipped")]
+    """The task's measured rows (skipped points and rows without the measurement left out)."""
+    return [r for r in rows if r.get("task") == task and not r.get("skipped") and MEASURE[task] in r]
 
 
 def plot_perplexity(rows: list[dict], path: str) -> str | None:

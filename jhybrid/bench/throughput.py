@@ -9,6 +9,7 @@ it) is skipped with the reason.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import time
 
@@ -28,9 +29,19 @@ def device_memory() -> tuple[int | None, int | None]:
     return stats.get("bytes_limit"), stats.get("peak_bytes_in_use")
 
 
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def check_fits(config, batch: int, context: int, window: int | None) -> None:
-    """PointSkipped if the device KV (the whole context for full/recall, the window otherwise)
-    plus the weights exceed the device's memory (only where the device reports its limit)."""
+    """PointSkipped if the offloaded KV exceeds the host's memory, or the device KV (the whole
+    context for full/recall, the window otherwise) plus the weights exceed the device's memory
+    (checked only where the device reports its limit)."""
+    if window is not None:
+        host_need = batch * (context - window) * kv_bytes_per_token(config)
+        if host_need > host_memory_bytes():
+            raise PointSkipped(f"host store needs ~{host_need / 2**30:.1f} GiB, the host has "
+                               f"{host_memory_bytes() / 2**30:.1f} GiB")
     limit, _ = device_memory()
     if limit is None:
         return
