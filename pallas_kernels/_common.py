@@ -100,6 +100,30 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+def default_tuning(programs: int, tokens: int, d: int, block_k=None, num_splits=None, num_warps=None,
+                   num_stages=None):
+    """Launch parameters of the split-KV kernels (measured on the H100, BENCHMARKS.md sweep).
+
+    ``programs`` = B * Hkv * row tiles before splitting; ``tokens`` = KV tokens per program.
+    Returns (block_k, num_splits, split_size, num_warps, num_stages).
+    """
+    if block_k is None:
+        block_k = 32 if d >= 256 else 64
+    if tokens < block_k:
+        block_k = max(16, next_pow2(tokens))
+    num_warps = num_warps or 4
+    num_stages = num_stages or 4
+    if num_splits is None:
+        # Small grids need several programs per SM to pull full bandwidth; large ones need few.
+        # Each split keeps >= num_stages blocks so the software pipeline has something to overlap.
+        target = 528 if programs < 64 else 256
+        num_splits = max(1, min(target // programs, tokens // (block_k * num_stages)))
+    split_size = -(-tokens // num_splits)
+    split_size = -(-split_size // block_k) * block_k
+    num_splits = -(-tokens // split_size)
+    return block_k, num_splits, split_size, num_warps, num_stages
+
+
 def group_queries(q: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
     """[B, Tq, Hq, D] -> [B, Hkv, R, D] with row r = t * G + g (t-major), R = Tq * G.
 

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common as C
-from pallas_kernels.window_attention import default_tuning
 
 
 def block_sparse_attention(
@@ -65,7 +64,7 @@ def block_sparse_attention(
     rows = tq * g
     row_tile, row_tiles = C.row_tiling(rows)
     capacity = block_ids.shape[2] * bs  # tokens a full list holds
-    block_k, num_splits, split_size, num_warps, num_stages = default_tuning(
+    block_k, num_splits, split_size, num_warps, num_stages = C.default_tuning(
         b * hkv * row_tiles, capacity, d, block_k, num_splits, num_warps, num_stages)
     o_dtype = jnp.float32 if num_splits > 1 else q.dtype
     kernel = functools.partial(

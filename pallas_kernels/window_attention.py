@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common as C
-from pallas_kernels._common import next_pow2
 
 MAX_TQ = 64
 
@@ -125,30 +124,6 @@ def _validate(q, k_ring, v_ring, lengths, ring_start, sink_k, sink_v, sink_lengt
         C.check_int_vector("sink_lengths", sink_lengths, b)
 
 
-def default_tuning(programs: int, tokens: int, d: int, block_k=None, num_splits=None, num_warps=None,
-                   num_stages=None):
-    """Launch parameters of the split-KV kernels (measured on the H100, BENCHMARKS.md sweep).
-
-    ``programs`` = B * Hkv * row tiles before splitting; ``tokens`` = KV tokens per program.
-    Returns (block_k, num_splits, split_size, num_warps, num_stages).
-    """
-    if block_k is None:
-        block_k = 32 if d >= 256 else 64
-    if tokens < block_k:
-        block_k = max(16, next_pow2(tokens))
-    num_warps = num_warps or 4
-    num_stages = num_stages or 4
-    if num_splits is None:
-        # Small grids need several programs per SM to pull full bandwidth; large ones need few.
-        # Each split keeps >= num_stages blocks so the software pipeline has something to overlap.
-        target = 528 if programs < 64 else 256
-        num_splits = max(1, min(target // programs, tokens // (block_k * num_stages)))
-    split_size = -(-tokens // num_splits)
-    split_size = -(-split_size // block_k) * block_k
-    num_splits = -(-tokens // split_size)
-    return block_k, num_splits, split_size, num_warps, num_stages
-
-
 def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, softcap, want_scores,
                    interpret, merge_later, block_k, num_splits, num_warps, num_stages):
     """Run the split-KV kernel over one ring.
@@ -163,7 +138,7 @@ def _ring_partials(q, k_ring, v_ring, lengths, ring_start, *, causal, scale, sof
     qg = C.group_queries(q, hkv)
     rows = tq * g
     row_tile, row_tiles = C.row_tiling(rows)
-    block_k, num_splits, split_size, num_warps, num_stages = default_tuning(
+    block_k, num_splits, split_size, num_warps, num_stages = C.default_tuning(
         b * hkv * row_tiles, w, d, block_k, num_splits, num_warps, num_stages)
     o_dtype = jnp.float32 if (num_splits > 1 or merge_later) else q.dtype
     kernel = functools.partial(
