@@ -55,4 +55,5 @@ def run_niah(model, pretrained, point, on_step=None) -> list[dict]:
              "number": number, "answer": answer.strip(), "window": window,
              "gpu_ratio": offload.gpu_ratio if window else None,
              "beta": offload.beta if offload.mode == "hgca" else None,
-             "budget": offload.budget if offload.mode in ("scout", "topk") else None}]
+             "budget": offload.budget if offload.mode in ("scout", "topk") else None,
+             "predict_query": offload.predict_query if offload.mode == "scout" else None}]

@@ -31,6 +31,7 @@ def run_perplexity(model, pretrained, point, on_step=None) -> list[dict]:
              "gpu_ratio": offload.gpu_ratio if window else None, "window": window,
              "beta": offload.beta if offload.mode == "hgca" else None,
              "budget": offload.budget if offload.mode in ("scout", "topk") else None,
+             "predict_query": offload.predict_query if offload.mode == "scout" else None,
              "scored": len(nll), "mean_nll": round(float(nll.mean()), 6),
              "ppl": round(float(np.exp(nll.mean())), 4),
              "seconds": round(time.perf_counter() - start, 2)}]

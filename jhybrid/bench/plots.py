@@ -46,10 +46,13 @@ def plot_perplexity(rows: list[dict], path: str) -> str | None:
         for ratio, group in sorted(by_ratio.items(), key=lambda kv: str(kv[0])):
             group.sort(key=lambda r: r["beta"])
             ax.plot([r["beta"] for r in group], [r["ppl"] for r in group], "o-", label=f"hgca ratio {ratio}")
-        others = [r for r in sel if r["mode"] not in ("full", "hgca")]
+        keep_all = [r for r in sel if r["mode"] == "hgca" and r["beta"] is not None and r["beta"] < 1e-6]
+        others = keep_all + [r for r in sel if r["mode"] not in ("full", "hgca")]
         for i, r in enumerate(others):
-            tag = r["mode"] + (f" b{r['budget']}" if r.get("budget") else "") + \
-                (f" r{r['gpu_ratio']}" if r.get("gpu_ratio") else "")
+            tag = r["mode"] + (" keep-all" if r in keep_all else "") + \
+                (f" b{r['budget']}" if r.get("budget") else "") + \
+                (f" r{r['gpu_ratio']}" if r.get("gpu_ratio") else "") + \
+                (" exact-q" if "predict_query=False" in r.get("point", "") else "")
             ax.plot([1.05 + 0.03 * i], [r["ppl"]], "s", label=f"{tag}: {r['ppl']:.3f}")
         ax.set_xlabel("beta (hgca); other modes at the right")
         ax.set_ylabel("perplexity")
@@ -69,6 +72,8 @@ def _tag(r):
         tag += f" b{r['beta']:g}"
     if r.get("budget"):
         tag += f" k{r['budget']}"
+    if "predict_query=False" in r.get("point", ""):
+        tag += " exact-q"
     return tag
 
 

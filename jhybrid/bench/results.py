@@ -113,4 +113,4 @@ def print_summary(rows: list[dict], console=None) -> None:
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
-    return "-" if value is None else str(value)
+    return "-" if value is None else str(value).replace("\n", "\\n")
