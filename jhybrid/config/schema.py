@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from jhybrid.bench.texts import TEXT_FILES
 from jhybrid.hybrid.config import EXCHANGES, MODES
 
 TASKS = ("perplexity", "niah", "throughput")
-TEXTS = ("paul_graham", "squad")
+TEXTS = tuple(TEXT_FILES)
 
 
 class ConfigError(ValueError):
