@@ -121,8 +121,8 @@ class GenerationResult:
     @property
     def decode_tokens_per_second(self) -> float:
         """Generated tokens per second over all sequences, after the first token."""
-        produced = sum(len(t) for t in self.tokens) - len(self.tokens)
-        return max(produced, 0) / max(self.decode_seconds, 1e-9)
+        produced = sum(max(len(t) - 1, 0) for t in self.tokens)  # a row that stopped at once adds 0
+        return produced / max(self.decode_seconds, 1e-9)
 
 
 def _round_up(n: int, multiple: int) -> int:
