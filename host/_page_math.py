@@ -216,3 +216,22 @@ def accumulate1(p0, v, n, c0):
         a = p0[j]
         for d in range(d_size):
             c0[d] += a * kv_value(vj[d])
+
+
+@intrinsic
+def atomic_fetch_add(typingctx, arr, index, value):
+    """Atomically `arr[index] += value` (arr a C-contiguous int64 array, 1-D); returns the value
+    before the addition. Used as a shared work counter by parallel workers (dynamic scheduling)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int64
+            and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty, idxty, valty = signature.args
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = context.cast(builder, args[1], idxty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False, boundscheck=False)
+        val = context.cast(builder, args[2], valty, types.int64)
+        return builder.atomic_rmw("add", ptr, val, "seq_cst")
+
+    return types.int64(arr, index, value), codegen

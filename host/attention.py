@@ -15,8 +15,15 @@ Inside the kernel the Hq/Hkv query heads of a group (x Tq queries) are processed
 K/V row is read from memory once per group; bf16 is widened by `bits << 16` in registers where it is
 used (host._page_math: four query rows x four keys per pass over D, four values into four rows per
 pass), fp16 by an exact bit-level conversion into scratch; accumulation is float32 with an online
-softmax per work item and an exact LSE merge of the items of a unit. The next page of a work item
-is prefetched in software while the current one ends.
+softmax per piece and an exact LSE merge of the pieces of a unit. The next page of a piece is
+prefetched in software while the current one ends.
+
+Work split (for all core counts and batch*heads, 8 units on 16 threads included): the units' tokens
+are cut into pieces of decreasing size (guided scheduling, `_plan_pieces`), one worker per thread
+takes the next piece from an atomic counter, so a unit larger than its share is split over several
+threads (its partial (o, lse) states merged exactly) and all threads finish within about one small
+piece of each other. Each worker allocates its scratch once per call; one Numba call per
+attention (planning aside), so the per-call cost is two dispatches and two parallel regions.
 """
 
 from __future__ import annotations
@@ -29,15 +36,18 @@ from numba import njit, prange
 
 from host.kv_store import FORMAT_CODE
 from host.numba_threads import configure_threading_layer
-from host._page_math import accumulate1, accumulate4, prefetch, scores1, scores4
-from host.paged_view import PagedKV, plan_work_items
+from host._page_math import accumulate1, accumulate4, atomic_fetch_add, prefetch, scores1, scores4
+from host.paged_view import PagedKV
 
 THREADING_LAYER = configure_threading_layer()
 
 # Fast-math without 'nnan'/'ninf': lse = -inf and max(-inf, x) must stay exact.
 _FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 _TWO_POW_112 = np.float32(2.0 ** 112)
-ITEMS_PER_THREAD = 4
+# Work split (see _plan_pieces): smallest piece of a unit's tokens handed to a worker, and the
+# multiple of tokens on which a unit is cut (the kernel's chunks of 16-32 tokens stay whole).
+MIN_PIECE_TOKENS = 64
+_PIECE_ALIGN = 16
 # Tokens widened to float32 at a time by _token_probabilities (scratch 16 x D x 4 B stays in L1).
 _CHUNK = 16
 # Bytes of K per chunk in the attention kernel (16 tokens at D=128 bf16, 32 at D=64): measured best
@@ -151,86 +161,173 @@ def _attend_chunk(qs, k, v, n, acc, run_max, run_sum, s, exponent):
         accumulate1(s[r], v, n, acc[r])
 
 
-@njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
-def _partial_states(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_heads, scale,
-                    item_unit, item_page_lo, item_page_hi, part_acc, part_max, part_sum):
-    """Per work item: unnormalised accumulator [R, D], running max [R], sum of exp [R] (R = Tq*G).
+@njit(nogil=True, cache=True)
+def _plan_pieces(unit_tokens, n_threads, min_piece, align):
+    """Cut the units' tokens into *pieces* (unit u, tokens [lo, hi)) for dynamic scheduling.
 
-    Pages are processed in chunks of about `_CHUNK_BYTES` of K (16-64 tokens); near the end of page
-    i the first rows of page i + 1 (K and V) are prefetched. bf16 and float32 pages are read in
-    place (widened in registers); fp16 chunks are first converted into float32 scratch."""
-    _, tq, hq, d_size = q.shape
+    The units' tokens are taken as one stream, in unit order, and cut into pieces of decreasing
+    size (guided scheduling: each piece takes 1/(2 * n_threads) of the tokens still unassigned,
+    at least `min_piece`), a piece ending early where its unit ends. So one large unit is split over
+    all threads (its partial states merged exactly afterwards), many small units are processed
+    whole, and workers that take the next piece from a shared counter all finish within about one
+    small piece of each other. Cuts inside a unit fall on multiples of `align` tokens.
+
+    unit_tokens int64 [U] -> piece_unit, piece_lo, piece_hi int64 [P] (pieces in unit order,
+    every piece non-empty) and unit_piece_ptr int64 [U + 1] (pieces of unit u:
+    unit_piece_ptr[u]:unit_piece_ptr[u + 1]; none for an empty unit).
+    """
+    n_units = unit_tokens.shape[0]
+    total = 0
+    for u in range(n_units):
+        total += unit_tokens[u]
+    divisor = 2 * max(1, n_threads)
+    # number of pieces before unit boundaries: a dry run of the size sequence
+    n_seg = 0
+    rem = total
+    while rem > 0:
+        size = max(min_piece, -(-rem // divisor))
+        size = -(-size // align) * align
+        rem -= min(size, rem)
+        n_seg += 1
+    cap = n_seg + n_units  # each unit boundary adds at most one piece; aligning only enlarges pieces
+    piece_unit = np.empty(cap, np.int64)
+    piece_lo = np.empty(cap, np.int64)
+    piece_hi = np.empty(cap, np.int64)
+    unit_piece_ptr = np.zeros(n_units + 1, np.int64)
+    n_p = 0
+    u = 0
+    off = 0
+    rem = total
+    while rem > 0:
+        size = max(min_piece, -(-rem // divisor))
+        need = -(-size // align) * align
+        while need > 0 and rem > 0:
+            while unit_tokens[u] - off == 0:  # skip empty / finished units
+                u += 1
+                off = 0
+            n_u = unit_tokens[u]
+            take = min(need, n_u - off)
+            if off + take < n_u:  # cut inside the unit: on a multiple of `align`
+                take = min(-(-(off + take) // align) * align, n_u) - off
+            piece_unit[n_p] = u
+            piece_lo[n_p] = off
+            piece_hi[n_p] = off + take
+            unit_piece_ptr[u + 1] += 1
+            n_p += 1
+            need -= take
+            rem -= take
+            off += take
+    for u in range(n_units):
+        unit_piece_ptr[u + 1] += unit_piece_ptr[u]
+    return piece_unit[:n_p], piece_lo[:n_p], piece_hi[:n_p], unit_piece_ptr
+
+
+@njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
+def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, scale,
+                      piece_unit, piece_lo, piece_hi, unit_piece_ptr, n_workers):
+    """o [B, Tq, Hq, D], lse [B, Tq, Hq] float32 over the pieces of `_plan_pieces`.
+
+    Phase 1: `n_workers` workers (one per thread) take pieces from a shared atomic counter, each
+    keeping its scratch (scaled queries, accumulators, scores) for all its pieces, and write per
+    piece the unnormalised accumulator [R, D], running max [R], sum of exp [R] (R = Tq * G rows:
+    the G query heads of the KV head x Tq queries, so each K/V row is read once per group).
+    Phase 2: exact LSE merge of each unit's pieces into o, lse (no piece: o = 0, lse = -inf).
+
+    Pages are processed in chunks of about `_CHUNK_BYTES` of K (16-64 tokens); near the end of
+    page i of a piece, the first rows of its page i + 1 (K and V) are prefetched. bf16 and float32
+    pages are read in place (widened in registers); fp16 chunks are first converted into float32
+    scratch.
+    """
+    n_batch, tq, hq, d_size = q.shape
     group = hq // n_kv_heads
     n_rows = tq * group
     page_tokens = k_pages.shape[1]
     row_bytes = k_pages.strides[1]
     chunk = min(64, max(16, _CHUNK_BYTES // max(1, row_bytes)))
-    for it in prange(item_unit.shape[0]):
-        u = item_unit[it]
-        b = u // n_kv_heads
-        h = u % n_kv_heads
+    n_pieces = piece_unit.shape[0]
+    part_acc = np.empty((n_pieces, n_rows, d_size), np.float32)
+    part_max = np.empty((n_pieces, n_rows), np.float32)
+    part_sum = np.empty((n_pieces, n_rows), np.float32)
+    counter = np.zeros(16, np.int64)  # one cache line of its own
+    for _w in prange(n_workers):
         qs = np.empty((n_rows, d_size), np.float32)
-        for t in range(tq):
-            for g in range(group):
-                for d in range(d_size):
-                    qs[t * group + g, d] = q[b, t, h * group + g, d] * scale
-        acc = np.zeros((n_rows, d_size), np.float32)
-        run_max = np.full(n_rows, -np.inf, np.float32)
-        run_sum = np.zeros(n_rows, np.float32)
+        acc = np.empty((n_rows, d_size), np.float32)
+        stats = np.empty((2, max(n_rows, 16)), np.float32)  # running max / sum, >= a cache line each
+        run_max = stats[0]
+        run_sum = stats[1]
         s = np.empty((n_rows, chunk), np.float32)
         exponent = np.empty(chunk, np.int32)
         kf = np.empty((chunk if fmt == 2 else 0, d_size), np.float32)
         vf = np.empty((chunk if fmt == 2 else 0, d_size), np.float32)
-        hi = item_page_hi[it]
-        for pi in range(item_page_lo[it], hi):
-            page = page_ids[page_ptr[u] + pi]
-            n_page = min(page_tokens, unit_tokens[u] - pi * page_tokens)
-            next_page = page_ids[page_ptr[u] + pi + 1] if pi + 1 < hi else -1
-            n_next = min(page_tokens, unit_tokens[u] - (pi + 1) * page_tokens) if pi + 1 < hi else 0
-            for c0 in range(0, n_page, chunk):
-                n = min(chunk, n_page - c0)
-                # rows _PREFETCH_ROWS ahead that lie in the next page (hardware prefetchers cover
-                # the rest of a page but do not cross into the next, scattered one)
-                p_lo = max(0, c0 + _PREFETCH_ROWS - n_page)
-                p_hi = min(n_next, c0 + n + _PREFETCH_ROWS - n_page)
-                for off in range(p_lo * row_bytes, p_hi * row_bytes, 64):
-                    prefetch(k_pages, next_page, off)
-                    prefetch(v_pages, next_page, off)
-                if fmt == 2:
-                    _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf)
-                    _widen_rows(v_pages[page, c0:c0 + n], n, fmt, vf)
-                    _attend_chunk(qs, kf, vf, n, acc, run_max, run_sum, s, exponent)
-                else:
-                    _attend_chunk(qs, k_pages[page, c0:c0 + n], v_pages[page, c0:c0 + n], n, acc, run_max,
-                                  run_sum, s, exponent)
-        part_acc[it] = acc
-        part_max[it] = run_max
-        part_sum[it] = run_sum
+        while True:
+            p = atomic_fetch_add(counter, 0, 1)
+            if p >= n_pieces:
+                break
+            u = piece_unit[p]
+            b = u // n_kv_heads
+            h = u % n_kv_heads
+            for t in range(tq):
+                for g in range(group):
+                    for d in range(d_size):
+                        qs[t * group + g, d] = q[b, t, h * group + g, d] * scale
+            for r in range(n_rows):
+                run_max[r] = -np.inf
+                run_sum[r] = 0.0
+                for d in range(d_size):
+                    acc[r, d] = 0.0
+            lo = piece_lo[p]
+            hi = piece_hi[p]
+            base = page_ptr[u]
+            last = (hi - 1) // page_tokens
+            for pi in range(lo // page_tokens, last + 1):
+                page = page_ids[base + pi]
+                r0 = max(lo - pi * page_tokens, 0)
+                r1 = min(hi - pi * page_tokens, page_tokens)
+                next_page = page_ids[base + pi + 1] if pi < last else -1
+                n_next = min(page_tokens, hi - (pi + 1) * page_tokens) if pi < last else 0
+                for c0 in range(r0, r1, chunk):
+                    n = min(chunk, r1 - c0)
+                    # rows _PREFETCH_ROWS ahead that lie in the next page (hardware prefetchers
+                    # cover the rest of a page but do not cross into the next, scattered one)
+                    p_lo = max(0, c0 + _PREFETCH_ROWS - r1)
+                    p_hi = min(n_next, c0 + n + _PREFETCH_ROWS - r1)
+                    for off in range(p_lo * row_bytes, p_hi * row_bytes, 64):
+                        prefetch(k_pages, next_page, off)
+                        prefetch(v_pages, next_page, off)
+                    if fmt == 2:
+                        _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf)
+                        _widen_rows(v_pages[page, c0:c0 + n], n, fmt, vf)
+                        _attend_chunk(qs, kf, vf, n, acc, run_max, run_sum, s, exponent)
+                    else:
+                        _attend_chunk(qs, k_pages[page, c0:c0 + n], v_pages[page, c0:c0 + n], n, acc,
+                                      run_max, run_sum, s, exponent)
+            for r in range(n_rows):
+                part_max[p, r] = run_max[r]
+                part_sum[p, r] = run_sum[r]
+                for d in range(d_size):
+                    part_acc[p, r, d] = acc[r, d]
 
-
-@njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
-def _merge_items(part_acc, part_max, part_sum, unit_item_ptr, n_kv_heads, o, lse):
-    """Exact LSE merge of the items of each unit into o [B, Tq, Hq, D], lse [B, Tq, Hq]."""
-    _, tq, hq, d_size = o.shape
-    group = hq // n_kv_heads
-    n_units = unit_item_ptr.shape[0] - 1
-    for u in prange(n_units):
+    o = np.empty((n_batch, tq, hq, d_size), np.float32)
+    lse = np.empty((n_batch, tq, hq), np.float32)
+    for u in prange(unit_piece_ptr.shape[0] - 1):
         b = u // n_kv_heads
         h = u % n_kv_heads
-        lo, hi = unit_item_ptr[u], unit_item_ptr[u + 1]
-        for r in range(tq * group):
+        lo, hi = unit_piece_ptr[u], unit_piece_ptr[u + 1]
+        out = np.empty(d_size, np.float32)
+        for r in range(n_rows):
             t = r // group
             head = h * group + r % group
             m = -np.inf
             for it in range(lo, hi):
                 m = max(m, part_max[it, r])
-            if m == -np.inf:
+            if m == -np.inf:  # nothing attended (no piece, or -inf scores everywhere)
                 for d in range(d_size):
                     o[b, t, head, d] = 0.0
                 lse[b, t, head] = -np.inf
                 continue
             total = np.float32(0.0)
-            out = np.zeros(d_size, np.float32)
+            for d in range(d_size):
+                out[d] = 0.0
             for it in range(lo, hi):
                 if part_max[it, r] == -np.inf:
                     continue
@@ -242,19 +339,20 @@ def _merge_items(part_acc, part_max, part_sum, unit_item_ptr, n_kv_heads, o, lse
             for d in range(d_size):
                 o[b, t, head, d] = out[d] * inv
             lse[b, t, head] = m + np.log(total)
+    return o, lse
 
 
 @njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
-def _token_probabilities(q, k_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_heads, scale, lse,
-                         item_unit, item_page_lo, item_page_hi, probs):
+def _token_probabilities(q, k_pages, fmt, page_ptr, page_ids, n_kv_heads, scale, lse,
+                         piece_unit, piece_lo, piece_hi, probs):
     """probs[u, j] = mean over the Tq queries of the sum over the group's query heads of
     exp(s - lse): each token's attention probability, combined per KV head (see host.sparsify)."""
     _, tq, hq, d_size = q.shape
     group = hq // n_kv_heads
     n_rows = tq * group
     page_tokens = k_pages.shape[1]
-    for it in prange(item_unit.shape[0]):
-        u = item_unit[it]
+    for p in prange(piece_unit.shape[0]):
+        u = piece_unit[p]
         b = u // n_kv_heads
         h = u % n_kv_heads
         qs = np.empty((n_rows, d_size), np.float32)
@@ -265,11 +363,14 @@ def _token_probabilities(q, k_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_
                 for d in range(d_size):
                     qs[t * group + g, d] = q[b, t, h * group + g, d] * scale
         kf = np.empty((_CHUNK, d_size), np.float32)
-        for pi in range(item_page_lo[it], item_page_hi[it]):
+        lo = piece_lo[p]
+        hi = piece_hi[p]
+        for pi in range(lo // page_tokens, (hi - 1) // page_tokens + 1):
             page = page_ids[page_ptr[u] + pi]
-            n_page = min(page_tokens, unit_tokens[u] - pi * page_tokens)
-            for c0 in range(0, n_page, _CHUNK):
-                n = min(_CHUNK, n_page - c0)
+            r0 = max(lo - pi * page_tokens, 0)
+            r1 = min(hi - pi * page_tokens, page_tokens)
+            for c0 in range(r0, r1, _CHUNK):
+                n = min(_CHUNK, r1 - c0)
                 _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf)
                 for j in range(n):
                     total = np.float32(0.0)
@@ -301,36 +402,54 @@ def check_queries(queries, n_batch: int, n_kv_heads: int, head_dim: int) -> np.n
     return np.ascontiguousarray(queries)
 
 
-def paged_attention(queries: np.ndarray, view: PagedKV, scale: float | None = None,
-                    return_probs: bool = False, n_items: int | None = None):
-    """Attention of queries [B, Tq, Hq, D] float32 over a `PagedKV` with B * Hkv units.
+def plan_pieces(view: PagedKV, n_threads: int | None = None, min_piece_tokens: int = MIN_PIECE_TOKENS):
+    """The work split of `paged_attention` (see `_plan_pieces`): piece_unit, piece_lo, piece_hi
+    int64 [P] (token ranges inside units) and unit_piece_ptr int64 [U + 1]."""
+    n_threads = numba.get_num_threads() if n_threads is None else n_threads
+    if not isinstance(n_threads, (int, np.integer)) or n_threads < 1:
+        raise ValueError(f"n_threads={n_threads!r}; expected a positive int")
+    if not isinstance(min_piece_tokens, (int, np.integer)) or min_piece_tokens < 1:
+        raise ValueError(f"min_piece_tokens={min_piece_tokens!r}; expected a positive int")
+    align = min(_PIECE_ALIGN, int(min_piece_tokens))
+    return _plan_pieces(view.unit_tokens, int(n_threads), int(min_piece_tokens), align)
 
-    Returns (o, lse), plus probs float32 [B, Hkv, max unit tokens] (0 beyond each unit's tokens)
-    when `return_probs`. Runs on `numba.get_num_threads()` threads of the calling thread.
+
+def paged_attention(queries: np.ndarray, view: PagedKV, scale: float | None = None,
+                    return_probs: bool = False, n_threads: int | None = None,
+                    min_piece_tokens: int = MIN_PIECE_TOKENS):
+    """Attention of queries [B, Tq, Hq, D] float32 (C-contiguous) over a `PagedKV` with B * Hkv units.
+
+    Returns (o, lse): o float32 [B, Tq, Hq, D], lse float32 [B, Tq, Hq]; plus probs float32
+    [B, Hkv, max unit tokens] (0 beyond each unit's tokens) when `return_probs`. Runs on
+    `numba.get_num_threads()` threads of the calling thread; `n_threads` / `min_piece_tokens` only
+    change how the tokens are cut into pieces (see `_plan_pieces`; results equal to float rounding).
     """
     b, tq, hq, d = queries.shape
     if view.n_units != b * view.n_kv_heads:
         raise ValueError(f"{view.n_units} (sequence, KV head) units for a batch of {b} x Hkv={view.n_kv_heads}")
+    if hq % view.n_kv_heads:
+        raise ValueError(f"queries have Hq={hq} heads; expected a multiple of Hkv={view.n_kv_heads}")
+    if view.k_pages.shape[2] != d:
+        raise ValueError(f"queries head dim {d}; the pages have D={view.k_pages.shape[2]}")
+    if view.unit_tokens.shape[0] and (view.unit_tokens.min() < 0 or np.any(
+            view.unit_tokens > np.diff(view.page_ptr) * view.page_tokens)):
+        raise ValueError("unit_tokens exceed the units' pages (or are negative): "
+                         f"{view.unit_tokens.tolist()[:16]} tokens, {np.diff(view.page_ptr).tolist()[:16]} pages "
+                         f"of {view.page_tokens}")
     scale = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
     if not np.isfinite(scale):
         raise ValueError(f"scale={scale}; expected a finite float")
-    n_target = n_items or ITEMS_PER_THREAD * numba.get_num_threads()
-    item_unit, lo, hi, unit_item_ptr = plan_work_items(view, n_target)
-    n_rows = tq * (hq // view.n_kv_heads)
-    part_acc = np.empty((item_unit.shape[0], n_rows, d), np.float32)
-    part_max = np.empty((item_unit.shape[0], n_rows), np.float32)
-    part_sum = np.empty((item_unit.shape[0], n_rows), np.float32)
-    o = np.full((b, tq, hq, d), np.nan, np.float32)  # poisoned: unwritten elements would show
-    lse = np.full((b, tq, hq), np.nan, np.float32)
-    _partial_states(queries, view.k_pages, view.v_pages, view.fmt, view.page_ptr, view.page_ids,
-                    view.unit_tokens, view.n_kv_heads, scale, item_unit, lo, hi, part_acc, part_max, part_sum)
-    _merge_items(part_acc, part_max, part_sum, unit_item_ptr, view.n_kv_heads, o, lse)
+    n_workers = numba.get_num_threads()
+    piece_unit, lo, hi, unit_piece_ptr = plan_pieces(view, n_workers if n_threads is None else n_threads,
+                                                     min_piece_tokens)
+    o, lse = _attention_kernel(queries, view.k_pages, view.v_pages, view.fmt, view.page_ptr, view.page_ids,
+                               view.n_kv_heads, scale, piece_unit, lo, hi, unit_piece_ptr, n_workers)
     if not return_probs:
         return o, lse
     max_tokens = int(view.unit_tokens.max()) if view.n_units else 0
     probs = np.zeros((view.n_units, max_tokens), np.float32)
-    _token_probabilities(queries, view.k_pages, view.fmt, view.page_ptr, view.page_ids, view.unit_tokens,
-                         view.n_kv_heads, scale, lse, item_unit, lo, hi, probs)
+    _token_probabilities(queries, view.k_pages, view.fmt, view.page_ptr, view.page_ids, view.n_kv_heads,
+                         scale, lse, piece_unit, lo, hi, probs)
     return o, lse, probs.reshape(b, view.n_kv_heads, max_tokens)
 
 
@@ -338,34 +457,46 @@ def paged_attention(queries: np.ndarray, view: PagedKV, scale: float | None = No
 
 def _store_view_locked(store, layer: int, seq_ids, block_ids=None) -> PagedKV:
     """Pages of the KV store: every block (block_ids None) or the chosen block numbers
-    block_ids [B, Hkv, n] (int, -1 = no block) of each sequence and KV head."""
+    block_ids int64 [B, Hkv, n] (-1 = no block) of each sequence and KV head. Vectorised over heads
+    and blocks (one Python step per sequence): this runs on every attention call."""
     cfg = store.config
     hkv, bs = cfg.n_kv_heads, cfg.block_size
     arrays = store.layers[layer].arrays
-    page_lists, unit_tokens = [], []
-    for bi, s in enumerate(seq_ids):
-        slots = store.block_slots(layer, s)
-        for h in range(hkv):
-            if block_ids is None:
-                chosen = slots
-            else:
-                ids = block_ids[bi, h]
-                ids = ids[ids >= 0]
-                if ids.size and ids.max() >= slots.shape[0]:
-                    raise ValueError(f"block id {int(ids.max())} for seq_id={s!r} head {h}; the sequence has "
-                                     f"{slots.shape[0]} blocks in layer {layer}")
-                if np.unique(ids).size != ids.size:
-                    raise ValueError(f"duplicate block ids {ids.tolist()} for seq_id={s!r} head {h}: "
-                                     "a token must be attended at most once")
-                chosen = slots[ids]
-            page_lists.append(chosen * hkv + h)
-            unit_tokens.append(chosen.shape[0] * bs)
-    page_ptr = np.zeros(len(page_lists) + 1, np.int64)
-    np.cumsum([p.shape[0] for p in page_lists], out=page_ptr[1:])
-    page_ids = np.concatenate(page_lists).astype(np.int64) if page_lists else np.zeros(0, np.int64)
+    slot_lists = [store.block_slots(layer, s) for s in seq_ids]
+    heads = np.arange(hkv, dtype=np.int64)
+    if block_ids is None:
+        counts = np.repeat(np.asarray([sl.shape[0] for sl in slot_lists], np.int64), hkv)
+        page_ids = np.concatenate([(sl[None, :] * hkv + heads[:, None]).reshape(-1) for sl in slot_lists]) \
+            if slot_lists else np.zeros(0, np.int64)
+    else:
+        n_b = len(seq_ids)
+        valid = block_ids >= 0
+        n_have = np.asarray([sl.shape[0] for sl in slot_lists], np.int64).reshape(n_b, 1, 1)
+        over = valid & (block_ids >= n_have)
+        if over.any():
+            bi, h, _ = (int(x[0]) for x in np.nonzero(over))
+            raise ValueError(f"block id {int(block_ids[bi, h].max())} for seq_id={seq_ids[bi]!r} head {h}; the "
+                             f"sequence has {int(n_have[bi, 0, 0])} blocks in layer {layer}")
+        srt = np.sort(block_ids, axis=-1)
+        dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+        if dup.any():
+            bi, h, _ = (int(x[0]) for x in np.nonzero(dup))
+            ids = block_ids[bi, h]
+            raise ValueError(f"duplicate block ids {ids[ids >= 0].tolist()} for seq_id={seq_ids[bi]!r} head {h}: "
+                             "a token must be attended at most once")
+        width = max([sl.shape[0] for sl in slot_lists] + [1])
+        table = np.zeros((n_b, width), np.int64)  # slots of each sequence's blocks, padded
+        for bi, sl in enumerate(slot_lists):
+            table[bi, :sl.shape[0]] = sl
+        safe = np.where(valid, block_ids, 0)
+        pages = table[np.arange(n_b)[:, None, None], safe] * hkv + heads[None, :, None]
+        page_ids = pages[valid]  # C order: unit by unit, each unit's blocks in the given order
+        counts = valid.sum(axis=-1).reshape(-1).astype(np.int64)
+    page_ptr = np.zeros(counts.shape[0] + 1, np.int64)
+    np.cumsum(counts, out=page_ptr[1:])
     d = cfg.head_dim
     return PagedKV(arrays["k"].reshape(-1, bs, d), arrays["v"].reshape(-1, bs, d), FORMAT_CODE[cfg.kv_dtype],
-                   page_ptr, page_ids, np.asarray(unit_tokens, np.int64), hkv)
+                   page_ptr, page_ids.astype(np.int64, copy=False), counts * bs, hkv)
 
 
 def _run(store, layer, seq_ids, queries, make_view, scale, return_probs=False):

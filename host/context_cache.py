@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.kv_store import (FORMAT_CODE, STORAGE_DTYPE, HostMemoryBudget, SlotPool, StoreConfig,
-                           arrays_nbytes, grow_arrays)
+from host.kv_store import (FORMAT_CODE, STORAGE_DTYPE, HostMemoryBudget, SlotArrays, SlotPool, StoreConfig,
+                           arrays_nbytes)
 from host.paged_view import PagedKV
 
 
@@ -37,7 +37,11 @@ class _PageArena:
                      "weight": np.empty((1, p), np.float32), "positions": np.empty((1, p), np.int64),
                      "token_index": np.empty((1, p), np.int64)}
         budget.reserve(arrays_nbytes(n, templates), f"context cache of layer {layer}")
-        self.arrays = {name: np.zeros((n,) + t.shape[1:], t.dtype) for name, t in templates.items()}
+        self.slots = SlotArrays(templates, n, f"context cache of layer {layer}", budget.cap_bytes)
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        return self.slots.arrays
 
     @property
     def capacity(self) -> int:
@@ -54,7 +58,7 @@ class _PageArena:
                 new_cap = needed
                 self.budget.reserve(arrays_nbytes(new_cap - self.capacity, self.arrays),
                                     f"context cache of layer {self.layer}")
-            self.arrays = grow_arrays(self.arrays, new_cap)
+            self.slots.grow(new_cap)
         return self.pool.take(n)
 
 
@@ -170,16 +174,18 @@ class ContextCache:
     def snapshot_locked(self, layer: int, seq_ids) -> PagedKV:
         """The page lists of `seq_ids` (in batch order) for the attention kernel."""
         hkv = self.cfg.n_kv_heads
-        tables, counts = [], []
-        for s in seq_ids:
+        tables, counts, n_pages = [], [], []
+        for s in seq_ids:  # one Python step per sequence (this runs on every attention call)
             self._check(layer, s)
             hp = self._heads[s][layer]
-            for h in range(hkv):
-                tables.append(hp.table[h, : hp.n_pages[h]])
+            width = int(hp.n_pages.max()) if hkv else 0
+            tables.append(hp.table[:, :width][np.arange(width)[None, :] < hp.n_pages[:, None]])
             counts.append(hp.n_kept)
+            n_pages.append(hp.n_pages)
         unit_tokens = np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, np.int64)
-        page_ptr = np.zeros(len(tables) + 1, np.int64)
-        np.cumsum([t.shape[0] for t in tables], out=page_ptr[1:])
+        page_ptr = np.zeros(hkv * len(seq_ids) + 1, np.int64)
+        if n_pages:
+            np.cumsum(np.concatenate(n_pages), out=page_ptr[1:])
         page_ids = np.concatenate(tables) if tables else np.zeros(0, np.int64)
         a = self.layers[layer].arrays
         return PagedKV(a["k"], a["v"], FORMAT_CODE[self.cfg.kv_dtype], page_ptr, page_ids.astype(np.int64),

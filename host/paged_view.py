@@ -40,26 +40,3 @@ class PagedKV:
         """Bytes of K and V the kernel reads (attended tokens only)."""
         return int(self.unit_tokens.sum()) * 2 * self.k_pages.shape[2] * self.k_pages.itemsize
 
-
-def plan_work_items(view: PagedKV, n_target_items: int):
-    """Split every unit's pages into work items of about equal size, so all cores finish together.
-
-    HGCA merges heads into ~batch*heads/cores tasks; equal-sized page ranges do the same job and also
-    keep the cores busy when batch*heads < cores (one unit is then split over several items whose
-    partial softmax states are merged exactly). Every unit gets at least one item (an empty unit
-    yields o = 0, lse = -inf).
-
-    Returns int64 arrays: item_unit [I], item_page_lo [I], item_page_hi [I], unit_item_ptr [U + 1].
-    """
-    unit_pages = np.diff(view.page_ptr)
-    total = int(unit_pages.sum())
-    chunk = max(1, -(-total // max(1, n_target_items)))
-    items_per_unit = np.maximum(1, -(-unit_pages // chunk))
-    unit_item_ptr = np.zeros(unit_pages.shape[0] + 1, np.int64)
-    np.cumsum(items_per_unit, out=unit_item_ptr[1:])
-    n_items = int(unit_item_ptr[-1])
-    item_unit = np.repeat(np.arange(unit_pages.shape[0], dtype=np.int64), items_per_unit)
-    rank = np.arange(n_items, dtype=np.int64) - unit_item_ptr[item_unit]
-    item_page_lo = np.minimum(rank * chunk, unit_pages[item_unit])
-    item_page_hi = np.minimum(item_page_lo + chunk, unit_pages[item_unit])
-    return item_unit, item_page_lo, item_page_hi, unit_item_ptr

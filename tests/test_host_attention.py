@@ -9,7 +9,7 @@ import pytest
 
 from host import KVStore, StoreConfig, attend_all, attend_blocks, attend_context, from_storage, to_storage
 from host.paged_view import PagedKV
-from host.attention import paged_attention
+from host.attention import paged_attention, plan_pieces
 from host.reference import context_tokens, norm_relative_error, reference_attention, stored_tokens
 
 TOL = 2e-5  # norm-relative, float32 accumulation vs float64 on the same (rounded) inputs
@@ -138,8 +138,9 @@ def test_work_split_does_not_change_result(rng):
         from host.attention import _store_view_locked
         view = _store_view_locked(store, 0, seqs)
     q = queries(rng, 1, 1, 2, 32)
-    one = paged_attention(q, view, n_items=1)
-    many = paged_attention(q, view, n_items=64)
+    one = paged_attention(q, view, n_threads=1, min_piece_tokens=10**9)  # one piece
+    many = paged_attention(q, view, n_threads=64, min_piece_tokens=1)    # 72 tokens in ~40 pieces
+    assert plan_pieces(view, 1, 10**9)[0].shape[0] == 1 and plan_pieces(view, 64, 1)[0].shape[0] > 20
     assert norm_relative_error(many[0], one[0]) < 1e-6 and norm_relative_error(many[1], one[1]) < 1e-6
 
 
@@ -250,7 +251,113 @@ def test_large_pages_ragged_units_row_blocks(rng, kv_dtype, d, group, tq):
     view, keys, values = _random_paged_view(rng, kv_dtype, d, 256, unit_tokens, hkv)
     q = queries(rng, 3, tq, hkv * group, d)
     ro, rl = reference_attention(q, keys, values, hkv)
-    for n_items in (None, 1, 7):
-        o, lse = paged_attention(q, view, n_items=n_items)
+    for split in ({}, {"n_threads": 1, "min_piece_tokens": 10**6}, {"n_threads": 7, "min_piece_tokens": 16}):
+        o, lse = paged_attention(q, view, **split)
         assert norm_relative_error(o, ro) < TOL and norm_relative_error(lse, rl) < TOL
         assert np.all(lse[0, :, group:] == -np.inf) and np.all(o[0, :, group:] == 0)  # unit 1 = (b 0, h 1)
+
+
+# ---- work split over tokens (pieces) ---------------------------------------------------------------
+
+def _check_plan(unit_tokens, n_threads, min_piece):
+    view = PagedKV(np.zeros((1, 1, 1), np.uint16), np.zeros((1, 1, 1), np.uint16), 1,
+                   np.zeros(len(unit_tokens) + 1, np.int64), np.zeros(0, np.int64),
+                   np.asarray(unit_tokens, np.int64), 1)
+    unit, lo, hi, ptr = plan_pieces(view, n_threads, min_piece)
+    assert np.all(hi > lo), "empty piece"
+    assert np.all(np.diff(unit) >= 0), "pieces not in unit order"
+    np.testing.assert_array_equal(np.diff(ptr), np.bincount(unit, minlength=len(unit_tokens)))
+    for u, n in enumerate(unit_tokens):  # each unit's tokens covered exactly once, in order
+        sl = slice(ptr[u], ptr[u + 1])
+        assert np.all(unit[sl] == u)
+        if n == 0:
+            assert ptr[u + 1] == ptr[u]
+            continue
+        assert lo[sl][0] == 0 and hi[sl][-1] == n and np.array_equal(lo[sl][1:], hi[sl][:-1])
+        align = min(16, min_piece)
+        assert np.all(hi[sl][:-1] % align == 0), "cut inside a unit off the alignment"
+    return unit, lo, hi, ptr
+
+
+def test_plan_pieces_cover_ragged_units_exactly_once(rng):
+    for _ in range(50):
+        n_units = int(rng.integers(0, 40))
+        tokens = [int(x) if rng.random() > 0.2 else 0 for x in rng.integers(0, 3000, n_units)]
+        _check_plan(tokens, int(rng.integers(1, 33)), int(rng.choice([1, 5, 16, 64, 300])))
+    unit, _, _, _ = _check_plan([], 16, 64)
+    assert unit.shape[0] == 0
+    unit, _, _, _ = _check_plan([0, 0, 0], 16, 64)
+    assert unit.shape[0] == 0
+
+
+@pytest.mark.parametrize("tokens", [1024, 4096, 65536])
+def test_plan_pieces_split_few_units_over_all_threads(tokens):
+    """B*Hkv = 8 units on 16 threads: each unit is cut into several pieces, at least 2x as many
+    pieces as threads, and the last pieces handed out are small (all threads finish together)."""
+    unit, lo, hi, ptr = _check_plan([tokens] * 8, 16, 64)
+    assert unit.shape[0] >= 32
+    assert np.all(np.diff(ptr) >= 4)
+    sizes = hi - lo
+    assert sizes[-16:].max() <= max(64, tokens * 8 // 64)  # tail pieces: a small share each
+    assert sizes.max() <= -(-tokens * 8 // 32) + 16       # no piece above 1/(2*threads) of the work
+
+
+@pytest.mark.parametrize("kv_dtype,d", [("bf16", 128), ("fp16", 64), ("fp32", 32)])
+@pytest.mark.parametrize("group,tq", [(4, 1), (3, 2), (1, 1)])
+def test_split_path_matches_reference(rng, kv_dtype, d, group, tq):
+    """8 units (B=2, Hkv=4) with ragged sizes (empty, 1 token, off the 16-token alignment, several
+    64-token pages) split over many pieces: float64 parity, and equal to the unsplit result."""
+    hkv = 4
+    unit_tokens = [1000, 0, 1, 129, 640, 77, 0, 1523]
+    view, keys, values = _random_paged_view(rng, kv_dtype, d, 64, unit_tokens, hkv)
+    q = queries(rng, 2, tq, hkv * group, d)
+    ro, rl = reference_attention(q, keys, values, hkv)
+    whole = paged_attention(q, view, n_threads=1, min_piece_tokens=10**6)
+    assert plan_pieces(view, 1, 10**6)[0].shape[0] == 6  # one piece per non-empty unit
+    for n_threads, min_piece in ((16, 64), (16, 16), (5, 1)):
+        assert plan_pieces(view, n_threads, min_piece)[0].shape[0] > 2 * n_threads
+        o, lse = paged_attention(q, view, n_threads=n_threads, min_piece_tokens=min_piece)
+        assert norm_relative_error(o, ro) < TOL and norm_relative_error(lse, rl) < TOL
+        assert norm_relative_error(o, whole[0]) < 1e-6 and norm_relative_error(lse, whole[1]) < 1e-6
+        for u in (1, 6):  # empty units
+            b, h = divmod(u, hkv)
+            heads = slice(h * group, (h + 1) * group)
+            assert np.all(lse[b, :, heads] == -np.inf) and np.all(o[b, :, heads] == 0)
+    o, lse, probs = paged_attention(q, view, return_probs=True, n_threads=16, min_piece_tokens=16)
+    _, _, rp = reference_attention(q, keys, values, hkv, return_probs=True)
+    for u, n in enumerate(unit_tokens):
+        b, h = divmod(u, hkv)
+        np.testing.assert_allclose(probs[b, h, :n], rp[b][h], rtol=1e-4, atol=1e-6)
+        assert np.all(probs[b, h, n:] == 0)
+
+
+def test_result_independent_of_numba_thread_count(rng):
+    """Workers = numba threads of the caller; fewer threads than planned pieces still do them all."""
+    import numba
+
+    view, keys, values = _random_paged_view(rng, "bf16", 64, 64, [900, 300, 0, 2000], 2)
+    q = queries(rng, 2, 1, 8, 64)
+    ro, rl = reference_attention(q, keys, values, 2)
+    old = numba.get_num_threads()
+    try:
+        for threads in sorted({1, old}):
+            numba.set_num_threads(threads)
+            o, lse = paged_attention(q, view, n_threads=16, min_piece_tokens=16)
+            assert norm_relative_error(o, ro) < TOL and norm_relative_error(lse, rl) < TOL
+    finally:
+        numba.set_num_threads(old)
+
+
+def test_all_units_empty_and_bad_views(rng):
+    view, _, _ = _random_paged_view(rng, "bf16", 32, 16, [0, 0, 0, 0], 2)
+    o, lse = paged_attention(queries(rng, 2, 2, 4, 32), view)
+    assert o.shape == (2, 2, 4, 32) and np.all(o == 0) and np.all(lse == -np.inf)
+    view, _, _ = _random_paged_view(rng, "bf16", 32, 16, [20, 5], 2)
+    bad = PagedKV(view.k_pages, view.v_pages, view.fmt, view.page_ptr, view.page_ids,
+                  np.asarray([33, 5], np.int64), 2)
+    with pytest.raises(ValueError, match="exceed the units' pages"):
+        paged_attention(queries(rng, 1, 1, 2, 32), bad)
+    with pytest.raises(ValueError, match="min_piece_tokens=0"):
+        paged_attention(queries(rng, 1, 1, 2, 32), view, min_piece_tokens=0)
+    with pytest.raises(ValueError, match="head dim 16"):
+        paged_attention(queries(rng, 1, 1, 2, 16), view)

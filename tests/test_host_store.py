@@ -202,3 +202,62 @@ def test_commit_checks_order():
     with pytest.raises(ValueError, match="n_new"):
         commit(ring, state, plan, 13)
     assert state == RingState()
+
+
+# ---- arena growth without copies; first touch ahead ------------------------------------------------
+
+def test_growth_is_a_view_of_the_reservation_and_keeps_contents(rng):
+    store = KVStore(cfg(n_layers=1, initial_blocks_per_layer=1, context_page_tokens=8))
+    store.add_sequence(0)
+    arena = store.layers[0]
+    first_view = arena.arrays["k"]
+    written = []
+    for n in (1, 3, 2, 9, 17):  # capacity 1 -> 2 -> 4 -> 8 -> 16 -> 32 -> 64
+        k = rng.standard_normal((n, 4, 2, 16)).astype(np.float32)
+        store.append_blocks(0, 0, k, -k, np.ones((n, 4, 2)), np.zeros((n, 4), np.int64))
+        written.append(to_storage(k, "bf16"))
+    assert arena.capacity >= 32 and arena.slots.copies == 0
+    assert np.shares_memory(first_view, arena.arrays["k"])  # no copy: the same memory, longer view
+    got = store.read_blocks(0, 0)
+    np.testing.assert_array_equal(got["k"], np.concatenate(written))
+    # the context cache's arena grows the same way
+    ctx = store.context.layers[0]
+    with store.lock:
+        rows = np.arange(32 * 4)
+        store.context.append_locked(0, 0, rows % 2, np.full((rows.size, 16), 7, np.uint16),
+                                    np.full((rows.size, 16), 9, np.uint16), np.ones(rows.size, np.float32),
+                                    rows, rows)
+    assert ctx.capacity >= 16 and ctx.slots.copies == 0 and store.context.kept_counts(0, 0).tolist() == [64, 64]
+    assert np.all(store.context.kept(0, 0, 1)["v"] == 9)
+
+
+def test_growth_past_the_reservation_copies_and_says_so(rng, caplog):
+    from host.kv_store import SlotArrays
+
+    arrays = SlotArrays({"x": np.empty((1, 3), np.float32)}, 2, "test arena", reserve_bytes=0)
+    assert arrays.max_slots == 2
+    arrays.arrays["x"][:] = [[1, 2, 3], [4, 5, 6]]
+    with caplog.at_level("WARNING", logger="host.kv_store"):
+        arrays.grow(5)
+    assert arrays.copies == 1 and arrays.capacity == 5
+    assert "copies the arena" in caplog.text and "test arena" in caplog.text
+    np.testing.assert_array_equal(arrays.arrays["x"][:2], [[1, 2, 3], [4, 5, 6]])
+    np.testing.assert_array_equal(arrays.arrays["x"][2:], 0)
+
+
+def test_reserve_blocks_touches_the_slots_the_next_appends_take(rng):
+    store = KVStore(cfg(n_layers=1, initial_blocks_per_layer=64))
+    store.add_sequence(0)
+    slots = store.layers[0].slots
+    assert slots.touched == 0
+    store.reserve_blocks(0, 10)
+    assert slots.touched == 10 and store.layers[0].capacity == 64
+    k = rng.standard_normal((5, 4, 2, 16)).astype(np.float32)
+    store.append_blocks(0, 0, k, k, np.ones((5, 4, 2)), np.zeros((5, 4), np.int64))
+    store.reserve_blocks(0, 10)
+    assert slots.touched == 15
+    store.reserve_blocks(0, 100)  # grows, then touches what the next 100 blocks will take
+    assert store.layers[0].capacity >= 105 and slots.touched == 105
+    np.testing.assert_array_equal(store.read_blocks(0, 0)["k"], to_storage(k, "bf16"))  # contents kept
+    with pytest.raises(ValueError, match="n_blocks=-1"):
+        store.reserve_blocks(0, -1)
