@@ -131,8 +131,8 @@ def profile_costs(kernels: LayerKernels, num_tokens: int, fetch, repeats: int = 
     import jax
 
     config = kernels.config
-    io_hidden = _median_seconds(lambda: fetch(0, "hidden").block_until_ready(), repeats)
-    io_kv = _median_seconds(lambda: fetch(0, "kv").block_until_ready(), repeats)
+    io_hidden = _median_seconds(lambda: jax.block_until_ready(fetch(0, "hidden")), repeats)
+    io_kv = _median_seconds(lambda: jax.block_until_ready(fetch(0, "kv")), repeats)
     rows = fetch(0, "hidden")
     project = _median_seconds(lambda: jax.block_until_ready(kernels.project(0, rows)), repeats)
     tokens = np.zeros(num_tokens, np.int32)
