@@ -145,3 +145,15 @@ def test_reads_run_on_a_reader_thread_in_io_order(prefilled):
     restore_kv(LayerKernels(model), ("recompute", "hidden", "kv"), tokens, fetch, sink, 32)
     assert [(l, m) for l, m, _ in calls] == [(1, "hidden"), (2, "kv")]
     assert all(name.startswith("hcache-reader") for _, _, name in calls)
+
+
+def test_confirm_plan_can_skip_single_methods_estimated_far_slower():
+    costs = LayerCosts(num_tokens=1024, io_hidden=1.0, project=0.5, io_kv=2.0, recompute=40.0)
+    plan = plan_restore(costs, 8)
+    measured = []
+    confirm_plan(plan, lambda methods: measured.append(methods) or 1.0, repeats=1,
+                 skip_estimated_slower=4.0)
+    assert ("recompute",) * 8 not in measured and ("kv",) * 8 in measured
+    measured.clear()
+    confirm_plan(plan, lambda methods: measured.append(methods) or 1.0, repeats=1)
+    assert ("recompute",) * 8 in measured

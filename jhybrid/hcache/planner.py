@@ -82,7 +82,8 @@ def plan_restore(costs: LayerCosts, num_layers: int) -> RestorePlan:
     return RestorePlan(methods=best[1], estimated_seconds=best[0], single_method_seconds=singles)
 
 
-def confirm_plan(plan: RestorePlan, measure, repeats: int = 3) -> RestorePlan:
+def confirm_plan(plan: RestorePlan, measure, repeats: int = 3,
+                 skip_estimated_slower: float | None = None) -> RestorePlan:
     """Checks the plan on the machine: measure(methods) -> seconds of one restore.
 
     Measures the plan and every single-method plan (interleaved rounds, so noise hits all alike)
@@ -91,10 +92,16 @@ def confirm_plan(plan: RestorePlan, measure, repeats: int = 3) -> RestorePlan:
     tokens while all-hidden measured 1.6x faster, and where transfer and compute share a resource
     (a CPU backend, checksummed disk reads) a mixed plan can lose to its estimate. Measuring all
     candidates is what makes the planner never slower than the best single method (up to noise).
+    skip_estimated_slower: do not measure a single-method plan estimated more than this many
+    times slower than the plan (e.g. recompute of 16K tokens: seconds per run); None measures all.
     """
     num_layers = len(plan.methods)
     candidates = {plan.methods: plan.estimated_seconds}
     for method, estimate in plan.single_method_seconds.items():
+        if skip_estimated_slower is not None and estimate > skip_estimated_slower * plan.estimated_seconds:
+            log.info("hcache planner: not measuring all-%s (estimated %.1fx the plan)", method,
+                     estimate / plan.estimated_seconds)
+            continue
         candidates.setdefault((method,) * num_layers, estimate)
     samples = {methods: [] for methods in candidates}
     for _ in range(repeats):
@@ -131,8 +138,8 @@ def profile_costs(kernels: LayerKernels, num_tokens: int, fetch, repeats: int = 
     import jax
 
     config = kernels.config
-    io_hidden = _median_seconds(lambda: fetch(0, "hidden").block_until_ready(), repeats)
-    io_kv = _median_seconds(lambda: fetch(0, "kv").block_until_ready(), repeats)
+    io_hidden = _median_seconds(lambda: jax.block_until_ready(fetch(0, "hidden")), repeats)
+    io_kv = _median_seconds(lambda: jax.block_until_ready(fetch(0, "kv")), repeats)
     rows = fetch(0, "hidden")
     project = _median_seconds(lambda: jax.block_until_ready(kernels.project(0, rows)), repeats)
     tokens = np.zeros(num_tokens, np.int32)

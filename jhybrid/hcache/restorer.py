@@ -56,10 +56,34 @@ def validate_plan(methods, num_layers: int) -> tuple[str, ...]:
 # every LayerKernels / engine of the same model shares one compilation per shape.
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _project(config, graphdef, state, rows, positions):
-    hidden = rows[None].astype(config.dtype)  # [1, n, d]
-    return kv_from_hidden(nnx.merge(graphdef, state), hidden, positions)
+def _join(rows) -> jax.Array:
+    """rows: one array [n, r] or a tuple of pieces [n_i, r] along the token axis -> [n, r]."""
+    if isinstance(rows, (tuple, list)):
+        return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+    return rows
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 5))
+def _project(config, graphdef, state, rows, positions, num_queries):
+    """rows [n, d_model] (or pieces, joined here: inside the jit, on the dispatching thread) ->
+    k, v [1, n, Hkv, D] and, when num_queries > 0, the queries q [1, num_queries, Hq, D] of the
+    last num_queries positions (norm + W_q + RoPE, what the layer computed for those tokens)."""
+    layer = nnx.merge(graphdef, state)
+    hidden = _join(rows)[None].astype(config.dtype)  # [1, n, d]
+    k, v = kv_from_hidden(layer, hidden, positions)
+    if not num_queries:
+        return k, v, None
+    tail = hidden[:, -num_queries:]
+    q = layer.attention.project_q(layer.attention_input(tail), positions[:, -num_queries:])
+    return k, v, q
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _split_kv(rows, num_kv_heads, head_dim):
+    """KV rows [n, 2*Hkv*D] (or pieces) -> k, v [1, n, Hkv, D] (one program, no eager copies)."""
+    kv = _join(rows)
+    kv = kv.reshape(1, kv.shape[0], 2, num_kv_heads, head_dim)
+    return kv[:, :, 0], kv[:, :, 1]
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(5,))
@@ -99,12 +123,30 @@ class LayerKernels:
             representative.setdefault(kind, graphdef)
             self.graphdef_of.append(representative[kind])
             self.states.append(state)
+        self._positions: dict[int, jax.Array] = {}
         self.embed_parts = nnx.split((model.embed, model.position_embed))
 
-    def project(self, layer: int, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """rows [n, d_model] (storage dtype) -> k, v [1, n, Hkv, D] at positions 0..n-1."""
-        positions = jnp.arange(rows.shape[0], dtype=jnp.int32)[None]
-        return _project(self.config, self.graphdef_of[layer], self.states[layer], rows, positions)
+    def positions(self, n: int) -> jax.Array:
+        """[1, n] int32 positions 0..n-1 on the device (cached: one upload per history length)."""
+        out = self._positions.get(n)
+        if out is None:
+            out = self._positions[n] = jnp.arange(n, dtype=jnp.int32)[None]
+            if len(self._positions) > 8:
+                self._positions.pop(next(iter(self._positions)))
+        return out
+
+    def project(self, layer: int, rows, num_queries: int = 0):
+        """rows [n, d_model] (storage dtype; or a tuple of pieces along n) -> k, v [1, n, Hkv, D]
+        at positions 0..n-1; with num_queries > 0 -> (k, v, q [1, num_queries, Hq, D]), the
+        queries of the last num_queries positions."""
+        n = sum(r.shape[0] for r in rows) if isinstance(rows, (tuple, list)) else rows.shape[0]
+        k, v, q = _project(self.config, self.graphdef_of[layer], self.states[layer], rows,
+                           self.positions(n), min(num_queries, n))
+        return (k, v) if not num_queries else (k, v, q)
+
+    def split_kv(self, rows):
+        """Saved KV rows [n, 2*Hkv*D] (or pieces) -> k, v [1, n, Hkv, D]."""
+        return _split_kv(rows, self.config.num_kv_heads, self.config.head_dim)
 
     def embed(self, tokens, positions) -> jax.Array:
         """tokens, positions [B, T] int32 -> the first layer's input [B, T, d_model]."""
@@ -145,14 +187,22 @@ def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch,
     """Restores K, V of positions [0, n) (n = len(tokens)) of every layer into `sink`.
 
     methods: per layer "recompute" (a prefix), "hidden" or "kv" (see module docstring).
-    fetch(layer, method) -> device array: [n, d_model] for "hidden", [n, 2 * Hkv * D] for "kv"
-    (storage dtype); runs on one background reader thread, in I/O order.
+    fetch(layer, method) -> device rows [n, d_model] for "hidden", [n, 2 * Hkv * D] for "kv"
+    (storage dtype), or a tuple of pieces of such rows along n; runs on one background reader
+    thread, in I/O order. fetch must only START TRANSFERS (device_put), never dispatch device
+    computations (concatenate, reshape, ...): on a GPU the reader thread runs ahead of the
+    projections, and a computation it enqueued for layer l+5 would sit in the compute stream in
+    front of layer l's projection and wait for layer l+5's transfer — serialising transfer and
+    projection. Pieces are joined inside the projection's jit on this (the calling) thread.
+    A sink with an int attribute `num_queries` > 0 also gets, for each "hidden" layer,
+    sink.queries(layer, q) with q [1, num_queries, Hq, D]: the queries of the last positions
+    (hgca's re-evaluation of offloaded tokens needs them; see jhybrid.hybrid.ingest).
     Returns when every layer has been dispatched to the sink (the device work may still run:
     block on the sink's arrays to time it).
     """
     config = kernels.config
     methods = validate_plan(methods, config.num_layers)
-    n = len(tokens)
+    num_queries = int(getattr(sink, "num_queries", 0) or 0)
     io_order = ([l for l, m in enumerate(methods) if m == "hidden"]
                 + [l for l, m in enumerate(methods) if m == "kv"])
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hcache-reader") as reader:
@@ -160,12 +210,16 @@ def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch,
         try:
             recompute_kv(kernels, tokens, methods.count("recompute"), sink, recompute_chunk)
             for layer in io_order:
-                rows = arriving[layer].result()
+                rows = arriving.pop(layer).result()
                 if methods[layer] == "hidden":
-                    k, v = kernels.project(layer, rows)
+                    if num_queries:
+                        k, v, q = kernels.project(layer, rows, num_queries)
+                        sink.queries(layer, q)
+                    else:
+                        k, v = kernels.project(layer, rows)
                 else:
-                    kv = rows.reshape(1, n, 2, config.num_kv_heads, config.head_dim)
-                    k, v = kv[:, :, 0], kv[:, :, 1]
+                    k, v = kernels.split_kv(rows)
+                del rows  # the device rows can go as soon as the projection has consumed them
                 sink(layer, k, v)
         except BaseException:
             for future in arriving.values():

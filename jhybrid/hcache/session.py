@@ -11,7 +11,12 @@
 
 A session's history is every token fed to the model; the last sampled token (also a stop token)
 is "pending": it is fed at the start of the next `generate`. The device KV lives in a `full`
-backend cache of `max_len` slots (see restorer.FullCacheWriter for where a hybrid backend hooks in).
+backend cache of `max_len` slots (restorer.FullCacheWriter), or, with
+`HCacheEngine(..., backend=HybridConfig(mode="hgca", ...))`, in that hybrid mode's GPU window +
+host store: every step runs through the hybrid backend, and `engine.restore(session_id)` places
+the restored KV into window + store (jhybrid.hybrid.ingest.HybridCacheWriter) so the session
+continues in that mode. A hybrid backend serves one open session at a time (its KVManager holds
+one batch): close the open one before opening or restoring another.
 
 Prefix reuse: at save, every full chunk of the history is indexed by a hash chained over its
 token ids (and the model's config hash). The first `generate` of a new session looks up the
@@ -57,19 +62,38 @@ class HCacheEngine:
         per-layer methods.
     stripe_dirs: directories to stripe chunks over round-robin (default: root/data).
     max_len: device cache slots per session (default min(model context, 4096)).
-    prefill_chunk: tokens per prefill forward call.
+    prefill_chunk: tokens per prefill forward call (at most the hybrid ring's max_prefill_chunk).
+    backend: None (`full`), a HybridConfig (its mode's backend is built here) or an attention
+        backend instance (FullAttention / HybridAttention, not shared with other users).
     """
 
     def __init__(self, model: CausalLM, root: str, *, plan="hidden", chunk_tokens: int = 64,
                  stripe_dirs: Sequence[str] | None = None, max_len: int | None = None,
-                 prefill_chunk: int = 64, plan_tokens: int = 1024, prefix_reuse: bool = True):
+                 prefill_chunk: int = 64, plan_tokens: int = 1024, prefix_reuse: bool = True,
+                 backend=None):
+        from jhybrid.attention.full import FullAttention
+        from jhybrid.attention.hybrid import make_backend
+        from jhybrid.hybrid.config import HybridConfig
+
         self.model, self.config = model, model.config
+        if backend is None:
+            backend = FullAttention()
+        elif isinstance(backend, HybridConfig):
+            backend = make_backend(backend)
+        elif not hasattr(backend, "attend"):
+            raise TypeError(f"backend={backend!r}: expected None, a HybridConfig or an attention backend")
+        self.backend = backend
+        self.hybrid = not isinstance(backend, FullAttention)
+        self.open_hybrid_session: "Session | None" = None
         self.root = os.path.abspath(root)
         os.makedirs(os.path.join(self.root, "sessions"), exist_ok=True)
         dirs = tuple(os.path.abspath(d) for d in (stripe_dirs or [os.path.join(self.root, "data")]))
         self.layout = ChunkLayout(stripe_dirs=dirs, chunk_tokens=chunk_tokens)
         self.max_len = max_len or min(self.config.max_position_embeddings, 4096)
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = min(prefill_chunk, getattr(backend, "max_prefill_chunk", prefill_chunk))
+        if self.prefill_chunk < prefill_chunk:
+            log.info("hcache: prefill chunk %d -> %d (the %s ring's max_prefill_chunk)", prefill_chunk,
+                     self.prefill_chunk, backend.name)
         self.prefix_reuse = prefix_reuse
         self.dtype = np.dtype(jnp.dtype(self.config.dtype))
         self.config_hash = storage.config_hash(self.config)
@@ -90,8 +114,33 @@ class HCacheEngine:
 
     # -- device work --
 
-    def _forward(self, hidden_layers, params, tokens, positions, cache):
-        return _forward(self.graphdef, hidden_layers, params, tokens, positions, cache)
+    def _forward(self, hidden_layers, params, tokens, positions, cache, kv_layers=()):
+        if self.hybrid:
+            cache = self.backend.before_step(cache, positions)
+        return _forward(self.graphdef, self.backend, hidden_layers, kv_layers, params, tokens,
+                        positions, cache)
+
+    def _claim(self, session: "Session") -> None:
+        """A hybrid backend's KVManager holds one batch: one open session at a time."""
+        if not self.hybrid:
+            return
+        other = self.open_hybrid_session
+        if other is not None and not other.closed and other is not session:
+            raise RuntimeError(f"session {other.id} is still open on this engine's {self.backend.name} "
+                               "backend (one batch at a time): close it before opening another")
+        self.open_hybrid_session = session
+
+    def new_cache(self):
+        """An empty device cache of one sequence for this engine's backend."""
+        return self.model.init_cache(1, self.max_len, self.backend)
+
+    def restore_sink(self, num_tokens: int):
+        """The restore_kv sink that puts num_tokens restored tokens into a fresh cache of this
+        engine's backend; `.finish()` -> the KVCache."""
+        if self.hybrid:
+            from jhybrid.hybrid.ingest import HybridCacheWriter
+            return HybridCacheWriter(self.model, self.backend, self.max_len, num_tokens)
+        return _FullSink(self.model, self.max_len, num_tokens)
 
     def profile_and_plan(self, num_tokens: int) -> RestorePlan:
         """Profiles this machine (scratch files in the first stripe directory, page cache dropped
@@ -180,17 +229,34 @@ class HCacheEngine:
         return None
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def _forward(graphdef, hidden_layers, params, tokens, positions, cache):
+class _FullSink(FullCacheWriter):
+    def finish(self):
+        return self.cache()
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(7,))
+def _forward(graphdef, backend, hidden_layers, kv_layers, params, tokens, positions, cache):
     """-> logits at the last valid token [B, V], new cache, hidden [len(hidden_layers), B, T, d]
-    (the input of each layer in hidden_layers; None when there are none)."""
+    (the input of each layer in hidden_layers; None when there are none), kv
+    [len(kv_layers), B, T, 2*Hkv*D] (k then v of each layer in kv_layers, projected again from the
+    layer's input exactly as the layer did — used where the cache is no flat array to copy KV
+    rows from, i.e. the hybrid backends; None when kv_layers is empty)."""
+    from jhybrid.models.decoder import kv_from_hidden
+
     model = nnx.merge(graphdef, params)
-    final, cache, layer_inputs = model.hidden_states(tokens, positions, cache,
+    final, cache, layer_inputs = model.hidden_states(tokens, positions, cache, backend,
                                                      return_hidden_states=True)
     last = jnp.argmax(positions, axis=1)
     last_hidden = jnp.take_along_axis(final, last[:, None, None], axis=1)[:, 0]
     saved = layer_inputs[jnp.asarray(hidden_layers, jnp.int32)] if hidden_layers else None
-    return model.logits(last_hidden), cache, saved
+    kv = None
+    if kv_layers:
+        rows = []
+        for layer in kv_layers:
+            k, v = kv_from_hidden(model.layers[layer], layer_inputs[layer], positions)
+            rows.append(jnp.stack([k, v], axis=2).reshape(*k.shape[:2], -1))
+        kv = jnp.stack(rows)
+    return model.logits(last_hidden), cache, saved, kv
 
 
 class Session:
@@ -209,11 +275,17 @@ class Session:
         self.generation = 0              # number of the next save
         self.prefix_tokens_reused = 0
         self.closed = False
-        if manifest is None:
-            self.cache = engine.model.init_cache(1, engine.max_len)
-            self.writer = SessionWriter(self.layout, session_id, self.row_values, engine.dtype)
-        else:
-            self._restore_from(manifest)
+        engine._claim(self)
+        try:
+            if manifest is None:
+                self.cache = engine.new_cache()
+                self.writer = SessionWriter(self.layout, session_id, self.row_values, engine.dtype)
+            else:
+                self._restore_from(manifest)
+        except BaseException:
+            if engine.open_hybrid_session is self:
+                engine.open_hybrid_session = None
+            raise
 
     # -- restore --
 
@@ -224,9 +296,9 @@ class Session:
         if len(tokens) != n:
             raise CorruptSession(f"session {self.id}: manifest holds {len(tokens)} tokens, says {n}")
         source = SessionFileSource(self.layout, manifest, n, engine.dtype, engine.read_buffers)
-        sink = FullCacheWriter(engine.model, engine.max_len, n)
+        sink = engine.restore_sink(n)
         restore_kv(engine.kernels, self.methods, np.asarray(tokens, np.int32), source, sink)
-        self.cache = sink.cache()
+        self.cache = sink.finish()
         self.tokens, self.pending = list(tokens), list(manifest["pending_tokens"])
         self.kv_saved_upto = n
         self.generation = manifest["generation"] + 1
@@ -262,10 +334,10 @@ class Session:
 
         source = SessionFileSource(engine.layout_of(manifest), manifest, n, engine.dtype,
                                    engine.read_buffers)
-        sink = FullCacheWriter(engine.model, engine.max_len, n)
+        sink = engine.restore_sink(n)
         fetch = _capturing(source, keep_rows)
         restore_kv(engine.kernels, self.methods, np.asarray(feed[:n], np.int32), fetch, sink)
-        self.cache = sink.cache()
+        self.cache = sink.finish()
         self.tokens = list(feed[:n])
         self.prefix_tokens_reused = n
         log.info("hcache: session %s reuses a %d-token prefix of session %s", self.id, n,
@@ -288,18 +360,26 @@ class Session:
             tokens[0, :len(part)] = part
             positions = np.full((1, chunk), -1, np.int32)
             positions[0, :len(part)] = start + begin + np.arange(len(part))
-            logits, self.cache, hidden = engine._forward(self.hidden_layers, engine.params, tokens,
-                                                         positions, self.cache)
+            kv_layers = self.kv_layers if engine.hybrid else ()
+            logits, self.cache, hidden, kv = engine._forward(self.hidden_layers, engine.params, tokens,
+                                                             positions, self.cache, kv_layers)
             if self.hidden_layers:  # stage 1: one bulk copy of every saved layer's rows
                 self.writer.submit(list(self.hidden_layers),
                                    snapshot_to_host(hidden[:, 0, :len(part)]))
+            if kv_layers:  # hybrid: KV rows of KV-method layers, saved as they are made
+                self.writer.submit(list(kv_layers), snapshot_to_host(kv[:, 0, :len(part)]))
         self.tokens.extend(feed)
+        if engine.hybrid:
+            self.kv_saved_upto = len(self.tokens)
         return logits
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int = 64,
-                 sampling: SamplingParams = SamplingParams(), stop_tokens: Sequence[int] = ()) -> list[int]:
+                 sampling: SamplingParams = SamplingParams(), stop_tokens: Sequence[int] = (),
+                 return_logits: bool = False):
         """Feeds the pending token + prompt, then generates up to max_new_tokens; returns them
-        (a stop token ends generation, is not returned, and becomes the pending token)."""
+        (a stop token ends generation, is not returned, and becomes the pending token).
+        return_logits: also return the logits each sampled token was drawn from, float32
+        [number sampled (returned tokens + a stop token), vocab] -> (tokens, logits)."""
         if self.closed:
             raise RuntimeError(f"session {self.id} is closed")
         feed = self.pending + [int(t) for t in prompt]
@@ -312,8 +392,11 @@ class Session:
             feed = feed[self._reuse_prefix(feed):]
         logits = self._feed(feed, self.engine.prefill_chunk)
         stop, out = set(int(t) for t in stop_tokens), []
+        seen = []
         seed_key = jax.random.key(sampling.seed)
         for step in range(max_new_tokens):
+            if return_logits:
+                seen.append(np.asarray(logits[0], np.float32))
             key = jax.random.fold_in(seed_key, len(self.tokens))  # same key at the same position
             token = int(np.asarray(sample_tokens(logits, key, sampling))[0])
             if token in stop or step == max_new_tokens - 1 or len(self.tokens) >= self.engine.max_len:
@@ -323,7 +406,7 @@ class Session:
                 break
             out.append(token)
             logits = self._feed([token], 1)
-        return out
+        return (out, np.stack(seen)) if return_logits else out
 
     # -- saving --
 
@@ -403,6 +486,8 @@ class Session:
             self.writer.close()
             self.cache = None
             self.closed = True
+            if self.engine.open_hybrid_session is self:
+                self.engine.open_hybrid_session = None
 
 
 def _capturing(source, on_rows):
