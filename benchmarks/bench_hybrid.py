@@ -16,12 +16,31 @@ Row keys: mode, batch, context, gpu_window, tokens_per_s, step_ms, gpu_attn_ms, 
 callback_ms, gpu_idle_frac, gpu_kv_bytes, host_kv_bytes, plus callbacks_per_step,
 callback_us_per_call, callback_share (of the step), wait_ms (GPU blocked on an unfinished CPU task),
 evict_ms, transfer_ms, recall_ms, cpu_share (scout/topk: CPU-attended tokens / selected budget).
+  tokens_per_s batch / mean step time (every timed step counts: recalls and evictions included)
   step_ms      mean wall time of one decode step of the whole batch (bookkeeping, eviction and
                recall included; step_ms_median beside it)
   gpu_attn_ms  the step's GPU attention kernels alone, timed in a separate jitted probe over all layers
   cpu_attn_ms  worker time in the Numba attention kernels per step
   callback_ms  time inside host callbacks per step; on a GPU the stream is stalled meanwhile, so
-  gpu_idle_frac = callback_ms / step_ms  (the GPU idles while the host holds it)
+  gpu_idle_frac = sum of callback time / sum of step time over all timed steps (the GPU idles while
+               the host holds it); gpu_idle_frac_median = median over steps of (that step's callback
+               time / that step's time). Neither counts hook_ms, the host bookkeeping between steps
+               (eviction, recall decisions), during which a synchronously driven GPU also idles.
+  callback_ms_per_layer, callback_overhead_us (callback time not spent waiting for the CPU, per call)
+  cpu_share    scout/topk: CPU-attended tokens / selected tokens, over the timed steps
+  drift        scout/topk: mean fraction of a (layer, sequence, KV head)'s top-k blocks that were
+               not in its top-k at the previous step (0 = the same blocks every step)
+  recall_ms    scout: recall work on the critical path per step (deciding, snapshotting, applying);
+               recall_bg_ms the background work (planning, gathering, uploading) per step;
+               n_recalls recalls applied in the timed steps, recall_rows (block, head) rows moved
+
+Extra rows `scout-stable` (default --stable-modes): scout with the decode input token held fixed
+(token 0 every step) instead of feeding back the argmax. With random weights the argmax token, and
+so the query, jumps every step and the top-k drifts almost completely (no recall policy can help);
+real models keep >85% of their important blocks from one step to the next (ScoutAttention Fig. 6a).
+A fixed input keeps queries close (only the position moves) and so approximates that locality;
+its measured drift is reported beside it. scout rows warm up for --scout-warmup steps (the warm-start
+recall after the first decode step is staged in the background meanwhile).
 """
 
 from __future__ import annotations
@@ -58,10 +77,30 @@ from pallas_kernels.block_sparse_attention import block_sparse_attention  # noqa
 from pallas_kernels.window_attention import window_attention  # noqa: E402
 
 MODES = ("full", "recall", "hgca", "scout", "streaming", "topk")
-KEYS = ["mode", "batch", "context", "gpu_window", "tokens_per_s", "step_ms", "gpu_attn_ms", "cpu_attn_ms",
-        "callback_ms", "gpu_idle_frac", "gpu_kv_bytes", "host_kv_bytes"]
-EXTRA = ["callbacks_per_step", "callback_us_per_call", "callback_share", "wait_ms", "evict_ms",
-         "transfer_ms", "recall_ms", "cpu_share"]
+KEYS = ["mode", "batch", "context", "gpu_window", "tokens_per_s", "step_ms", "step_ms_median", "gpu_attn_ms",
+        "cpu_attn_ms", "callback_ms", "gpu_idle_frac", "gpu_idle_frac_median", "gpu_kv_bytes", "host_kv_bytes"]
+EXTRA = ["callbacks_per_step", "callback_us_per_call", "callback_overhead_us", "callback_ms_per_layer",
+         "callback_share", "wait_ms", "hook_ms", "evict_ms", "transfer_ms", "recall_ms", "recall_bg_ms",
+         "n_recalls", "cpu_share", "drift"]
+
+
+def base_mode(mode: str) -> str:
+    """scout-stable -> scout (the same backend; only the benchmark's input tokens differ)."""
+    return mode[:-len("-stable")] if mode.endswith("-stable") else mode
+
+
+def selection_drift(prev: list, cur: list) -> float | None:
+    """Mean over (layer, sequence, KV head) rows of the fraction of the current top-k ids [B, Hkv, k]
+    (valid, >= 0) that were not in the previous step's; None when no row has both."""
+    fractions = []
+    for p, c in zip(prev, cur):
+        valid = c >= 0
+        rows = valid.any(-1) & (p >= 0).any(-1)
+        if not rows.any():
+            continue
+        present = (c[..., :, None] == p[..., None, :]).any(-1) & valid
+        fractions.append((1.0 - present.sum(-1) / np.maximum(valid.sum(-1), 1))[rows])
+    return float(np.mean(np.concatenate(fractions))) if fractions else None
 
 
 def model_config(args) -> ModelConfig:
@@ -243,7 +282,7 @@ def gpu_attention_probe(mode, backend, mcfg, cache, batch):
                                  cfg.kernel_backend)
                     outs.append(sel.cpu_ids.astype(jnp.float32))
                 if "pool_k" in state:  # upper bound: every pool block selected
-                    r = state["pool_blocks"].shape[1]
+                    r = state["pool_blocks"].shape[-1]
                     ids = jnp.broadcast_to(jnp.arange(batch * r, dtype=jnp.int32).reshape(batch, 1, r),
                                            (batch, mcfg.num_kv_heads, r))
                     counts = jnp.full((batch, mcfg.num_kv_heads), r, jnp.int32)
@@ -270,7 +309,7 @@ def run_mode(mode, args, mcfg, model_parts, batch, window, ctx):
     if mode == "hgca-sync":
         backend = make_backend(dataclasses.replace(hcfg, mode="hgca", exchange="sync"))
     else:
-        backend = make_backend(dataclasses.replace(hcfg, mode=mode))
+        backend = make_backend(dataclasses.replace(hcfg, mode=base_mode(mode)))
     try:
         return _run_mode(mode, args, mcfg, model_parts, batch, window, ctx, backend)
     finally:
@@ -286,6 +325,8 @@ def _run_mode(mode, args, mcfg, model_parts, batch, window, ctx, backend):
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(batch, max_len, backend)
     key = jax.random.key(1)
+    stable = mode.endswith("-stable")
+    mode = base_mode(mode)
     if mode == "full":
         cache = load_full(cache, args.context, key)
     else:
@@ -305,6 +346,10 @@ def _run_mode(mode, args, mcfg, model_parts, batch, window, ctx, backend):
     warmup, steps = args.warmup, args.steps
     if mode == "recall":  # every step uploads the whole offloaded KV: a few steps say enough
         warmup, steps = 1, min(steps, args.recall_steps)
+    if mode == "scout":  # let the warm-start recall land before timing (it never blocks a step)
+        warmup = max(warmup, args.scout_warmup)
+    fixed = np.zeros(batch, np.int32)
+    per_step, sel_prev, drifts = [], None, []
     for i in range(warmup + steps):
         if i == warmup and hook is not None:
             backend.manager.reset_counters()
@@ -312,40 +357,66 @@ def _run_mode(mode, args, mcfg, model_parts, batch, window, ctx, backend):
         positions = np.full(batch, held, np.int32)
         if hook is not None:
             cache = hook(cache, positions[:, None])
-        tokens, cache = step(params, tokens, positions, cache)
+        t_hook = time.perf_counter() - t0
+        tokens, cache = step(params, fixed if stable else tokens, positions, cache)
         tokens = np.asarray(tokens)
         times.append(time.perf_counter() - t0)
         held += 1
-    # Mean, not median: scout's periodic recall and hgca's evictions land on a few steps, and a
-    # median would hide them while gpu_idle_frac below divides by the total.
-    step_s = float(np.mean(times[warmup:]))
-    row = dict(mode=mode, batch=batch, context=args.context, gpu_window=args.context if mode == "full" else window,
+        # Untimed: per-step counters and the selection drift (read before the next step donates the cache).
+        if hook is not None:
+            per_step.append(dict(backend.manager.counters(), hook_s=t_hook))
+        if mode in ("scout", "topk"):
+            sel = [np.asarray(state["sel_ids"]) for state in cache.layers]
+            if sel_prev is not None and i >= warmup:
+                d = selection_drift(sel_prev, sel)
+                if d is not None:
+                    drifts.append(d)
+            sel_prev = sel
+    # Mean, not median: scout's recalls and hgca's evictions land on a few steps, and a median would
+    # hide them; the median is reported beside it.
+    timed = np.asarray(times[warmup:])
+    step_s = float(np.mean(timed))
+    row = dict(mode=mode + ("-stable" if stable else ""), batch=batch, context=args.context,
+               gpu_window=args.context if mode == "full" else window, warmup_steps=warmup, timed_steps=steps,
                tokens_per_s=batch / step_s, step_ms=1e3 * step_s,
-               step_ms_median=1e3 * float(np.median(times[warmup:])))
+               step_ms_median=1e3 * float(np.median(timed)))
     row["gpu_attn_ms"] = gpu_attention_probe(mode, backend, mcfg, cache, batch)
     row["gpu_kv_bytes"] = int(sum(x.nbytes for x in jax.tree_util.tree_leaves(cache.layers)))
     if hook is None:
         row.update(cpu_attn_ms=0.0, callback_ms=0.0, gpu_idle_frac=0.0, host_kv_bytes=0, callbacks_per_step=0)
         return row
     c = backend.manager.counters()
-    total_s = float(np.sum(times[warmup:]))
+    total_s = float(np.sum(timed))
+    # per_step[i] holds the counters after step i (reset at the first timed step's start).
+    deltas = [{k: after[k] - (before[k] if j else 0) for k in ("callback_s",)}
+              for j, (before, after) in enumerate(zip([None] + per_step[warmup:-1], per_step[warmup:]))]
+    idle = [d["callback_s"] / t for d, t in zip(deltas, timed)]
     row.update(
         cpu_attn_ms=1e3 * c["cpu_attn_s"] / steps,
         callback_ms=1e3 * c["callback_s"] / steps,
         gpu_idle_frac=c["callback_s"] / total_s,
+        gpu_idle_frac_median=float(np.median(idle)),
         host_kv_bytes=int(backend.manager.host_kv_bytes()),
         callbacks_per_step=c["n_callbacks"] / steps,
         callback_us_per_call=1e6 * c["callback_s"] / max(c["n_callbacks"], 1),
+        callback_overhead_us=1e6 * (c["callback_s"] - c["wait_s"]) / max(c["n_callbacks"], 1),
+        callback_ms_per_layer=1e3 * c["callback_s"] / steps / mcfg.num_layers,
         callback_share=c["callback_s"] / total_s,
         wait_ms=1e3 * c["wait_s"] / steps,
+        hook_ms=1e3 * float(np.mean([p["hook_s"] for p in per_step[warmup:]])),
         evict_ms=1e3 * c["evict_s"] / steps,
         transfer_ms=1e3 * c["transfer_s"] / steps,
         recall_ms=1e3 * c["recall_s"] / steps,
     )
+    if mode == "scout":
+        row.update(recall_bg_ms=1e3 * c["recall_bg_s"] / steps, n_recalls=c["n_recalls"],
+                   n_recall_triggers=c["n_recall_triggers"], recall_rows=c["recall_rows"],
+                   recalls_in_flight=len(backend.manager._pending))
     if mode in ("scout", "topk"):
         offloaded = int(evicted_blocks(np.int64(args.context), backend.config)) * args.block_size
         budget = steps * mcfg.num_layers * batch * mcfg.num_kv_heads * min(args.topk_tokens, offloaded)
         row["cpu_share"] = c["cpu_tokens"] / max(budget, 1)
+        row["drift"] = float(np.mean(drifts)) if drifts else None
     return row
 
 
@@ -358,6 +429,10 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="8,32")
     p.add_argument("--windows", default="0.25,0.05", help="GPU window as fractions of the context")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--stable-modes", default="scout-stable",
+                   help="extra rows after the default modes of every (batch, window): a mode with the suffix "
+                        "-stable holds the decode input token fixed (stable queries, real-model-like locality)")
+    p.add_argument("--scout-warmup", type=int, default=8, help="warm-up decode steps of scout rows")
     p.add_argument("--first-config-modes", default="hgca-sync",
                    help="extra modes run for the first (batch, window) only: hgca-sync = hgca with one "
                         "synchronous callback per layer instead of submit/collect around the GPU window")
@@ -395,13 +470,14 @@ def main(argv=None) -> int:
           f"{ctx.fill_s:.1f} s ({ctx.store.bytes_used() / 2**30:.1f} GiB)", flush=True)
     for batch in batches:
         for window in windows:
-            modes = args.modes.split(",") + (args.first_config_modes.split(",") if first else [])
+            modes = (args.modes.split(",") + args.stable_modes.split(",")
+                     + (args.first_config_modes.split(",") if first else []))
             first = False
             for mode in [m for m in modes if m]:
                 if time.perf_counter() - start > args.budget_s:
-                    print(f"time budget spent: skipping {mode} batch {batch} window {window}", flush=True)
+                    print(f"time budget of {args.budget_s:.0f} s spent: skipping {mode} batch {batch} window {window}", flush=True)
                     rows.append(dict(mode=mode, batch=batch, context=args.context, gpu_window=window,
-                                     error="skipped: time budget"))
+                                     error=f"skipped: time budget of {args.budget_s:.0f} s spent after {time.perf_counter() - start:.0f} s"))
                     continue
                 print(f"{mode}: batch {batch}, context {args.context}, window {window}", flush=True)
                 try:

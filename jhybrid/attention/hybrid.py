@@ -101,6 +101,9 @@ class HybridAttention(AttentionBackend):
             state["off_v"] = jnp.zeros((batch_size, hkv, nb * bs, d), dtype)
         if cfg.uses_selection():
             last = layer_idx == config.num_layers - 1
+            # The whole top-k of this layer's last decode step (read by the manager's recall planner
+            # and by benchmarks for the selection drift); written, never read, by the step.
+            state["sel_ids"] = jnp.full((batch_size, hkv, min(cfg.topk_blocks or nb, nb)), -1, jnp.int32)
             if not cfg.predicts() or layer_idx == 0:
                 state["kmin"] = jnp.zeros((batch_size, hkv, nb, d), dtype)
                 state["kmax"] = jnp.zeros((batch_size, hkv, nb, d), dtype)
@@ -111,9 +114,10 @@ class HybridAttention(AttentionBackend):
             if r:
                 state["pool_k"] = jnp.zeros((batch_size * r, hkv, bs, d), dtype)
                 state["pool_v"] = jnp.zeros((batch_size * r, hkv, bs, d), dtype)
-                state["pool_blocks"] = jnp.full((batch_size, r), -1, jnp.int32)
+                state["pool_blocks"] = jnp.full((batch_size, hkv, r), -1, jnp.int32)
+                state["pool_used"] = jnp.full((batch_size, hkv, r), -1, jnp.int32)
                 if cfg.predicts() and not last:
-                    state["next_pool_blocks"] = jnp.full((batch_size, r), -1, jnp.int32)
+                    state["next_pool_blocks"] = jnp.full((batch_size, hkv, r), -1, jnp.int32)
         return state
 
     def before_step(self, cache, positions):
@@ -180,8 +184,17 @@ class HybridAttention(AttentionBackend):
         return self._decode_selected(layer_idx, q, positions, lengths, state, context)
 
     def _k(self, state) -> int:
-        nb = (state.get("kmin") if "kmin" in state else state["next_kmin"]).shape[2]
-        return min(self.config.topk_blocks or nb, nb)
+        return state["sel_ids"].shape[2]
+
+    @staticmethod
+    def _note_selection(state, sel, positions):
+        """Record the layer's selection in its state: sel_ids [B, Hkv, k] (the whole top-k) and, with
+        a pool, pool_used [B, Hkv, R] int32 = the position of the last step that selected each slot
+        (-1 never) — the recall planner evicts the least recently used slots."""
+        state["sel_ids"] = sel.ids.astype(jnp.int32)
+        if "pool_used" in state and sel.pool_hit is not None:
+            pos = positions[:, 0].astype(jnp.int32)[:, None, None]
+            state["pool_used"] = jnp.where(sel.pool_hit & (pos >= 0), pos, state["pool_used"])
 
     def _gpu_selected(self, q, state, sel, scale):
         """GPU partial state over the selected blocks held in the recall pool (none without a pool)."""
@@ -201,6 +214,7 @@ class HybridAttention(AttentionBackend):
         pool = state.get("pool_blocks")
         if not cfg.predicts():
             sel = select(q[:, 0], state["kmin"], state["kmax"], e, self._k(state), pool, cfg.kernel_backend)
+            self._note_selection(state, sel, positions)
             ticket = bridge.submit(get, layer_idx, "blocks", q, sel.cpu_ids)
             q_gpu = bridge.after(q, ticket)
             o_w, lse_w, probs = self._window(q_gpu, state, lengths, scale)
@@ -218,6 +232,7 @@ class HybridAttention(AttentionBackend):
                 raise RuntimeError(f"scout: no layer-ahead selection for layer {layer_idx} (layers must run "
                                    "in order inside one traced step)")
             sel, ticket = self._carry.pop(layer_idx)
+        self._note_selection(state, sel, positions)
         nxt = context.next_layer
         next_q = next_ids = None
         if nxt is not None:

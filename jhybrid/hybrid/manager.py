@@ -13,14 +13,25 @@ per-token work:
   * re-evaluation (hgca): on the first decode step after a prefill or append, each layer's
     offloaded tokens are re-scored with the turn's last queries (`submit_reevaluate`).
   * recall (recall mode): the whole offloaded KV is uploaded to the device before every step.
-  * recall (scout): per layer, when the CPU's share of the selected blocks exceeded the threshold
-    (and at least `recall_min_interval` steps passed), the blocks the CPU attended most are copied
-    into the layer's GPU pool. Simplification: done between steps, synchronously (the paper issues
-    it after the layer and consumes it one step later).
+  * recall (scout, `jhybrid.hybrid.recall`): asynchronous and incremental (ScoutAttention §3.4).
+    At a step start, per layer: when the CPU's share of the layer's selected blocks at the last
+    step exceeded `recall_threshold` (and at least `recall_min_interval` steps passed since the
+    layer's last recall, and none of its recalls is in flight), a background thread plans the
+    recall (the blocks the CPU attended, best first, into the least recently used slots of the
+    same sequence and KV head), gathers only those (block, head) rows from the host store and
+    uploads them (pinned_host on a GPU). The first step start at which the upload has finished
+    applies it with one jitted, buffer-donating scatter; no step ever waits for it. Warm start:
+    at the second decode step after a prefill (or `use_store`), every layer recalls the blocks its
+    first decode step selected (the paper's "important blocks identified after the prefill"),
+    by the same asynchronous path, threshold and interval ignored.
 
 Instrumentation: `history` holds one dict per step (its counter deltas + wall_s, the time
-between two step starts); cumulative counters (seconds): evict_s, transfer_s (device<->host bulk copies), recall_s,
-bytes_to_host, bytes_to_device, n_evicted_blocks, n_recalls, n_reevaluations; plus the bridge's.
+between two step starts); cumulative counters (seconds): evict_s, transfer_s (device<->host bulk
+copies), recall_s (scout recall work on the critical path: deciding, snapshotting, applying),
+recall_bg_s (background: planning, gathering, uploading), bytes_to_host, bytes_to_device,
+n_evicted_blocks, n_recall_triggers, n_recalls (applied), recall_rows ((block, head) rows moved),
+n_reevaluations; plus the bridge's. `recall_log` lists each applied recall (layer, trigger_step,
+apply_step, rows, warm).
 """
 
 from __future__ import annotations
@@ -28,14 +39,16 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host import HostExecutor, KVStore, StoreConfig, from_storage
+from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
 from jhybrid.hybrid.config import HybridConfig, evicted_blocks
+from jhybrid.hybrid.recall import RecallPlan, plan_recall, pool_spec, stage_recall
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +119,16 @@ class KVManager:
         self._prefill_queries: list[np.ndarray | None] = [None] * self.n_layers  # hgca re-evaluation
         self._needs_reevaluate = False
         self._last_recall = np.full(self.n_layers, -10**9)
+        # scout recall: host copy of every layer's pool table [L, B, Hkv, R] (updated when a recall
+        # is applied), the in-flight recall of each layer, and the background thread.
+        r = cfg.pool_blocks()
+        self._pool_ids = np.full((self.n_layers, batch, self.hkv, r), -1, np.int32) if r else None
+        self._pending: dict[int, RecallPlan] = {}
+        self._recaller = ThreadPoolExecutor(1, thread_name_prefix="jhybrid-recall") if r else None
+        self._epoch = 0              # bumped when the store or batch changes: older recalls are void
+        self._since_prefill = 0      # decode steps since the last prefill chunk (or use_store)
+        self.recall_hook = None      # tests: called at the start of each background recall job
+        self.recall_log: list[dict] = []
         self.mirror = None
         if cfg.mode == "recall":
             shape = (self.n_layers, batch, self.hkv, self.nb_max * cfg.block_size, self.d)
@@ -117,6 +140,19 @@ class KVManager:
 
     def close(self) -> None:
         self.executor.close(wait=False)
+        self._drop_recalls()
+        if self._recaller is not None:
+            self._recaller.shutdown(wait=False, cancel_futures=True)
+
+    def _drop_recalls(self) -> None:
+        """Forget in-flight recalls (a new store or a closed batch): they are never applied."""
+        self._epoch += 1
+        self._pending.clear()
+
+    def wait_recalls(self, timeout: float | None = 60.0) -> None:
+        """Block until every in-flight recall is staged (tests); the next step start applies them."""
+        for plan in list(self._pending.values()):
+            plan.future.exception(timeout=timeout)
 
     def use_store(self, store: KVStore, n_tokens: np.ndarray) -> None:
         """Adopt an already filled host store holding sequences 0..B-1 (benchmarks: a context
@@ -129,6 +165,10 @@ class KVManager:
         self.bridge = HostBridge(store, self.executor, range(self.batch), self.model_config.attention_scale)
         self.n_tokens = np.asarray(n_tokens, np.int64).copy()
         self._needs_reevaluate = False
+        self._drop_recalls()
+        if self._pool_ids is not None:  # the cache handed in with it must have an empty pool
+            self._pool_ids[:] = -1
+        self._since_prefill = 0
         self.reset_counters()
 
     # ---- counters ----------------------------------------------------------------------------
@@ -137,8 +177,9 @@ class KVManager:
     def reset_counters(self) -> None:
         self.history: list[dict] = []
         self._last_snapshot = None
-        self._c = dict(evict_s=0.0, transfer_s=0.0, recall_s=0.0, bytes_to_host=0, bytes_to_device=0,
-                       n_evicted_blocks=0, n_recalls=0, n_reevaluations=0)
+        self._c = dict(evict_s=0.0, transfer_s=0.0, recall_s=0.0, recall_bg_s=0.0, bytes_to_host=0,
+                       bytes_to_device=0, n_evicted_blocks=0, n_recall_triggers=0, n_recalls=0, recall_rows=0,
+                       n_reevaluations=0)
         self.bridge.reset_counters()
 
     def counters(self) -> dict:
@@ -172,6 +213,8 @@ class KVManager:
         """Call with the cache and the step's positions [B, T] before running the step."""
         self.bridge.raise_pending()
         self._record_step()
+        if self._recaller is not None:
+            cache = _commit(cache)
         pos = np.asarray(positions).astype(np.int64)
         valid = pos >= 0
         n_new = valid.sum(axis=1)
@@ -188,15 +231,19 @@ class KVManager:
         e0, e1 = evicted_blocks(self.n_tokens, self.cfg), evicted_blocks(after, self.cfg)
         if np.any(e1 > e0):
             cache = self._evict(cache, e0, e1)
+        if self._pending:
+            cache = self._apply_ready_recalls(cache)
         if pos.shape[1] > 1:
             self._remember_turn_queries(pos)
+            self._since_prefill = 0
         else:
             if self._needs_reevaluate:
                 self._reevaluate()
             if self.cfg.mode == "recall":
                 cache = self._upload_offloaded(cache)
-            if self.cfg.pool_blocks() and self.decode_steps > 0:
-                cache = self._maybe_recall(cache, e1)
+            if self.cfg.pool_blocks() and self._since_prefill > 0:
+                self._trigger_recalls(cache, e0)
+            self._since_prefill += 1
             self.decode_steps += 1
         self.n_tokens = after
         return cache
@@ -295,50 +342,110 @@ class KVManager:
         self._c["bytes_to_device"] += self.mirror["k"].nbytes * 2
         return cache.replace(layers=tuple(layers))
 
-    # ---- scout: periodic recall of important blocks to the GPU pool ---------------------------
-    def _maybe_recall(self, cache, n_blocks: np.ndarray):
-        cfg, r = self.cfg, self.cfg.pool_blocks()
-        k_budget = np.minimum(cfg.topk_blocks or self.nb_max, n_blocks)  # [B]
-        budget = int(k_budget.sum()) * self.hkv
-        layers = list(cache.layers)
+    # ---- scout: asynchronous incremental recall into the GPU pool (jhybrid.hybrid.recall) -------
+    def cpu_share(self, layer: int, n_blocks: np.ndarray) -> float | None:
+        """CPU-attended blocks / selected blocks of `layer` at the last decode step (None: unknown).
+        n_blocks [B]: offloaded blocks per sequence when the selection was made."""
+        ids = self.bridge.last_block_ids.get(layer)
+        budget = int(np.minimum(self.cfg.topk_blocks or self.nb_max, n_blocks).sum()) * self.hkv
+        if ids is None or budget == 0:
+            return None
+        return float((ids >= 0).sum()) / budget
+
+    def _trigger_recalls(self, cache, n_blocks: np.ndarray) -> None:
+        """Start the recalls due at this step start (see the module docstring); never blocks on one."""
+        cfg = self.cfg
+        warm = self._since_prefill == 1
+        last_pos = self.n_tokens - 1  # the previous decode step's token positions [B]
         for layer in range(self.n_layers):
-            ids = self.bridge.last_block_ids.get(layer)
-            if ids is None or budget == 0:
+            if layer in self._pending:
                 continue
-            share = float((ids >= 0).sum()) / budget
-            if share <= cfg.recall_threshold or self.decode_steps - self._last_recall[layer] < cfg.recall_min_interval:
+            share = self.cpu_share(layer, n_blocks)
+            if share is None or share == 0.0:
+                continue
+            if not warm and (share <= cfg.recall_threshold
+                             or self.decode_steps - self._last_recall[layer] < cfg.recall_min_interval):
                 continue
             start = time.perf_counter()
-            pool_blocks = np.asarray(layers[layer]["pool_blocks"])
-            new_blocks = np.full((self.batch, r), -1, np.int32)
-            pool_k = np.zeros((self.batch * r, self.hkv, cfg.block_size, self.d), self.dtype)
-            pool_v = np.zeros_like(pool_k)
-            for b in range(self.batch):
-                chosen, counts = np.unique(ids[b][ids[b] >= 0], return_counts=True)
-                ranked = list(chosen[np.argsort(-counts, kind="stable")])
-                ranked += [int(x) for x in pool_blocks[b] if x >= 0 and x not in ranked]
-                ranked = np.array(ranked[:r], np.int64)
-                if ranked.size == 0:
-                    continue
-                blocks = self.store.read_blocks(layer, b, ranked)
-                kf = from_storage(blocks["k"], self.store.config.kv_dtype).transpose(0, 2, 1, 3)
-                vf = from_storage(blocks["v"], self.store.config.kv_dtype).transpose(0, 2, 1, 3)
-                pool_k[b * r:b * r + ranked.size] = kf.astype(self.dtype)
-                pool_v[b * r:b * r + ranked.size] = vf.astype(self.dtype)
-                new_blocks[b, :ranked.size] = ranked
-            state = dict(layers[layer])
-            state["pool_k"], state["pool_v"] = jax.device_put(pool_k), jax.device_put(pool_v)
-            state["pool_blocks"] = jax.device_put(new_blocks)
-            layers[layer] = state
-            if cfg.predicts() and layer > 0:
-                prev = dict(layers[layer - 1])
-                prev["next_pool_blocks"] = jax.device_put(new_blocks)
-                layers[layer - 1] = prev
+            state = cache.layers[layer]
+            plan = RecallPlan(layer, *(np.zeros(0, np.int32),) * 4, trigger_step=self.decode_steps,
+                              epoch=self._epoch, warm=warm)
+            # Snapshots the job may use after this step has donated the cache: the CPU's ids (the
+            # bridge replaces, never mutates, them), the host pool table, the slots' last use.
+            cpu_ids = self.bridge.last_block_ids[layer]
+            pool_ids = self._pool_ids[layer].copy()
+            pool_used = np.asarray(state["pool_used"])
+            device = next(iter(state["pool_k"].devices()))
+            prev = cache.layers[layer - 1] if layer > 0 else {}
+            specs = [pool_spec(state[name]) for name in ("pool_k", "pool_v", "pool_blocks", "pool_used")]
+            specs.append(pool_spec(prev.get("next_pool_blocks")))
+            plan.future = self._recaller.submit(self._recall_job, plan, self.store, cpu_ids, pool_ids, pool_used,
+                                                last_pos.copy(), device, specs)
+            self._pending[layer] = plan
             self._last_recall[layer] = self.decode_steps
-            self._c["n_recalls"] += 1
-            self._c["bytes_to_device"] += pool_k.nbytes * 2
+            self._c["n_recall_triggers"] += 1
+            self._c["recall_s"] += time.perf_counter() - start
+
+    def _recall_job(self, plan: RecallPlan, store, cpu_ids, pool_ids, pool_used, last_pos, device, specs):
+        """Background thread: plan, gather and upload one layer's recall, and compile its scatter
+        -> (staged device arrays, compiled apply), or None when there is nothing to move."""
+        start = time.perf_counter()
+        resident = (cpu_ids[..., None] == pool_ids[:, :, None, :]).any(-1) & (cpu_ids >= 0)
+        cpu_ids = np.where(resident, -1, cpu_ids)  # recalled after this selection was made
+        plan.b, plan.h, plan.r, plan.block = plan_recall(cpu_ids, pool_ids, pool_used, last_pos)
+        staged = None
+        if plan.n:
+            staged = stage_recall(store, plan, self.batch, self.dtype, device, hook=self.recall_hook,
+                                  pool_specs=specs)
+        plan.bg_s = time.perf_counter() - start
+        return staged
+
+    def _apply_ready_recalls(self, cache):
+        """Apply every in-flight recall whose upload has finished (one jitted scatter per layer)."""
+        layers = list(cache.layers)
+        for layer in sorted(self._pending):
+            plan = self._pending[layer]
+            if not plan.future.done():
+                continue
+            start = time.perf_counter()
+            del self._pending[layer]
+            exc = plan.future.exception()
+            if exc is not None:
+                raise RuntimeError(f"scout recall of layer {layer} failed in the background") from exc
+            result = plan.future.result()
+            self._c["recall_bg_s"] += plan.bg_s
+            if result is not None and plan.epoch == self._epoch:
+                staged, apply = result
+                state = dict(layers[layer])
+                prev = dict(layers[layer - 1]) if layer > 0 and "next_pool_blocks" in layers[layer - 1] else None
+                now = jax.device_put(np.asarray(self.n_tokens - 1, np.int32), staged[0].sharding)
+                (state["pool_k"], state["pool_v"], state["pool_blocks"], state["pool_used"],
+                 nxt) = apply(state["pool_k"], state["pool_v"], state["pool_blocks"], state["pool_used"],
+                                     None if prev is None else prev["next_pool_blocks"], *staged, now)
+                layers[layer] = state
+                if prev is not None:
+                    prev["next_pool_blocks"] = nxt
+                    layers[layer - 1] = prev
+                self._pool_ids[layer][plan.b, plan.h, plan.r] = plan.block
+                self._c["n_recalls"] += 1
+                self._c["recall_rows"] += plan.n
+                self._c["bytes_to_device"] += staged[4].nbytes * 2
+                self.recall_log.append(dict(layer=layer, trigger_step=plan.trigger_step,
+                                            apply_step=self.decode_steps, rows=plan.n, warm=plan.warm))
+                del self.recall_log[:-self.HISTORY]
             self._c["recall_s"] += time.perf_counter() - start
         return cache.replace(layers=tuple(layers))
+
+
+def _commit(cache):
+    """The cache with every array committed to its device (a no-copy re-wrap). Recalled blocks arrive
+    committed, and a jitted step sees committed and uncommitted inputs as different signatures:
+    committing everything up front keeps the decode step from recompiling at the first recall."""
+    leaves = jax.tree_util.tree_leaves(cache)
+    if all(getattr(x, "committed", True) for x in leaves):
+        return cache
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) and not x.committed else x, cache)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))

@@ -1,0 +1,192 @@
+"""scout's asynchronous, incremental recall into the GPU pool (jhybrid.hybrid.recall) on CPU.
+
+At keep-all (every block selected) any pool content is exact, so the logits must equal `full`
+whatever the recalls do; on top of that the pool must hold byte-exact copies of the host blocks
+its table names, recalls must be applied at a later step than they were started, a recall held
+back while the ring evicts stays consistent, and a recall of a previous batch is never applied.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from jhybrid.attention.hybrid import make_backend
+from jhybrid.generation import make_step
+from jhybrid.hybrid.recall import plan_recall
+from jhybrid.models import ModelConfig, create_model
+
+CONFIG = ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=64, mlp_dim=128, max_position_embeddings=256)
+# Window 40 = 8 sinks + 2 blocks of 16; 40 prompt + 40 decode tokens offload up to 3 blocks.
+KEEP_ALL = dict(window_tokens=40, block_size=16, sink=8, beta=1e-30, n_threads=1, recall_blocks=2,
+                recall_min_interval=2, recall_threshold=0.0)
+B, PROMPT, STEPS, CHUNK, MAX_LEN = 2, 40, 40, 16, 128
+TOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(CONFIG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    rng = np.random.default_rng(99)
+    return rng.integers(0, 97, (B, PROMPT)).astype(np.int32), rng.integers(0, 97, (B, STEPS)).astype(np.int32)
+
+
+_STEPS: dict = {}
+
+
+class Run:
+    """Teacher-forced run, one decode step per `next()`; `before(i, manager)` runs before step i.
+    Runs on one backend share its compiled step (each run is a new cache, so a new host runtime)."""
+
+    def __init__(self, model, backend, prompt, continuation):
+        if id(backend) not in _STEPS:
+            _STEPS[id(backend)] = (backend, make_step(model, backend))
+        self.step, self.params = _STEPS[id(backend)][1]
+        self.backend, self.continuation = backend, continuation
+        self.cache = model.init_cache(B, MAX_LEN, backend)
+        self.manager = getattr(backend, "manager", None)
+        self.hook = getattr(backend, "before_step", lambda cache, pos: cache)
+        for s in range(0, prompt.shape[1], CHUNK):
+            part = prompt[:, s:s + CHUNK]
+            pos = (s + np.arange(part.shape[1]))[None].repeat(B, 0).astype(np.int32)
+            self.cache = self.hook(self.cache, pos)
+            _, self.cache = self.step(self.params, part, pos, self.cache)
+        self.held, self.i, self.logits = prompt.shape[1], 0, []
+
+    def next(self):
+        pos = np.full((B, 1), self.held, np.int32)
+        self.cache = self.hook(self.cache, pos)
+        logits, self.cache = self.step(self.params, self.continuation[:, self.i:self.i + 1], pos, self.cache)
+        self.logits.append(np.asarray(logits[:, 0]))
+        self.held += 1
+        self.i += 1
+
+    def run(self, n, before=None):
+        for _ in range(n):
+            if before is not None:
+                before(self.i, self.manager)
+            self.next()
+        return np.stack(self.logits, 1)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tokens):
+    run = Run(model, make_backend("full"), *tokens)
+    return run.run(STEPS)
+
+
+def wait_all(_i, manager):
+    """Make the run deterministic: every recall is staged before the next step start applies it."""
+    manager.wait_recalls()
+
+
+def assert_pool_matches_store(run):
+    """Every pool slot named by pool_blocks holds the host block's rows of its KV head, bit for bit;
+    the manager's host copy of the table and scout's layer-ahead copy agree with the device's."""
+    manager, cfg = run.manager, run.backend.config
+    r = cfg.pool_blocks()
+    checked = 0
+    for layer, state in enumerate(run.cache.layers):
+        table = np.asarray(state["pool_blocks"])  # [B, Hkv, R]
+        np.testing.assert_array_equal(table, manager._pool_ids[layer])
+        if layer > 0 and "next_pool_blocks" in run.cache.layers[layer - 1]:
+            np.testing.assert_array_equal(np.asarray(run.cache.layers[layer - 1]["next_pool_blocks"]), table)
+        pool_k, pool_v = np.asarray(state["pool_k"]), np.asarray(state["pool_v"])
+        for b, h, slot in zip(*np.nonzero(table >= 0)):
+            block = manager.store.read_blocks(layer, int(b), [int(table[b, h, slot])])  # [1, bs, Hkv, D] fp32
+            for name, pool in (("k", block["k"]), ("v", block["v"])):
+                want = pool[0, :, h].view(np.uint32)
+                got = (pool_k if name == "k" else pool_v)[b * r + slot, h].view(np.uint32)
+                np.testing.assert_array_equal(got, want, err_msg=f"layer {layer} b {b} h {h} slot {slot} {name}")
+            checked += 1
+    return checked
+
+
+@pytest.fixture(scope="module")
+def exact_scout():
+    """One scout backend (exact query) shared by the tests below: compiled once."""
+    return make_backend("scout", predict_query=False, **KEEP_ALL)
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_async_recall_applied_later_exact_and_byte_equal(model, tokens, reference, predict, exact_scout):
+    backend = exact_scout if not predict else make_backend("scout", predict_query=True, **KEEP_ALL)
+    run = Run(model, backend, *tokens)
+    logits = run.run(STEPS, before=wait_all)
+    log = run.manager.recall_log
+    assert log and all(entry["apply_step"] > entry["trigger_step"] for entry in log)
+    assert {entry["layer"] for entry in log if entry["warm"]} == {0, 1}  # warm start of every layer
+    assert all(entry["trigger_step"] == 1 for entry in log if entry["warm"])
+    assert assert_pool_matches_store(run) > 0
+    counters = run.manager.counters()
+    assert counters["n_recalls"] == len(log) and counters["recall_bg_s"] > 0
+    if not predict:  # exact query: keep-all parity with full, with recalls landing mid-run
+        np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
+    else:            # predicted query: approximate, but the pool path stays consistent
+        assert np.isfinite(logits).all()
+
+
+def test_recall_racing_with_eviction_stays_consistent(model, tokens, reference, exact_scout):
+    """The background job is held while steps go on and the ring evicts blocks into the store;
+    steps never wait for it, and once released it is applied and exact."""
+    backend = exact_scout
+    run = Run(model, backend, *tokens)
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        assert gate.wait(60), "test gate never opened"
+
+    run.manager.recall_hook = hold
+    run.run(2)  # step 1 starts the warm recall
+    assert entered.wait(30) and run.manager._pending
+    evicted = run.manager.counters()["n_evicted_blocks"]
+    run.run(20)  # 20 steps cross a block boundary: the ring evicts while the job is held
+    assert run.manager.counters()["n_evicted_blocks"] > evicted
+    assert run.manager._pending and run.manager.counters()["n_recalls"] == 0  # never waited for
+    run.manager.recall_hook = None
+    gate.set()
+    logits = run.run(STEPS - 22, before=wait_all)
+    assert run.manager.counters()["n_recalls"] > 0
+    np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
+    assert assert_pool_matches_store(run) > 0
+
+
+def test_no_recall_applied_after_new_batch(model, tokens, reference, exact_scout):
+    """A recall in flight when the cache is rebuilt (new batch = new host runtime) is never applied."""
+    backend = exact_scout
+    gate = threading.Event()
+    first = Run(model, backend, *tokens)
+    old = first.manager
+    old.recall_hook = lambda: gate.wait(60)
+    first.run(2)
+    assert old._pending
+    second = Run(model, backend, *tokens)  # init_cache: a new manager, the old one closed
+    assert backend.manager is not old and not old._pending
+    gate.set()
+    logits = second.run(STEPS, before=wait_all)
+    assert old.counters()["n_recalls"] == 0
+    np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
+    assert second.manager.counters()["n_recalls"] > 0
+    assert assert_pool_matches_store(second) > 0
+
+
+def test_plan_recall_fills_free_then_lru_slots_never_used_ones():
+    # 1 sequence, 2 heads, k = 3, R = 3. Head 0: slots hold 5 (used at the last step, pos 9),
+    # 6 (used at pos 4) and nothing; head 1: all slots used at the last step.
+    cpu_ids = np.array([[[7, -1, 8], [2, 3, -1]]])
+    pool_ids = np.array([[[5, 6, -1], [0, 1, 4]]])
+    pool_used = np.array([[[9, 4, -1], [9, 9, 9]]])
+    b, h, r, block = plan_recall(cpu_ids, pool_ids, pool_used, np.array([9]))
+    assert b.tolist() == [0, 0] and h.tolist() == [0, 0]
+    assert r.tolist() == [2, 1]          # the empty slot first, then the least recently used
+    assert block.tolist() == [7, 8]      # the CPU's blocks in selection order
+    b, h, r, block = plan_recall(cpu_ids, pool_ids, pool_used, np.array([10]))  # nothing used at 10
+    assert list(zip(h.tolist(), r.tolist(), block.tolist())) == [(0, 2, 7), (0, 1, 8), (1, 0, 2), (1, 1, 3)]
