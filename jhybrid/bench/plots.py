@@ -2,7 +2,8 @@
 
 perplexity: ppl vs beta, one line per GPU ratio (hgca), full attention as a dashed line, the other
 modes as labelled markers. niah: one retrieved/not heat map (depth x length) per mode.
-throughput: decode tokens/s vs context (batch 1... per batch) and vs batch, per mode.
+throughput: decode tokens/s vs context (one line per mode and batch) and vs batch, per model;
+breakdown: each throughput point's mean decode step split into its parts.
 """
 
 from __future__ import annotations
@@ -105,30 +106,80 @@ def plot_niah(rows: list[dict], path: str) -> str | None:
     return path
 
 
+def _model_tag(r) -> str:
+    return f"{r.get('model', '?')} ({r['layers']} layers)" if r.get("layers") else str(r.get("model", "?"))
+
+
 def plot_throughput(rows: list[dict], path: str) -> str | None:
-    rows = _ok(rows, "throughput")
+    """Decode tokens/s vs context (one line per mode and batch) and vs batch (per mode and context),
+    one row of panels per model. Batches written as 'max' are drawn at their resolved value."""
+    rows = [r for r in _ok(rows, "throughput") if r.get("decode_tok_s") is not None
+            and r.get("context") is not None and r.get("batch") is not None]
     if not rows:
         return None
-    fig, (by_context, by_batch) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        sel = [r for r in rows if r["mode"] == mode]
-        for batch in sorted({r["batch"] for r in sel}):
-            pts = sorted((r["context"], r["decode_tok_s"]) for r in sel if r["batch"] == batch)
-            by_context.plot(*zip(*pts), "o-", label=f"{mode} batch {batch}")
-        for context in sorted({r["context"] for r in sel}):
-            pts = sorted((r["batch"], r["decode_tok_s"]) for r in sel if r["context"] == context)
-            by_batch.plot(*zip(*pts), "o-", label=f"{mode} ctx {context}")
-    by_context.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens/s", title="throughput vs context")
-    by_batch.set(xlabel="batch", ylabel="decode tokens/s", title="throughput vs batch")
-    by_context.legend(fontsize=7)
-    by_batch.legend(fontsize=7)
+    models = list(dict.fromkeys(_model_tag(r) for r in rows))
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.4 * len(models)), squeeze=False)
+    for (by_context, by_batch), model in zip(axes, models):
+        sel_model = [r for r in rows if _model_tag(r) == model]
+        for mode in dict.fromkeys(r["mode"] for r in sel_model):
+            sel = [r for r in sel_model if r["mode"] == mode]
+            for batch in sorted({r["batch"] for r in sel}):
+                pts = sorted((r["context"], r["decode_tok_s"]) for r in sel if r["batch"] == batch)
+                if len(pts) > 1 or len({r["batch"] for r in sel}) == 1:
+                    by_context.plot(*zip(*pts), "o-", label=f"{mode} B={batch}")
+            for context in sorted({r["context"] for r in sel}):
+                pts = sorted((r["batch"], r["decode_tok_s"]) for r in sel if r["context"] == context)
+                by_batch.plot(*zip(*pts), "o-", label=f"{mode} ctx {context // 1024}K" if context >= 1024
+                              else f"{mode} ctx {context}")
+        by_context.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode tokens/s",
+                       title=f"{model}: throughput vs context")
+        by_batch.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s",
+                     title=f"{model}: throughput vs batch")
+        by_context.legend(fontsize=6, ncol=2)
+        by_batch.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-PLOTS = {"perplexity": plot_perplexity, "niah": plot_niah, "throughput": plot_throughput}
+BREAKDOWN = [("between_steps_ms", "between steps (evict / recall / upload)", "tab:orange"),
+             ("callback_ms", "in host callbacks (GPU stalled)", "tab:red"),
+             ("compute_ms", "rest of the step (GPU compute + dispatch)", "tab:blue")]
+
+
+def plot_breakdown(rows: list[dict], path: str) -> str | None:
+    """Per measured throughput point, the mean decode step split into time between steps, time
+    inside host callbacks and the rest; CPU attention worker time (overlapping) as a black tick."""
+    rows = [r for r in _ok(rows, "throughput") if r.get("step_ms") is not None
+            and r.get("context") is not None and r.get("batch") is not None]
+    if not rows:
+        return None
+    rows = sorted(rows, key=lambda r: (_model_tag(r), r["context"], r["batch"], r["mode"]))
+    labels = [f"{r.get('model', '')} {r['context'] // 1024}K B={r['batch']} {r['mode']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.26 * len(rows) + 1.6))
+    y = np.arange(len(rows))
+    left = np.zeros(len(rows))
+    for key, label, color in BREAKDOWN:
+        values = np.array([r.get(key) or 0.0 for r in rows])
+        ax.barh(y, values, left=left, color=color, label=label)
+        left += values
+    cpu = np.array([r.get("cpu_attn_ms") or 0.0 for r in rows])
+    ax.plot(cpu, y, "k|", markersize=9, label="CPU attention worker time (overlaps)")
+    ax.set_yticks(y, labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlabel("ms per decode step (mean)")
+    ax.set_title("per-step time breakdown")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+PLOTS = {"perplexity": plot_perplexity, "niah": plot_niah, "throughput": plot_throughput,
+         "breakdown": plot_breakdown}
 
 
 def render_plots(rows: list[dict], stem: str) -> list[str]:
