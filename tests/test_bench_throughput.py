@@ -177,3 +177,21 @@ def test_random_weights_only_when_asked(monkeypatch):
     assert dtypes == {"bfloat16"}  # random params stored in the dtype (not float32)
     with pytest.raises(ValueError, match="weights=real"):
         load_model(ModelSpec(name="tiny", weights="real"))
+
+
+def test_predict_only_rows_need_no_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "load_model", lambda spec: pytest.fail("predict_only loaded a model"))
+    run = config_from_dict({
+        "name": "pred", "model": {"name": "llama3-8b", "dtype": "bfloat16"},
+        "offload": {"gpu_ratio": 0.25},
+        "benchmark": {"task": "throughput", "fill": "synthetic", "predict_only": True, "context": 131072,
+                      "device_memory_gib": 80, "host_memory_gib": 128},
+        "sweep": [{"offload.mode": ["full", "hgca"], "benchmark.batch": ["max", "max+1"]}]})
+    out = runner.run_sweep(run, output_dir=str(tmp_path), argv=[], show_progress=False)
+    rows = {(r["mode"], r["batch_spec"]): r for r in out.rows}
+    assert rows["full", "max"]["batch"] == 3 and rows["full", "max"]["skipped"].endswith("predicted to fit")
+    assert "over device capacity" in rows["full", "max+1"]["skipped"]
+    assert "over host capacity" in rows["hgca", "max+1"]["skipped"]
+    capacity = {c["mode"]: c for c in json.loads((tmp_path / "pred.json").read_text())["capacity"]}
+    assert capacity["full"]["pred_max_batch"] == 3 and capacity["full"]["first_batch_over"] == 4
+    assert capacity["hgca"]["limited_by"] == "host" and not capacity["hgca"]["measured"]

@@ -89,7 +89,8 @@ SUMMARY_KEYS = {
 
 def _capacity_reason(row: dict) -> bool:
     reason = str(row.get("skipped", ""))
-    return "capacity" in reason or "out of memory" in reason or "not even one" in reason
+    return "over device capacity" in reason or "over host capacity" in reason or "out of memory" in reason \
+        or "not even one" in reason
 
 
 def capacity_table(rows: list[dict]) -> list[dict]:
@@ -107,6 +108,7 @@ def capacity_table(rows: list[dict]) -> list[dict]:
         ran = [r["batch"] for r in group if not r.get("skipped") and r.get("batch") is not None]
         failed = sorted((r for r in group if r.get("skipped") and _capacity_reason(r) and r.get("batch")),
                         key=lambda r: r["batch"])
+        predicted_only = all(str(r.get("skipped", "")).startswith("prediction only") for r in group)
         timed_out = sorted({r.get("batch") or r.get("batch_spec") for r in group
                             if str(r.get("skipped", "")).startswith("time budget")}, key=str)
         pred = next((r for r in group if r.get("pred_max_batch") is not None), {})
@@ -115,7 +117,8 @@ def capacity_table(rows: list[dict]) -> list[dict]:
                     "pred_max_batch": pred.get("pred_max_batch"), "limited_by": pred.get("limited_by"),
                     "first_batch_over": failed[0]["batch"] if failed else None,
                     "over_reason": failed[0]["skipped"] if failed else None,
-                    "not_run_time_budget": [str(b) for b in timed_out]})
+                    "not_run_time_budget": [str(b) for b in timed_out],
+                    "measured": not predicted_only})
     return out
 
 
@@ -137,15 +140,15 @@ def print_summary(rows: list[dict], console=None) -> None:
         console.print(table)
     capacity = capacity_table(rows)
     if capacity:
-        keys = ["model", "layers", "mode", "context", "max_batch_run", "pred_max_batch", "limited_by",
-                "first_batch_over"]
+        keys = ["model", "layers", "mode", "context", "measured", "max_batch_run", "pred_max_batch",
+                "limited_by", "first_batch_over"]
         table = Table(title="largest batch per mode and context (measured / predicted)")
         for key in keys:
             table.add_column(key, justify="right")
         for row in capacity:
             table.add_row(*(_fmt(row.get(k), k) for k in keys))
         console.print(table)
-    skipped = [r for r in rows if r.get("skipped")]
+    skipped = [r for r in rows if r.get("skipped") and not str(r["skipped"]).startswith("prediction only")]
     if skipped:
         table = Table(title="skipped points")
         table.add_column("point")

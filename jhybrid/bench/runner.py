@@ -27,7 +27,7 @@ from jhybrid.bench.plots import render_plots
 from jhybrid.bench.results import (capacity_table, command_line, print_summary, read_rows, write_csv,
                                    write_json)
 from jhybrid.bench.shapes import load_model
-from jhybrid.bench.throughput import run_throughput
+from jhybrid.bench.throughput import predict_throughput, run_throughput
 from jhybrid.config import RunConfig, config_to_dict, expand_sweep
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,8 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                     if deadline is not None and start >= deadline:
                         raise PointSkipped(f"{TIME_BUDGET}: the sweep's {budget:g} s were spent before "
                                            "this point (rerun to resume)")
+                    if point.benchmark.task == "throughput" and point.benchmark.predict_only:
+                        predict_throughput(point)  # raises PointSkipped with the prediction
                     if point.model not in models:
                         models[point.model] = load_model(point.model)
                     model, pretrained = models[point.model]
@@ -114,13 +116,19 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                                                                            total=total or None))
                     ran += 1
                 except PointSkipped as reason:
-                    log.warning("skipping %s: %s", point.key, reason)
-                    console.print(f"[yellow]skipped[/] {point.key}: {reason}")
+                    log.info("skipping %s: %s", point.key, reason)
+                    if not str(reason).startswith("prediction only"):
+                        console.print(f"[yellow]skipped[/] {point.key}: {reason}")
                     new = [{**point_fields(point), **reason.fields, "skipped": str(reason)}]
                     skipped += 1
                 for row in new:
                     row["point"] = point.key
                     row.setdefault("point_seconds", round(time.perf_counter() - start, 2))
+                    if not row.get("skipped"):
+                        measure = ", ".join(f"{k} {row[k]}" for k in ("ppl", "retrieved", "decode_tok_s",
+                                                                       "tbt_p99_ms", "ttft_s")
+                                            if row.get(k) is not None)
+                        console.print(f"[green]done[/] {point.key}: {measure} ({row['point_seconds']} s)")
                 rows.extend(new)
                 write_json(json_path, run.name, config, rows, command, _extra(rows))
                 write_csv(csv_path, rows)

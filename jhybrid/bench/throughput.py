@@ -113,6 +113,30 @@ def resolve_batch(model, point, window, weights) -> tuple[int, object]:
     return batch, predict(model, point, batch, window, weights)
 
 
+PREDICTION_ONLY = "prediction only, not run"
+
+
+def predict_throughput(point) -> list[dict]:
+    """benchmark.predict_only: the point's prediction as a row, without a model (PointSkipped with
+    reason 'prediction only, not run: <fits / over capacity ...>' and the prediction fields)."""
+    import types
+
+    from jhybrid.bench.budget import weight_bytes
+    from jhybrid.bench.offload import window_for
+    from jhybrid.bench.shapes import spec_config
+
+    bench, offload = point.benchmark, point.offload
+    config = spec_config(point.model)
+    model = types.SimpleNamespace(config=config)
+    window = window_for(offload, bench.context)
+    weights = weight_bytes(config)
+    batch, memory = resolve_batch(model, point, window, weights)
+    verdict = memory.over_capacity() or "predicted to fit"
+    raise PointSkipped(f"{PREDICTION_ONLY}: {verdict}", task="throughput", model=point.model.name,
+                       layers=config.num_layers, mode=offload.mode, fill=bench.fill, batch_spec=str(bench.batch),
+                       context=bench.context, batch=batch, window=window, weight_bytes=weights, **memory.fields())
+
+
 def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> list[dict]:
     bench, offload = point.benchmark, point.offload
     base = {"task": "throughput", "model": point.model.name, "layers": model.config.num_layers,

@@ -98,6 +98,8 @@ class BenchmarkSpec:
           reported bytes_limit / the host's physical memory).
       device_reserve_gib / host_reserve_gib: memory kept out of the predictions for the runtime
           (activations, XLA workspace / the process, the OS).
+      predict_only: record the point's memory prediction (and 'max' batch) without loading the model
+          or running anything (e.g. the 32-layer Llama-3-8B beside a measured 4-layer one).
       time_budget_s: wall-clock budget of the whole sweep (None: unlimited). Points left when it
           is spent get rows "skipped: time budget ..."; a rerun runs them (resume)."""
 
@@ -121,6 +123,7 @@ class BenchmarkSpec:
     host_memory_gib: float | None = None
     device_reserve_gib: float = 2.0
     host_reserve_gib: float = 8.0
+    predict_only: bool = False
     time_budget_s: float | None = None
 
 
