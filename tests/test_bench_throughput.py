@@ -195,3 +195,21 @@ def test_predict_only_rows_need_no_model(tmp_path, monkeypatch):
     capacity = {c["mode"]: c for c in json.loads((tmp_path / "pred.json").read_text())["capacity"]}
     assert capacity["full"]["pred_max_batch"] == 3 and capacity["full"]["first_batch_over"] == 4
     assert capacity["hgca"]["limited_by"] == "host" and not capacity["hgca"]["measured"]
+
+
+def test_a_failing_point_is_recorded_and_retried(tmp_path, monkeypatch):
+    calls = []
+
+    def flaky(model, pretrained, p, on_step=None, deadline=None):
+        calls.append(p.benchmark.batch)
+        if p.benchmark.batch == 2 and calls.count(2) == 1:
+            raise RuntimeError("Triton kernel failed to compile\nlong details")
+        return [{"task": "throughput", "mode": "full", "batch": p.benchmark.batch, "decode_tok_s": 1.0}]
+
+    monkeypatch.setitem(runner.TASKS, "throughput", flaky)
+    monkeypatch.setattr(runner, "load_model", lambda spec: (None, None))
+    out = runner.run_sweep(_stub_sweep(tmp_path, None), output_dir=str(tmp_path), argv=[], show_progress=False)
+    assert calls == [1, 2, 3] and out.errors == 1
+    assert [r.get("error") for r in out.rows] == [None, "RuntimeError: Triton kernel failed to compile", None]
+    again = runner.run_sweep(_stub_sweep(tmp_path, None), output_dir=str(tmp_path), argv=[], show_progress=False)
+    assert calls == [1, 2, 3, 2] and again.errors == 0 and again.resumed == 2

@@ -148,6 +148,14 @@ def print_summary(rows: list[dict], console=None) -> None:
         for row in capacity:
             table.add_row(*(_fmt(row.get(k), k) for k in keys))
         console.print(table)
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        table = Table(title="failed points (a rerun tries them again)")
+        table.add_column("point")
+        table.add_column("error")
+        for row in failed:
+            table.add_row(row.get("point", "?"), row["error"])
+        console.print(table)
     skipped = [r for r in rows if r.get("skipped") and not str(r["skipped"]).startswith("prediction only")]
     if skipped:
         table = Table(title="skipped points")

@@ -8,8 +8,9 @@ table come at the end (also after an interrupt).
 
 Wall-clock budget (benchmark.time_budget_s of the base config): once spent, every point left gets a
 row {skipped: "time budget: ..."} without running; tasks also get the deadline (a throughput point
-shortens its timed steps or skips a host fill it cannot finish). Rows skipped for time are not
-"done": a rerun runs those points again (and only those, with the rest of the missing ones).
+shortens its timed steps or skips a host fill it cannot finish). A point that raises any other
+error gets a row {error: "Type: message"} (traceback in the log) and the sweep goes on. Rows
+skipped for time and error rows are not "done": a rerun runs those points again (with any missing).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class RunOutcome:
     skipped: int
     interrupted: bool
     paths: list[str]
+    errors: int = 0
 
 
 def results_stem(run: RunConfig, output_dir: str | None = None) -> str:
@@ -54,8 +56,9 @@ TIME_BUDGET = "time budget"
 
 
 def is_done(row: dict) -> bool:
-    """A row that a rerun keeps (everything but points skipped for lack of time)."""
-    return not str(row.get("skipped", "")).startswith(TIME_BUDGET)
+    """A row that a rerun keeps (everything but points skipped for lack of time or failed with an
+    error: a rerun tries those again)."""
+    return not str(row.get("skipped", "")).startswith(TIME_BUDGET) and "error" not in row
 
 
 def point_fields(point) -> dict:
@@ -87,7 +90,7 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
         console.print(f"resuming {json_path}: {len(points) - len(todo)} of {len(points)} points already there")
     config, command = config_to_dict(run), command_line(argv)
     models: dict = {}
-    ran = skipped = 0
+    ran = skipped = errors = 0
     interrupted = False
     budget = run.benchmark.time_budget_s
     deadline = None if budget is None else time.perf_counter() + budget
@@ -121,6 +124,12 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                         console.print(f"[yellow]skipped[/] {point.key}: {reason}")
                     new = [{**point_fields(point), **reason.fields, "skipped": str(reason)}]
                     skipped += 1
+                except Exception as error:  # noqa: BLE001 - one failing point must not lose the sweep
+                    log.exception("point %s failed", point.key)
+                    message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400] if str(error).strip() else ''}"
+                    console.print(f"[red]error[/] {point.key}: {message}")
+                    new = [{**point_fields(point), "error": message}]
+                    errors += 1
                 for row in new:
                     row["point"] = point.key
                     row.setdefault("point_seconds", round(time.perf_counter() - start, 2))
@@ -142,5 +151,7 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
         write_csv(csv_path, rows)
         paths += render_plots(rows, stem)
         print_summary(rows, console)
+    if errors:
+        console.print(f"[red]{errors} point(s) failed[/]: their rows say why; a rerun tries them again")
     return RunOutcome(rows=rows, ran=ran, resumed=len(points) - len(todo), skipped=skipped,
-                      interrupted=interrupted, paths=paths)
+                      interrupted=interrupted, paths=paths, errors=errors)
