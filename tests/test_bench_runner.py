@@ -98,7 +98,7 @@ def test_interrupt_keeps_rows_and_rerun_resumes(tmp_path, monkeypatch):
     run = load_config(str(path))
     real = runner.TASKS["perplexity"]
 
-    def interrupted_after_full(model, pretrained, point, on_step=None):
+    def interrupted_after_full(model, pretrained, point, on_step=None, deadline=None):
         if point.offload.mode != "full":
             raise KeyboardInterrupt
         return real(model, pretrained, point, on_step)

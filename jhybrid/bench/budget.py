@@ -105,6 +105,14 @@ def kv_budget(name: str, config, context: int, batch: int, gpu_bytes: int, gpu_s
         max_window_for_batch=min(context, free // (batch * per_token)))
 
 
+def human_bytes(n: int) -> str:
+    """1.5 GiB / 12.0 MiB / 512 KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def format_budget(b: Budget) -> list[tuple[str, str]]:
     """(label, value) lines for printing."""
     gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
@@ -124,3 +132,149 @@ def format_budget(b: Budget) -> list[tuple[str, str]]:
         ("max batch with that window", f"{b.max_batch_with_window}"),
         ("largest window for this batch", f"{b.max_window_for_batch:,} tokens"),
     ]
+
+
+# ---------------------------------------------------------------------------- one sweep point
+# The bytes one throughput point needs, per mode, from the layouts the code allocates (checked
+# against real caches in tests/test_bench_throughput.py):
+#   device, per layer and sequence (S sinks, W ring tokens, nb = host blocks of max_len, r pool blocks)
+#     full    K + V of max_len tokens                              [B, max_len, Hkv, D] x 2
+#     others  K + V of S + W tokens, MAW float32 of W tokens
+#     recall  + K + V of nb x block tokens (the offloaded KV uploaded every step), twice: the new
+#             upload exists before the previous one is released
+#     scout / topk  + key min/max digests [Hkv, nb, D] x 2 (one set per layer; scout's layer-ahead
+#             copies replace the per-layer ones) ; scout + r pool blocks (K + V) + int32 ids
+#   + per sequence: decode activations (logits float32 twice; full: the float32 score rows of the
+#     jnp attention, 4 x Hq x max_len x 4 bytes of one layer at a time)
+#   host, per layer and sequence (e = offloaded blocks at the end of the run)
+#     store   e x (K + V + MAW float32 + positions int64 + key min/max float32)  (host.kv_store)
+#     hgca    + kept tokens (hgca_keep x e x block) x Hkv x (K + V + weight + position + index)
+#     recall  + the NumPy mirror of nb x block tokens (K + V) uploaded every step
+
+@dataclasses.dataclass
+class PointMemory:
+    mode: str
+    batch: int
+    context: int
+    max_len: int
+    window: int | None
+    weight_bytes: int
+    device_cache_per_seq: int  # the cache arrays (exact)
+    device_activations_per_seq: int  # decode temporaries and upload copies (estimate)
+    device_fixed: int
+    device_limit: int | None
+    host_per_seq: int
+    host_fixed: int
+    host_limit: int | None
+
+    @property
+    def device_per_seq(self) -> int:
+        return self.device_cache_per_seq + self.device_activations_per_seq
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device_fixed + self.batch * self.device_per_seq
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_fixed + self.batch * self.host_per_seq
+
+    @property
+    def max_batch_device(self) -> int | None:
+        if self.device_limit is None:
+            return None
+        return max(0, (self.device_limit - self.device_fixed) // self.device_per_seq)
+
+    @property
+    def max_batch_host(self) -> int | None:
+        if self.host_limit is None or self.host_per_seq == 0:
+            return None
+        return max(0, (self.host_limit - self.host_fixed) // self.host_per_seq)
+
+    @property
+    def max_batch(self) -> int | None:
+        bounds = [b for b in (self.max_batch_device, self.max_batch_host) if b is not None]
+        return min(bounds) if bounds else None
+
+    @property
+    def limited_by(self) -> str | None:
+        dev, host = self.max_batch_device, self.max_batch_host
+        if dev is None and host is None:
+            return None
+        if host is None or (dev is not None and dev <= host):
+            return "device"
+        return "host"
+
+    def over_capacity(self) -> str | None:
+        """None when the point is predicted to fit, else the reason (what needs how much)."""
+        gib = human_bytes
+        if self.device_limit is not None and self.device_bytes > self.device_limit:
+            return (f"over device capacity (predicted): needs {gib(self.device_bytes)} = weights "
+                    f"{gib(self.weight_bytes)} + reserve {gib(self.device_fixed - self.weight_bytes)} + "
+                    f"{self.batch} x {gib(self.device_per_seq)} per sequence ({self.mode}, max_len "
+                    f"{self.max_len}); the device has {gib(self.device_limit)}: max batch "
+                    f"{self.max_batch_device}")
+        if self.host_limit is not None and self.host_bytes > self.host_limit:
+            return (f"over host capacity (predicted): needs {gib(self.host_bytes)} = reserve "
+                    f"{gib(self.host_fixed)} + {self.batch} x {gib(self.host_per_seq)} per sequence "
+                    f"({self.mode}, {self.context - (self.window or 0)} offloaded tokens); the host has "
+                    f"{gib(self.host_limit)}: max batch {self.max_batch_host}")
+        return None
+
+    def fields(self) -> dict:
+        """Row fields: the prediction behind a run or a skip."""
+        return {"pred_device_bytes": self.device_bytes, "pred_host_bytes": self.host_bytes,
+                "pred_max_batch": self.max_batch, "pred_max_batch_device": self.max_batch_device,
+                "pred_max_batch_host": self.max_batch_host, "limited_by": self.limited_by,
+                "device_limit_bytes": self.device_limit, "host_limit_bytes": self.host_limit}
+
+
+def point_memory(config, mode: str, batch: int, context: int, max_len: int, window: int | None,
+                 sink: int = 16, block_size: int = 16, recall_blocks: int = 8, hgca_keep: float = 0.1,
+                 weights: int | None = None, device_limit: int | None = None,
+                 host_limit: int | None = None, device_reserve: int = 0, host_reserve: int = 0,
+                 predict_query: bool = True, host_kv_dtype: str | None = None) -> PointMemory:
+    """Predicted device and host bytes of one throughput point (see the table above).
+
+    window: GPU tokens per sequence and layer, sinks included (None for full). weights: parameter
+    bytes (None: estimated from the shape). The limits are the capacities to check against."""
+    it = dtype_bytes(config.dtype)
+    st = dtype_bytes(host_kv_dtype or config.dtype)
+    hkv, d, n_layers, bs = config.num_kv_heads, config.head_dim, config.num_layers, block_size
+    nb = max(1, -(-max(0, max_len - sink) // bs))
+    logits = 2 * config.vocab_size * 4
+    extra = upload = 0
+    if mode == "full":
+        per_layer = 2 * max_len * hkv * d * it
+        activations = logits + 4 * config.num_heads * max_len * 4
+        host_layer = 0
+    else:
+        if window is None:
+            raise ValueError(f"mode {mode}: a window is needed")
+        ring = window - sink
+        per_layer = 2 * window * hkv * d * it + ring * hkv * 4
+        if mode == "recall":
+            per_layer += 2 * nb * bs * hkv * d * it
+            upload = n_layers * 2 * nb * bs * hkv * d * it  # the next upload before the last is freed
+        if mode in ("scout", "topk"):
+            per_layer += 2 * hkv * nb * d * it
+        if mode == "scout":
+            per_layer += 2 * recall_blocks * hkv * bs * d * it + recall_blocks * 4
+            if predict_query:  # the layer-ahead copy of the next layer's pool ids (not the last layer)
+                extra = recall_blocks * 4 * (n_layers - 1)
+        activations = logits
+        over = max_len - sink - ring
+        e = max(0, -(-over // bs))
+        block = 2 * hkv * bs * d * st + hkv * bs * 4 + bs * 8 + 2 * hkv * d * 4
+        host_layer = e * block
+        if mode == "hgca":
+            kept = -(-int(hgca_keep * e * bs) // 256) * 256  # whole 256-token pages per head
+            host_layer += kept * hkv * (2 * d * st + 4 + 8 + 8)
+        if mode == "recall":
+            host_layer += 2 * nb * bs * hkv * d * it
+    weights = weight_bytes(config) if weights is None else weights
+    return PointMemory(mode=mode, batch=batch, context=context, max_len=max_len, window=window,
+                       weight_bytes=weights, device_cache_per_seq=n_layers * per_layer + extra + 4,
+                       device_activations_per_seq=activations + upload,
+                       device_fixed=weights + device_reserve, device_limit=device_limit,
+                       host_per_seq=n_layers * host_layer, host_fixed=host_reserve, host_limit=host_limit)

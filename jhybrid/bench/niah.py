@@ -39,7 +39,7 @@ def build_prompt(pretrained, text: str, length: int, depth: float) -> tuple[list
     return hay[:at] + needle + hay[at:] + question, number
 
 
-def run_niah(model, pretrained, point, on_step=None) -> list[dict]:
+def run_niah(model, pretrained, point, on_step=None, deadline=None) -> list[dict]:
     bench, offload = point.benchmark, point.offload
     if pretrained is None:
         raise PointSkipped("niah needs a model with a tokenizer (real weights)")

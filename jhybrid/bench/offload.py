@@ -9,7 +9,12 @@ from jhybrid.hybrid.config import HybridConfig
 
 
 class PointSkipped(Exception):
-    """A sweep point that cannot run (does not fit, degenerate); the message is the recorded reason."""
+    """A sweep point that cannot run (does not fit, degenerate, no time left); the message is the
+    recorded reason, `fields` extra row keys (e.g. the batch and the memory prediction)."""
+
+    def __init__(self, reason: str, **fields):
+        super().__init__(reason)
+        self.fields = fields
 
 
 def window_for(offload, context: int) -> int | None:

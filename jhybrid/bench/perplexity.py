@@ -14,7 +14,7 @@ from jhybrid.bench.offload import PointSkipped, backend_for
 from jhybrid.bench.texts import text_tokens
 
 
-def run_perplexity(model, pretrained, point, on_step=None) -> list[dict]:
+def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> list[dict]:
     bench, offload = point.benchmark, point.offload
     if pretrained is None:  # random-weight model: random tokens (a smoke test of the path)
         tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, bench.tokens).astype(np.int32)

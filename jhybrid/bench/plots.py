@@ -2,7 +2,8 @@
 
 perplexity: ppl vs beta, one line per GPU ratio (hgca), full attention as a dashed line, the other
 modes as labelled markers. niah: one retrieved/not heat map (depth x length) per mode.
-throughput: decode tokens/s vs context (batch 1... per batch) and vs batch, per mode.
+throughput: decode tokens/s vs context (one line per mode and batch) and vs batch, per model;
+breakdown: each throughput point's mean decode step split into its parts.
 """
 
 from __future__ import annotations
@@ -105,30 +106,97 @@ def plot_niah(rows: list[dict], path: str) -> str | None:
     return path
 
 
+def _ctx(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _model_tag(r) -> str:
+    return f"{r.get('model', '?')} ({r['layers']} layers)" if r.get("layers") else str(r.get("model", "?"))
+
+
 def plot_throughput(rows: list[dict], path: str) -> str | None:
-    rows = _ok(rows, "throughput")
+    """Decode tokens/s vs context (one line per mode and batch) and vs batch (per mode and context),
+    one row of panels per model. Batches written as 'max' are drawn at their resolved value."""
+    rows = [r for r in _ok(rows, "throughput") if r.get("decode_tok_s") is not None
+            and r.get("context") is not None and r.get("batch") is not None]
     if not rows:
         return None
-    fig, (by_context, by_batch) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        sel = [r for r in rows if r["mode"] == mode]
-        for batch in sorted({r["batch"] for r in sel}):
-            pts = sorted((r["context"], r["decode_tok_s"]) for r in sel if r["batch"] == batch)
-            by_context.plot(*zip(*pts), "o-", label=f"{mode} batch {batch}")
-        for context in sorted({r["context"] for r in sel}):
-            pts = sorted((r["batch"], r["decode_tok_s"]) for r in sel if r["context"] == context)
-            by_batch.plot(*zip(*pts), "o-", label=f"{mode} ctx {context}")
-    by_context.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens/s", title="throughput vs context")
-    by_batch.set(xlabel="batch", ylabel="decode tokens/s", title="throughput vs batch")
-    by_context.legend(fontsize=7)
-    by_batch.legend(fontsize=7)
+    models = list(dict.fromkeys(_model_tag(r) for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    colors = {m: f"C{i % 10}" for i, m in enumerate(modes)}  # one colour per mode
+    markers = "osD^vP*Xh<>"
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.4 * len(models)), squeeze=False)
+    for (by_context, by_batch), model in zip(axes, models):
+        sel_model = [r for r in rows if _model_tag(r) == model]
+        batches = sorted({r["batch"] for r in sel_model})
+        contexts = sorted({r["context"] for r in sel_model})
+        for (mode, fill) in dict.fromkeys((r["mode"], r.get("fill")) for r in sel_model):
+            sel = [r for r in sel_model if r["mode"] == mode and r.get("fill") == fill]
+            style = "--" if fill == "prefill" else "-"  # a real prefill's decode: dashed
+            name = mode + (" (prefill)" if fill == "prefill" else "")
+            for batch in sorted({r["batch"] for r in sel}):
+                pts = sorted((r["context"], r["decode_tok_s"]) for r in sel if r["batch"] == batch)
+                by_context.plot(*zip(*pts), style, color=colors[mode],
+                                marker=markers[batches.index(batch) % len(markers)], label=f"{name} B={batch}")
+            for context in sorted({r["context"] for r in sel}):
+                pts = sorted((r["batch"], r["decode_tok_s"]) for r in sel if r["context"] == context)
+                by_batch.plot(*zip(*pts), style, color=colors[mode],
+                              marker=markers[contexts.index(context) % len(markers)],
+                              label=f"{name} ctx {_ctx(context)}")
+        by_context.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode tokens/s",
+                       title=f"{model}: throughput vs context")
+        by_batch.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s",
+                     title=f"{model}: throughput vs batch")
+        by_context.legend(fontsize=6, ncol=2)
+        by_batch.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-PLOTS = {"perplexity": plot_perplexity, "niah": plot_niah, "throughput": plot_throughput}
+BREAKDOWN = [("between_steps_ms", "between steps (evict / recall / upload)", "tab:orange"),
+             ("callback_ms", "in host callbacks (GPU stalled)", "tab:red"),
+             ("compute_ms", "rest of the step (GPU compute + dispatch)", "tab:blue")]
+
+
+def plot_breakdown(rows: list[dict], path: str) -> str | None:
+    """Per measured throughput point, the mean decode step as shares: time between steps (the
+    manager's eviction / recall / uploads), time inside host callbacks (the GPU stalled), and the
+    rest (GPU compute + dispatch); the CPU attention worker time (overlapping the step) as a black
+    tick, and the step's mean time in ms at the right."""
+    rows = [r for r in _ok(rows, "throughput") if r.get("step_ms")
+            and r.get("context") is not None and r.get("batch") is not None]
+    if not rows:
+        return None
+    rows = sorted(rows, key=lambda r: (_model_tag(r), r["context"], r["batch"], r["mode"]))
+    labels = [f"{r.get('model', '')} {_ctx(r['context'])} B={r['batch']} {r['mode']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.26 * len(rows) + 1.8))
+    y = np.arange(len(rows))
+    step = np.array([r["step_ms"] for r in rows])
+    left = np.zeros(len(rows))
+    for key, label, color in BREAKDOWN:
+        share = np.array([r.get(key) or 0.0 for r in rows]) / step
+        ax.barh(y, share, left=left, color=color, label=label)
+        left += share
+    cpu = np.minimum(np.array([r.get("cpu_attn_ms") or 0.0 for r in rows]) / step, 1.0)
+    ax.plot(cpu, y, "k|", markersize=9, label="CPU attention worker time / step (overlaps)")
+    for yi, ms in zip(y, step):
+        ax.text(1.01, yi, f"{ms:.3g} ms", va="center", fontsize=6)
+    ax.set_yticks(y, labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.12)
+    ax.set_xlabel("share of the mean decode step")
+    ax.set_title("per-step time breakdown")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.06 - 1.0 / len(rows)), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+PLOTS = {"perplexity": plot_perplexity, "niah": plot_niah, "throughput": plot_throughput,
+         "breakdown": plot_breakdown}
 
 
 def render_plots(rows: list[dict], stem: str) -> list[str]:

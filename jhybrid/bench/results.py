@@ -51,10 +51,11 @@ def read_rows(path: str) -> list[dict]:
         return json.load(f).get("rows", [])
 
 
-def write_json(path: str, name: str, config: dict, rows: list[dict], command: str) -> None:
+def write_json(path: str, name: str, config: dict, rows: list[dict], command: str,
+               extra: dict | None = None) -> None:
     doc = {"name": name, "device": device_description(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "versions": versions(), "command": command, "config": config, "rows": rows}
+           "versions": versions(), "command": command, "config": config, **(extra or {}), "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -80,8 +81,45 @@ def write_csv(path: str, rows: list[dict]) -> None:
 SUMMARY_KEYS = {
     "perplexity": ["mode", "text", "tokens", "window", "gpu_ratio", "beta", "budget", "ppl"],
     "niah": ["mode", "length", "depth", "window", "retrieved", "answer"],
-    "throughput": ["mode", "batch", "context", "window", "decode_tok_s", "tbt_p50_ms", "tbt_p99_ms", "ttft_s"],
+    "throughput": ["model", "layers", "mode", "fill", "context", "batch", "window", "decode_tok_s", "tbt_p50_ms",
+                   "tbt_p99_ms", "ttft_s", "between_steps_ms", "callback_ms", "compute_ms",
+                   "device_in_use_bytes", "host_rss_bytes", "fill_s", "compile_s"],
 }
+
+
+def _capacity_reason(row: dict) -> bool:
+    reason = str(row.get("skipped", ""))
+    return "over device capacity" in reason or "over host capacity" in reason or "out of memory" in reason \
+        or "not even one" in reason
+
+
+def capacity_table(rows: list[dict]) -> list[dict]:
+    """Per (model, layers, mode, context) of the throughput rows: the largest batch measured, the
+    predicted largest batch and what bounds it, the smallest batch that did not fit (and why), and
+    the batches not run for lack of time."""
+    groups: dict = {}
+    for r in rows:
+        if r.get("task") != "throughput" or r.get("context") is None:
+            continue
+        key = (r.get("model"), r.get("layers"), r.get("mode"), r.get("context"))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (model, layers, mode, context), group in groups.items():
+        ran = [r["batch"] for r in group if not r.get("skipped") and r.get("batch") is not None]
+        failed = sorted((r for r in group if r.get("skipped") and _capacity_reason(r) and r.get("batch")),
+                        key=lambda r: r["batch"])
+        predicted_only = all(str(r.get("skipped", "")).startswith("prediction only") for r in group)
+        timed_out = sorted({r.get("batch") or r.get("batch_spec") for r in group
+                            if str(r.get("skipped", "")).startswith("time budget")}, key=str)
+        pred = next((r for r in group if r.get("pred_max_batch") is not None), {})
+        out.append({"model": model, "layers": layers or pred.get("layers"), "mode": mode, "context": context,
+                    "max_batch_run": max(ran) if ran else None,
+                    "pred_max_batch": pred.get("pred_max_batch"), "limited_by": pred.get("limited_by"),
+                    "first_batch_over": failed[0]["batch"] if failed else None,
+                    "over_reason": failed[0]["skipped"] if failed else None,
+                    "not_run_time_budget": [str(b) for b in timed_out],
+                    "measured": not predicted_only})
+    return out
 
 
 def print_summary(rows: list[dict], console=None) -> None:
@@ -98,9 +136,27 @@ def print_summary(rows: list[dict], console=None) -> None:
         for key in keys:
             table.add_column(key, justify="right")
         for row in selected:
-            table.add_row(*(_fmt(row.get(k)) for k in keys))
+            table.add_row(*(_fmt(row.get(k), k) for k in keys))
         console.print(table)
-    skipped = [r for r in rows if r.get("skipped")]
+    capacity = capacity_table(rows)
+    if capacity:
+        keys = ["model", "layers", "mode", "context", "measured", "max_batch_run", "pred_max_batch",
+                "limited_by", "first_batch_over"]
+        table = Table(title="largest batch per mode and context (measured / predicted)")
+        for key in keys:
+            table.add_column(key, justify="right")
+        for row in capacity:
+            table.add_row(*(_fmt(row.get(k), k) for k in keys))
+        console.print(table)
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        table = Table(title="failed points (a rerun tries them again)")
+        table.add_column("point")
+        table.add_column("error")
+        for row in failed:
+            table.add_row(row.get("point", "?"), row["error"])
+        console.print(table)
+    skipped = [r for r in rows if r.get("skipped") and not str(r["skipped"]).startswith("prediction only")]
     if skipped:
         table = Table(title="skipped points")
         table.add_column("point")
@@ -110,7 +166,11 @@ def print_summary(rows: list[dict], console=None) -> None:
         console.print(table)
 
 
-def _fmt(value) -> str:
+def _fmt(value, key: str = "") -> str:
+    if key.endswith("_bytes") and isinstance(value, int):
+        from jhybrid.bench.budget import human_bytes
+
+        return human_bytes(value)
     if isinstance(value, float):
         return f"{value:.4g}"
     return "-" if value is None else str(value).replace("\n", "\\n")

@@ -2,9 +2,15 @@
 
 For each point of the expanded sweep: skip it if the results JSON already has a row for its key
 (resume), else load the model (once per model spec), run the point's task and append its rows;
-a point that cannot run (PointSkipped) gets one row {point, skipped: reason}. The JSON and CSV are
-rewritten after every point, so Ctrl-C keeps everything measured so far. Plots and the summary
+a point that cannot run (PointSkipped) gets one row {point, skipped: reason, ...}. The JSON and CSV
+are rewritten after every point, so Ctrl-C keeps everything measured so far. Plots and the summary
 table come at the end (also after an interrupt).
+
+Wall-clock budget (benchmark.time_budget_s of the base config): once spent, every point left gets a
+row {skipped: "time budget: ..."} without running; tasks also get the deadline (a throughput point
+shortens its timed steps or skips a host fill it cannot finish). A point that raises any other
+error gets a row {error: "Type: message"} (traceback in the log) and the sweep goes on. Rows
+skipped for time and error rows are not "done": a rerun runs those points again (with any missing).
 """
 
 from __future__ import annotations
@@ -12,15 +18,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 
 from jhybrid.bench.niah import run_niah
 from jhybrid.bench.offload import PointSkipped
 from jhybrid.bench.perplexity import run_perplexity
 from jhybrid.bench.plots import render_plots
-from jhybrid.bench.results import command_line, print_summary, read_rows, write_csv, write_json
+from jhybrid.bench.results import (capacity_table, command_line, print_summary, read_rows, write_csv,
+                                   write_json)
 from jhybrid.bench.shapes import load_model
-from jhybrid.bench.throughput import run_throughput
+from jhybrid.bench.throughput import predict_throughput, run_throughput
 from jhybrid.config import RunConfig, config_to_dict, expand_sweep
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,7 @@ class RunOutcome:
     skipped: int
     interrupted: bool
     paths: list[str]
+    errors: int = 0
 
 
 def results_stem(run: RunConfig, output_dir: str | None = None) -> str:
@@ -43,24 +52,48 @@ def results_stem(run: RunConfig, output_dir: str | None = None) -> str:
     return os.path.join(output_dir or run.benchmark.output_dir, run.name)
 
 
+TIME_BUDGET = "time budget"
+
+
+def is_done(row: dict) -> bool:
+    """A row that a rerun keeps (everything but points skipped for lack of time or failed with an
+    error: a rerun tries those again)."""
+    return not str(row.get("skipped", "")).startswith(TIME_BUDGET) and "error" not in row
+
+
+def point_fields(point) -> dict:
+    """The identifying fields of a point, for rows that say why it did not run."""
+    b = point.benchmark
+    return {"task": b.task, "model": point.model.name, "mode": point.offload.mode,
+            **({"batch_spec": str(b.batch), "context": b.context, "fill": b.fill} if b.task == "throughput" else {})}
+
+
+def _extra(rows: list[dict]) -> dict:
+    """Top-level JSON keys derived from the rows (throughput: the capacity table)."""
+    capacity = capacity_table(rows)
+    return {"capacity": capacity} if capacity else {}
+
+
 def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | None = None,
               console=None, show_progress: bool = True) -> RunOutcome:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 200)
     stem = results_stem(run, output_dir)
     json_path, csv_path = stem + ".json", stem + ".csv"
     points = expand_sweep(run)
-    rows = read_rows(json_path)
+    rows = [r for r in read_rows(json_path) if is_done(r)]
     done = {r.get("point") for r in rows}
     todo = [p for p in points if p.key not in done]
     if len(todo) < len(points):
         console.print(f"resuming {json_path}: {len(points) - len(todo)} of {len(points)} points already there")
     config, command = config_to_dict(run), command_line(argv)
     models: dict = {}
-    ran = skipped = 0
+    ran = skipped = errors = 0
     interrupted = False
+    budget = run.benchmark.time_budget_s
+    deadline = None if budget is None else time.perf_counter() + budget
 
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=not show_progress)
@@ -72,25 +105,41 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                 progress.update(steps, description=point.key[:60], completed=0, total=None, visible=True)
                 start = time.perf_counter()
                 try:
+                    if deadline is not None and start >= deadline:
+                        raise PointSkipped(f"{TIME_BUDGET}: the sweep's {budget:g} s were spent before "
+                                           "this point (rerun to resume)")
+                    if point.benchmark.task == "throughput" and point.benchmark.predict_only:
+                        predict_throughput(point)  # raises PointSkipped with the prediction
                     if point.model not in models:
                         models[point.model] = load_model(point.model)
                     model, pretrained = models[point.model]
                     task = TASKS[point.benchmark.task]
-                    new = task(model, pretrained, point,
+                    new = task(model, pretrained, point, deadline=deadline,
                                on_step=lambda done, total: progress.update(steps, completed=done,
                                                                            total=total or None))
                     ran += 1
                 except PointSkipped as reason:
-                    log.warning("skipping %s: %s", point.key, reason)
-                    console.print(f"[yellow]skipped[/] {point.key}: {reason}")
-                    new = [{"task": point.benchmark.task, "mode": point.offload.mode,
-                            "skipped": str(reason)}]
+                    log.info("skipping %s: %s", point.key, reason)
+                    if not str(reason).startswith("prediction only"):
+                        console.print(f"[yellow]skipped[/] {point.key}: {reason}")
+                    new = [{**point_fields(point), **reason.fields, "skipped": str(reason)}]
                     skipped += 1
+                except Exception as error:  # noqa: BLE001 - one failing point must not lose the sweep
+                    log.exception("point %s failed", point.key)
+                    message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400] if str(error).strip() else ''}"
+                    console.print(f"[red]error[/] {point.key}: {message}")
+                    new = [{**point_fields(point), "error": message}]
+                    errors += 1
                 for row in new:
                     row["point"] = point.key
                     row.setdefault("point_seconds", round(time.perf_counter() - start, 2))
+                    if not row.get("skipped"):
+                        measure = ", ".join(f"{k} {row[k]}" for k in ("ppl", "retrieved", "decode_tok_s",
+                                                                       "tbt_p99_ms", "ttft_s")
+                                            if row.get(k) is not None)
+                        console.print(f"[green]done[/] {point.key}: {measure} ({row['point_seconds']} s)")
                 rows.extend(new)
-                write_json(json_path, run.name, config, rows, command)
+                write_json(json_path, run.name, config, rows, command, _extra(rows))
                 write_csv(csv_path, rows)
                 progress.advance(overall)
         except KeyboardInterrupt:
@@ -98,8 +147,11 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
             console.print(f"[red]interrupted[/]: {len(rows)} rows kept in {json_path}; rerun to resume")
     paths = [json_path, csv_path] if rows else []
     if rows:
+        write_json(json_path, run.name, config, rows, command, _extra(rows))
         write_csv(csv_path, rows)
         paths += render_plots(rows, stem)
         print_summary(rows, console)
+    if errors:
+        console.print(f"[red]{errors} point(s) failed[/]: their rows say why; a rerun tries them again")
     return RunOutcome(rows=rows, ran=ran, resumed=len(points) - len(todo), skipped=skipped,
-                      interrupted=interrupted, paths=paths)
+                      interrupted=interrupted, paths=paths, errors=errors)

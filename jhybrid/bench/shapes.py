@@ -47,16 +47,70 @@ def model_config_for(name: str) -> ModelConfig:
     raise ValueError(f"unknown model {name!r}: expected one of {', '.join(SHAPES)} or a config.json path")
 
 
-def load_model(spec):
-    """(model, pretrained or None) for a ModelSpec. Real weights when the name is 'smollm2',
-    'gemma3' or an existing path other than a config.json; random weights (seed) for a shape."""
-    if spec.name in REAL_WEIGHTS or (os.path.exists(spec.name) and not spec.name.endswith(".json")):
-        from jhybrid.loading.pretrained import load_pretrained
-
-        pretrained = load_pretrained(spec.name, dtype=spec.dtype)
-        return pretrained.model, pretrained
+def spec_config(spec) -> ModelConfig:
+    """The ModelConfig a random-weight ModelSpec builds (shape, dtype, num_layers applied)."""
     config = model_config_for(spec.name)
     if spec.dtype is not None:
         config = config.replace(dtype=spec.dtype)
-    log.info("model %s: random weights (seed %d), no tokenizer", spec.name, spec.seed)
-    return create_model(config, seed=spec.seed), None
+    if spec.num_layers is not None:
+        if spec.num_layers > config.num_layers:
+            raise ValueError(f"model.num_layers={spec.num_layers}: {spec.name} has only "
+                             f"{config.num_layers} layers")
+        layer_types = config.layer_types[:spec.num_layers] if config.layer_types else config.layer_types
+        config = config.replace(num_layers=spec.num_layers, layer_types=layer_types)
+    return config
+
+
+def uses_real_weights(spec) -> bool:
+    """Real weights for 'smollm2' / 'gemma3' / an existing non-config.json path, unless the spec
+    says weights: random; weights: real on a bare shape is an error."""
+    real_source = spec.name in REAL_WEIGHTS or (os.path.exists(spec.name) and not spec.name.endswith(".json"))
+    if spec.weights == "random":
+        return False
+    if spec.weights == "real" and not real_source:
+        raise ValueError(f"model.weights=real: {spec.name!r} is a shape without weights (known real "
+                         f"models: {', '.join(REAL_WEIGHTS)}, or a checkpoint path)")
+    return real_source
+
+
+def load_model(spec):
+    """(model, pretrained or None) for a ModelSpec. Real weights when the name is 'smollm2',
+    'gemma3' or an existing path other than a config.json (and weights is not 'random'); random
+    weights (seed) of the shape otherwise. Missing real weights are an error that says how to ask
+    for random ones, never a silent fallback. Random weights are cast to the config's dtype (so a
+    bfloat16 shape holds bfloat16 parameters, as the memory predictions assume)."""
+    if uses_real_weights(spec):
+        if spec.num_layers is not None:
+            raise ValueError("model.num_layers applies to random-weight shapes only (set model.weights: random)")
+        from jhybrid.loading.pretrained import load_pretrained
+
+        try:
+            pretrained = load_pretrained(spec.name, dtype=spec.dtype)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"{error}. For a throughput run, random weights of the same shape "
+                                    f"are enough: set model.weights: random "
+                                    f"(--set model.weights=random)") from None
+        return pretrained.model, pretrained
+    if spec.name in SHAPES or spec.name.endswith(".json") or os.path.isdir(spec.name):
+        config = spec_config(spec)
+    else:
+        raise ValueError(f"model.weights=random: no known shape for {spec.name!r} (expected one of "
+                         f"{', '.join(SHAPES)} or a config.json path)")
+    log.info("model %s: random weights (seed %d), %d layers, %s, no tokenizer", spec.name, spec.seed,
+             config.num_layers, config.dtype)
+    model = create_model(config, seed=spec.seed)
+    return cast_params(model, config.dtype), None
+
+
+def cast_params(model, dtype: str):
+    """The model with its floating-point parameters stored in `dtype` (nnx keeps float32 params
+    and computes in config.dtype by default: 2x the bytes for a bfloat16 model)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    target = jnp.dtype(dtype)
+    graphdef, params = nnx.split(model)
+    params = jax.tree_util.tree_map(
+        lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target else x, params)
+    return nnx.merge(graphdef, params)

@@ -1,63 +1,320 @@
-"""Throughput task: `batch` random prompts of `context` tokens, `decode_tokens` greedy steps.
+"""Throughput task: decode speed, time between tokens, time to first token, memory, per mode.
 
-Row: mode, model, batch, context, window, decode_tok_s, tbt_p50_ms, tbt_p99_ms, ttft_s,
-peak_device_bytes, peak_host_bytes. Times exclude compilation (the Generator reports it apart).
-A point whose KV cannot fit the device (estimated before the run, or an out-of-memory error during
-it) is skipped with the reason.
+Two ways to get a context (benchmark.fill):
+  prefill    `batch` random prompts of `context` tokens through a real chunked prefill (Generator),
+             then `decode_tokens` greedy steps: measures time to first token (ttft_s) and decode.
+  synthetic  the context is written directly as random KV (jhybrid.bench.synthetic): long contexts
+             in seconds, no ttft. `warmup_steps` untimed decode steps, then `decode_tokens` timed.
+
+Before anything is allocated, the point's device and host bytes are predicted
+(jhybrid.bench.budget.point_memory); a point predicted not to fit is skipped with the reason
+(unless benchmark.run_over_capacity), and an out-of-memory error during a run is recorded the
+same way. benchmark.batch 'max' / 'max+1' resolve to the predicted largest batch / the one after.
+
+Row keys: task, model, layers, mode, fill, batch, batch_spec, context, window, decode_tok_s,
+tbt_p50_ms, tbt_p99_ms, tbt_mean_ms, steps, ttft_s, compile_s, fill_s, device_in_use_bytes
+(after the last step, cache alive), device_peak_bytes (peak of the whole process so far: JAX has
+no per-point reset), host_rss_bytes (after the last step), host_rss_peak_bytes (process peak so far),
+host_kv_bytes, the per-step breakdown (between_steps_ms: the manager's work before each step,
+eviction / recall uploads / scout's block recall; callback_ms: time inside host callbacks, the GPU
+stalled; compute_ms: the rest of the step = GPU compute + dispatch; plus cpu_attn_ms, wait_ms,
+evict_ms, recall_ms, transfer_ms from the manager's counters) and the prediction (pred_*).
+Times exclude compilation (compile_s apart).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import resource
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jhybrid.bench.budget import kv_bytes_per_token, weight_bytes
+from jhybrid.bench import synthetic
+from jhybrid.bench.budget import PointMemory, human_bytes, point_memory
 from jhybrid.bench.offload import PointSkipped, backend_for
-from jhybrid.generation import Generator
 
 log = logging.getLogger(__name__)
 
+GIB = 2**30
+_HOST_CONTEXT: dict = {}  # the one synthetic.HostContext kept for reuse (key -> context)
 
-def device_memory() -> tuple[int | None, int | None]:
-    """(bytes limit, peak bytes in use) of the first device, None where the platform does not say."""
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit"), stats.get("peak_bytes_in_use")
+
+def device_memory() -> dict:
+    """memory_stats() of the first device ({} where the platform does not report them, e.g. CPU)."""
+    return jax.devices()[0].memory_stats() or {}
 
 
 def host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Physical memory, or the cgroup's memory limit where a container sets a smaller one."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
-def check_fits(config, batch: int, context: int, window: int | None) -> None:
-    """PointSkipped if the offloaded KV exceeds the host's memory, or the device KV (the whole
-    context for full/recall, the window otherwise) plus the weights exceed the device's memory
-    (checked only where the device reports its limit)."""
-    if window is not None:
-        host_need = batch * (context - window) * kv_bytes_per_token(config)
-        if host_need > host_memory_bytes():
-            raise PointSkipped(f"host store needs ~{host_need / 2**30:.1f} GiB, the host has "
-                               f"{host_memory_bytes() / 2**30:.1f} GiB")
-    limit, _ = device_memory()
-    if limit is None:
-        return
-    resident = context if window is None else window
-    need = weight_bytes(config) + batch * resident * kv_bytes_per_token(config)
-    if need > limit:
-        raise PointSkipped(f"needs ~{need / 2**30:.1f} GiB on the device (weights + {batch} x "
-                           f"{resident} KV tokens), the device has {limit / 2**30:.1f} GiB")
+def host_rss_bytes() -> int | None:
+    """Current resident set size of this process (Linux /proc), None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
 
 
-def run_throughput(model, pretrained, point, on_step=None) -> list[dict]:
+def host_rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def params_bytes(model) -> int:
+    from flax import nnx
+
+    _, params = nnx.split(model)
+    return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(params)))
+
+
+def is_oom(error: Exception) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or isinstance(error, MemoryError)
+
+
+def max_len_for(bench) -> int:
+    """Cache tokens per sequence: the context, the decode steps and one spare, rounded up to 64."""
+    warmup = bench.warmup_steps if bench.fill == "synthetic" else 2
+    return -(-(bench.context + warmup + bench.decode_tokens + 1) // 64) * 64
+
+
+def predict(model, point, batch: int, window: int | None, weights: int) -> PointMemory:
     bench, offload = point.benchmark, point.offload
-    total = bench.context + bench.decode_tokens
-    backend, window = backend_for(offload, total)
-    check_fits(model.config, bench.batch, total, window if offload.mode != "recall" else None)
-    prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (bench.batch, bench.context))
+    limit = bench.device_memory_gib * GIB if bench.device_memory_gib else device_memory().get("bytes_limit")
+    host = bench.host_memory_gib * GIB if bench.host_memory_gib else host_memory_bytes()
+    return point_memory(model.config, offload.mode, batch, bench.context, max_len_for(bench), window,
+                        sink=offload.sink, block_size=offload.block_size,
+                        recall_blocks=offload.recall_blocks, hgca_keep=bench.hgca_keep, weights=weights,
+                        device_limit=None if limit is None else int(limit), host_limit=int(host),
+                        device_reserve=int(bench.device_reserve_gib * GIB),
+                        host_reserve=int(bench.host_reserve_gib * GIB),
+                        predict_query=offload.predict_query)
+
+
+def resolve_batch(model, point, window, weights) -> tuple[int, object]:
+    """(batch, prediction) for the point; 'max' / 'max+1' from the prediction at batch 1."""
+    spec = point.benchmark.batch
+    if isinstance(spec, int):
+        return spec, predict(model, point, spec, window, weights)
+    probe = predict(model, point, 1, window, weights)
+    if probe.max_batch is None:
+        raise PointSkipped(f"batch {spec!r}: neither the device nor the host reports a memory limit "
+                           "(set benchmark.device_memory_gib / host_memory_gib)", **probe.fields())
+    if probe.max_batch < 1:
+        raise PointSkipped(f"batch {spec!r}: not even one sequence fits: {probe.over_capacity()}",
+                           **probe.fields())
+    batch = probe.max_batch + (1 if spec == "max+1" else 0)
+    return batch, predict(model, point, batch, window, weights)
+
+
+PREDICTION_ONLY = "prediction only, not run"
+
+
+def predict_throughput(point) -> list[dict]:
+    """benchmark.predict_only: the point's prediction as a row, without a model (PointSkipped with
+    reason 'prediction only, not run: <fits / over capacity ...>' and the prediction fields)."""
+    import types
+
+    from jhybrid.bench.budget import weight_bytes
+    from jhybrid.bench.offload import window_for
+    from jhybrid.bench.shapes import spec_config
+
+    bench, offload = point.benchmark, point.offload
+    config = spec_config(point.model)
+    model = types.SimpleNamespace(config=config)
+    window = window_for(offload, bench.context)
+    weights = weight_bytes(config)
+    batch, memory = resolve_batch(model, point, window, weights)
+    verdict = memory.over_capacity() or "predicted to fit"
+    raise PointSkipped(f"{PREDICTION_ONLY}: {verdict}", task="throughput", model=point.model.name,
+                       layers=config.num_layers, mode=offload.mode, fill=bench.fill, batch_spec=str(bench.batch),
+                       context=bench.context, batch=batch, window=window, weight_bytes=weights, **memory.fields())
+
+
+def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> list[dict]:
+    bench, offload = point.benchmark, point.offload
+    base = {"task": "throughput", "model": point.model.name, "layers": model.config.num_layers,
+            "mode": offload.mode, "fill": bench.fill, "batch_spec": str(bench.batch),
+            "context": bench.context}
+    backend, window = backend_for(offload, bench.context)
+    weights = params_bytes(model)
+    batch, memory = resolve_batch(model, point, window, weights)
+    base.update(batch=batch, window=window, gpu_ratio=offload.gpu_ratio if window else None,
+                budget=offload.budget if offload.mode in ("scout", "topk") else None,
+                weight_bytes=weights, **memory.fields())
+    reason = memory.over_capacity()
+    if reason and not bench.run_over_capacity:
+        raise PointSkipped(reason, **base)
+    try:
+        if bench.fill == "synthetic":
+            row = _run_synthetic(model, point, backend, batch, window, on_step, deadline, memory)
+        else:
+            row = _run_prefill(model, point, backend, batch, on_step)
+    except PointSkipped as skip:
+        skip.fields = {**base, **skip.fields}
+        raise
+    except Exception as error:  # noqa: BLE001 - an out-of-memory point is recorded, others re-raised
+        if is_oom(error):
+            gc.collect()
+            predicted = f" (predicted: {reason})" if reason else " (predicted to fit)"
+            raise PointSkipped(f"out of memory{predicted}: {type(error).__name__}: "
+                               f"{str(error).splitlines()[0][:300]}", **base) from None
+        raise
+    finally:
+        _release(backend)
+    return [{**base, **row}]
+
+
+def _release(backend) -> None:
+    """Drop the point's host runtime (threads, recall mirror) now: compiled steps may outlive it."""
+    manager = getattr(backend, "manager", None)
+    if manager is not None:
+        manager.executor.close(wait=True)
+        manager.mirror = None
+    gc.collect()
+
+
+def _memory_now(manager=None) -> dict:
+    stats = device_memory()
+    return {"device_in_use_bytes": stats.get("bytes_in_use"), "device_peak_bytes": stats.get("peak_bytes_in_use"),
+            "host_rss_bytes": host_rss_bytes(), "host_rss_peak_bytes": host_rss_peak_bytes(),
+            "host_kv_bytes": None if manager is None else int(manager.host_kv_bytes())}
+
+
+def _times(seconds: list[float], batch: int) -> dict:
+    ms = np.asarray(seconds) * 1e3
+    return {"decode_tok_s": round(batch * len(ms) / (ms.sum() / 1e3), 2) if len(ms) else None,
+            "tbt_p50_ms": round(float(np.percentile(ms, 50)), 3) if len(ms) else None,
+            "tbt_p99_ms": round(float(np.percentile(ms, 99)), 3) if len(ms) else None,
+            "tbt_mean_ms": round(float(ms.mean()), 3) if len(ms) else None, "steps": len(ms)}
+
+
+# ---------------------------------------------------------------------------- synthetic context
+
+def _host_context(model_config, offload, keep: float):
+    shape = synthetic.host_shape(model_config, offload.block_size)
+    key = (shape, offload.sink, keep)
+    if key not in _HOST_CONTEXT:
+        _HOST_CONTEXT.clear()  # one at a time: free the previous shape's store first
+        gc.collect()
+        _HOST_CONTEXT[key] = synthetic.HostContext(shape, offload.sink, keep)
+    return _HOST_CONTEXT[key]
+
+
+def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memory) -> dict:
+    from flax import nnx
+
+    from jhybrid.hybrid.config import evicted_blocks
+
+    bench, offload = point.benchmark, point.offload
+    max_len = max_len_for(bench)
+    fill_start = time.perf_counter()
+    if offload.mode == "full":
+        cache = synthetic.fill_full_cache(model, batch, max_len, bench.context)
+        manager = None
+    else:
+        host = _host_context(model.config, offload, bench.hgca_keep)
+        e = int(evicted_blocks(np.int64(bench.context), backend.config))
+        reusable = host.store is not None and host.batch >= batch and host.blocks == e
+        if not reusable and deadline is not None:
+            seconds = synthetic.predicted_fill_seconds(batch * memory.host_per_seq)
+            left = deadline - time.perf_counter()
+            if seconds is not None and seconds > left:
+                raise PointSkipped(f"time budget: the host context ({human_bytes(batch * memory.host_per_seq)}) "
+                                   f"would take ~{seconds:.0f} s to write at the rate measured so far; "
+                                   f"{max(left, 0):.0f} s left")
+        slack = -(-(max_len - bench.context) // offload.block_size) + 1
+        host.prepare(batch, e, slack)
+        cache = model.init_cache(batch, max_len, backend)
+        cache = synthetic.load_hybrid_cache(cache, backend, host, batch, bench.context)
+        manager = backend.manager
+    jax.block_until_ready(cache)
+    fill_s = time.perf_counter() - fill_start
+
+    graphdef, params = nnx.split(model)
+
+    def decode(params, tokens, positions, cache):
+        logits, cache = nnx.merge(graphdef, params)(tokens[:, None], positions[:, None], cache, backend)
+        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
+
+    tokens = np.zeros(batch, np.int32)
+    held = np.full(batch, bench.context, np.int32)
+    start = time.perf_counter()
+    step = jax.jit(decode, donate_argnums=(3,)).lower(params, tokens, held, cache).compile()
+    compile_s = time.perf_counter() - start
+    hook = getattr(backend, "before_step", None)
+    step_s, hook_s = [], []
+    planned = bench.warmup_steps + bench.decode_tokens
+    i = 0
+    while i < planned:
+        if i == bench.warmup_steps:
+            if manager is not None:
+                manager.reset_counters()
+            step_s, hook_s = [], []
+            if deadline is not None and i > 0:  # fewer timed steps where the budget is short
+                last = max(time.perf_counter() - t0, 1e-6)
+                fit = int((deadline - time.perf_counter()) / last)
+                planned = i + max(3, min(bench.decode_tokens, fit))
+        t0 = time.perf_counter()
+        if hook is not None:
+            cache = hook(cache, held[:, None])
+        t1 = time.perf_counter()
+        tokens, cache = step(params, tokens, held, cache)
+        tokens = np.asarray(tokens)  # waits for the step: the produced tokens are ready
+        t2 = time.perf_counter()
+        step_s.append(t2 - t0)
+        hook_s.append(t1 - t0)
+        held = held + 1
+        i += 1
+        if on_step:
+            on_step(i, planned)
+    row = {**_times(step_s, batch), "ttft_s": None, "compile_s": round(compile_s, 2), "fill_s": round(fill_s, 2)}
+    if len(step_s) < bench.decode_tokens:
+        row["steps_note"] = f"time budget: {len(step_s)} of {bench.decode_tokens} timed steps"
+    row.update(_memory_now(manager))
+    row.update(_breakdown(step_s, hook_s, manager))
+    del cache
+    return row
+
+
+def _breakdown(step_s, hook_s, manager) -> dict:
+    n = max(len(step_s), 1)
+    step_ms = 1e3 * sum(step_s) / n
+    between = 1e3 * sum(hook_s) / n
+    c = manager.counters() if manager is not None else {}
+    per = lambda key: round(1e3 * c.get(key, 0.0) / n, 3)  # noqa: E731
+    callback = per("callback_s")
+    return {"step_ms": round(step_ms, 3), "between_steps_ms": round(between, 3), "callback_ms": callback,
+            "compute_ms": round(max(step_ms - between - callback, 0.0), 3),
+            "cpu_attn_ms": per("cpu_attn_s"), "wait_ms": per("wait_s"), "evict_ms": per("evict_s"),
+            "recall_ms": per("recall_s"), "transfer_ms": per("transfer_s"),
+            "callbacks_per_step": round(c.get("n_callbacks", 0) / n, 2)}
+
+
+# ---------------------------------------------------------------------------- real prefill
+
+def _run_prefill(model, point, backend, batch, on_step) -> dict:
+    from jhybrid.generation import Generator
+
+    bench = point.benchmark
+    max_len = max_len_for(bench)
+    prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, bench.context))
     stamps: list[float] = []
 
     def on_tokens(tokens, emitted):
@@ -65,22 +322,17 @@ def run_throughput(model, pretrained, point, on_step=None) -> list[dict]:
         if on_step:
             on_step(len(stamps), bench.decode_tokens)
 
-    generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk, max_len=total)
-    try:
-        generator.generate(prompts[:, :8].tolist(), max_new_tokens=2)  # compile the decode step
-        stamps.clear()
-        result = generator.generate(prompts.tolist(), max_new_tokens=bench.decode_tokens,
-                                    on_tokens=on_tokens)
-    except Exception as error:  # noqa: BLE001 - an out-of-memory point is recorded, others re-raised
-        if "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower():
-            raise PointSkipped(f"out of device memory: {str(error).splitlines()[0][:200]}") from None
-        raise
-    gaps = np.diff(stamps) * 1e3 if len(stamps) > 1 else np.zeros(1)
-    _, peak = device_memory()
-    return [{"task": "throughput", "mode": offload.mode, "batch": bench.batch, "context": bench.context,
-             "window": window, "decode_tok_s": round(result.decode_tokens_per_second, 2),
-             "tbt_p50_ms": round(float(np.percentile(gaps, 50)), 3),
-             "tbt_p99_ms": round(float(np.percentile(gaps, 99)), 3),
-             "ttft_s": round(result.prefill_seconds, 4), "compile_s": round(result.compile_seconds, 2),
-             "peak_device_bytes": peak,
-             "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}]
+    generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk, max_len=max_len)
+    generator.generate(prompts[:, :8].tolist(), max_new_tokens=2)  # compile the decode step
+    stamps.clear()
+    result = generator.generate(prompts.tolist(), max_new_tokens=bench.decode_tokens, on_tokens=on_tokens)
+    gaps = list(np.diff(stamps)) if len(stamps) > 1 else []
+    row = {**_times(gaps, batch), "ttft_s": round(result.prefill_seconds, 4),
+           "prefill_tok_s": round(result.prefill_tokens_per_second, 1),
+           "compile_s": round(result.compile_seconds, 2), "fill_s": None}
+    row["decode_tok_s"] = round(result.decode_tokens_per_second, 2)
+    row.update(_memory_now(getattr(backend, "manager", None)))
+    return row
+
+
+__all__ = ["run_throughput", "device_memory", "host_memory_bytes", "max_len_for", "predict"]

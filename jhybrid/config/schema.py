@@ -21,6 +21,8 @@ from jhybrid.bench.texts import TEXT_FILES
 from jhybrid.hybrid.config import EXCHANGES, MODES
 
 TASKS = ("perplexity", "niah", "throughput")
+FILLS = ("prefill", "synthetic")
+BATCH_WORDS = ("max", "max+1")
 TEXTS = tuple(TEXT_FILES)
 
 
@@ -36,11 +38,18 @@ def _choices(*values):
 class ModelSpec:
     """name: 'smollm2' / 'gemma3' (real weights), a .gguf / Hugging Face / Orbax folder path, or a
     known shape with random weights ('llama3-8b', 'tiny', see jhybrid.bench.shapes).
-    dtype: parameter/activation dtype (None: as loaded / float32). seed: random-weight seed."""
+    dtype: parameter/activation dtype (None: as loaded / float32). seed: random-weight seed.
+    weights: None = real weights for 'smollm2' / 'gemma3' / a path, random for a shape; 'random' =
+        random weights of the named model's shape (e.g. SmolLM2's shape where its weights are not
+        installed: only when the config says so, never as a silent fallback); 'real' = require them.
+    num_layers: random-weight shapes only: keep the first N decoder layers (None: all); per-layer
+        figures (KV bytes, attention time) scale with it."""
 
     name: str = "smollm2"
     dtype: str | None = dataclasses.field(default=None, metadata=_choices(None, "float32", "bfloat16", "float16"))
     seed: int = 0
+    weights: str | None = dataclasses.field(default=None, metadata=_choices(None, "real", "random"))
+    num_layers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +81,27 @@ class BenchmarkSpec:
     """task perplexity: teacher-forced over the first `tokens` tokens of `text`, the last
     `scored_tokens` predicted by decode steps. task niah: a needle at `niah_depth` (0..1) of a
     `niah_length`-token haystack, `answer_tokens` greedy tokens. task throughput: `batch` random
-    prompts of `context` tokens, `decode_tokens` decode steps. prefill_chunk: tokens per prefill step."""
+    prompts of `context` tokens, `decode_tokens` decode steps. prefill_chunk: tokens per prefill step.
+
+    Throughput only:
+      batch: an int, 'max' (the largest batch predicted to fit this mode and context on this device
+          and host, jhybrid.bench.budget.point_memory) or 'max+1' (the first one predicted not to).
+      fill: 'prefill' = a real chunked prefill of random prompts (measures time to first token);
+          'synthetic' = the context is written directly as random KV into the GPU window / cache and
+          the host store (no prefill: long contexts in seconds; no time to first token).
+      warmup_steps: untimed decode steps before the `decode_tokens` timed ones (synthetic fill).
+      hgca_keep: synthetic fill: share of offloaded tokens marked salient for hgca (random weights
+          have no attention pattern of their own, so the CPU's share is set, and reported).
+      run_over_capacity: run points predicted not to fit instead of skipping them (to observe the
+          out-of-memory error itself).
+      device_memory_gib / host_memory_gib: capacities for the fit predictions (None: the device's
+          reported bytes_limit / the host's physical memory).
+      device_reserve_gib / host_reserve_gib: memory kept out of the predictions for the runtime
+          (activations, XLA workspace / the process, the OS).
+      predict_only: record the point's memory prediction (and 'max' batch) without loading the model
+          or running anything (e.g. the 32-layer Llama-3-8B beside a measured 4-layer one).
+      time_budget_s: wall-clock budget of the whole sweep (None: unlimited). Points left when it
+          is spent get rows "skipped: time budget ..."; a rerun runs them (resume)."""
 
     task: str = dataclasses.field(default="perplexity", metadata=_choices(*TASKS))
     text: str = dataclasses.field(default="paul_graham", metadata=_choices(*TEXTS))
@@ -81,11 +110,21 @@ class BenchmarkSpec:
     niah_length: int = 2048
     niah_depth: float = 0.5
     answer_tokens: int = 8
-    batch: int = 1
+    batch: int | str = 1
     context: int = 1024
     decode_tokens: int = 32
     prefill_chunk: int = 256
     output_dir: str = "benchmarks/results"
+    fill: str = dataclasses.field(default="prefill", metadata=_choices(*FILLS))
+    warmup_steps: int = 2
+    hgca_keep: float = 0.1
+    run_over_capacity: bool = False
+    device_memory_gib: float | None = None
+    host_memory_gib: float | None = None
+    device_reserve_gib: float = 2.0
+    host_reserve_gib: float = 8.0
+    predict_only: bool = False
+    time_budget_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +142,8 @@ class RunConfig:
 SECTIONS = {"model": ModelSpec, "offload": OffloadSpec, "benchmark": BenchmarkSpec}
 POSITIVE = {"tokens", "scored_tokens", "niah_length", "answer_tokens", "batch", "context",
             "decode_tokens", "prefill_chunk", "block_size", "window_tokens", "budget",
-            "host_threads"}
+            "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s"}
+NON_NEGATIVE = {"warmup_steps", "device_reserve_gib", "host_reserve_gib"}
 
 
 def allowed_keys() -> list[str]:
@@ -125,6 +165,8 @@ def _type_ok(value, annotation) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if base == "str":
         return isinstance(value, str)
+    if base == "int | str":
+        return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
     return True
 
 
@@ -147,8 +189,14 @@ def build_section(section: str, values) -> typing.Any:
         if choices is not None and value not in choices:
             raise ConfigError(f"'{section}.{key}' = {value!r}: allowed values are "
                               f"{', '.join(repr(c) for c in choices)}")
-        if key in POSITIVE and value is not None and value <= 0:
-            raise ConfigError(f"'{section}.{key}' = {value!r}: expected a positive int")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key in POSITIVE and number and value <= 0:
+            raise ConfigError(f"'{section}.{key}' = {value!r}: expected a positive number")
+        if key in NON_NEGATIVE and number and value < 0:
+            raise ConfigError(f"'{section}.{key}' = {value!r}: expected a number >= 0")
+        if key == "batch" and isinstance(value, str) and value not in BATCH_WORDS:
+            raise ConfigError(f"'{section}.{key}' = {value!r}: expected a positive int or one of "
+                              f"{', '.join(repr(w) for w in BATCH_WORDS)}")
     spec = cls(**{k: float(v) if fields[k].type.startswith("float") and v is not None else v
                   for k, v in values.items()})
     _check_ranges(section, spec)
@@ -171,3 +219,5 @@ def _check_ranges(section: str, spec) -> None:
                               "fraction in [0, 1]")
     if section == "benchmark" and not 0.0 <= spec.niah_depth <= 1.0:
         raise ConfigError(f"'benchmark.niah_depth' = {spec.niah_depth}: expected a fraction in [0, 1]")
+    if section == "benchmark" and not 0.0 <= spec.hgca_keep <= 1.0:
+        raise ConfigError(f"'benchmark.hgca_keep' = {spec.hgca_keep}: expected a fraction in [0, 1]")

