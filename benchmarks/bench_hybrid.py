@@ -420,6 +420,13 @@ def _run_mode(mode, args, mcfg, model_parts, batch, window, ctx, backend):
     return row
 
 
+def _error_tail(exc: BaseException, limit: int = 1500) -> str:
+    """The end of an exception's message: a host-callback error wraps the host traceback, whose
+    cause is at the end, so keep the last `limit` characters rather than the first."""
+    text = str(exc)
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="JSON output (default benchmarks/results/hybrid-<device>.json)")
@@ -485,7 +492,7 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 - an OOM in one mode must not lose the others
                     traceback.print_exc()
                     row = dict(mode=mode, batch=batch, context=args.context, gpu_window=window,
-                               error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                               error=f"{type(exc).__name__}: {_error_tail(exc)}")
                 rows.append(row)
                 print("  " + ", ".join(f"{k}={row.get(k)}" for k in KEYS[4:] if k in row), flush=True)
                 gc.collect()

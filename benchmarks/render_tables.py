@@ -1,6 +1,6 @@
 """Print the markdown tables of BENCHMARKS.md from the JSON files in benchmarks/results/.
 
-  python benchmarks/render_tables.py kernels|diag|host|hybrid|hcache [results/file.json]
+  python benchmarks/render_tables.py kernels|diag|host|hybrid|hcache|throughput [results/file.json]
 """
 
 from __future__ import annotations
@@ -76,16 +76,54 @@ def dense_diag(path):
 def hybrid(path):
     d = json.load(open(path))
     print(f"Device: {d['device']}; {d['date']}; {d['config'].get('note', '')}\n")
+    rows = [r for r in d["rows"] if "error" not in r]
     print(table(
         ["mode", "B", "GPU window", "tok/s (mean step)", "step ms mean", "step ms median", "GPU attn ms",
-         "CPU attn ms", "callback ms", "callbacks/step", "GPU idle (callbacks / time)", "recall ms",
-         "GPU KV GB", "host KV GB"],
-        [[r["mode"], str(r["batch"]), str(r["gpu_window"]),
-          _f(r.get("tokens_per_s_mean", r["tokens_per_s"] if not r.get("callback_share") else None)),
-          _f(r.get("step_ms_mean", r["step_ms"] if not r.get("callback_share") else None), 2), _f(r["step_ms"], 2),
-          _f(r["gpu_attn_ms"], 2), _f(r["cpu_attn_ms"], 2), _f(r["callback_ms"], 2),
-          _f(r.get("callbacks_per_step"), 0), _f(r["gpu_idle_frac"], 2), _f(r.get("recall_ms"), 1),
-          _f(r["gpu_kv_bytes"] / 1e9, 2), _f(r["host_kv_bytes"] / 1e9, 2)] for r in d["rows"]]))
+         "CPU attn ms", "callback ms", "callbacks/step", "GPU idle (all steps)", "GPU idle (median step)",
+         "CPU share", "drift", "recall ms (critical path)", "GPU KV GB", "host KV GB"],
+        [[r["mode"], str(r["batch"]), str(r["gpu_window"]), _f(r["tokens_per_s"]), _f(r["step_ms"], 2),
+          _f(r.get("step_ms_median"), 2), _f(r["gpu_attn_ms"], 2), _f(r["cpu_attn_ms"], 2),
+          _f(r["callback_ms"], 2), _f(r.get("callbacks_per_step"), 0), _f(r["gpu_idle_frac"], 2),
+          _f(r.get("gpu_idle_frac_median"), 2), _f(r.get("cpu_share"), 2), _f(r.get("drift"), 2),
+          _f(r.get("recall_ms"), 2), _f(r["gpu_kv_bytes"] / 1e9, 2), _f(r["host_kv_bytes"] / 1e9, 2)]
+         for r in rows]))
+    skipped = [r for r in d["rows"] if "error" in r]
+    if skipped:
+        print(f"\nNot run ({len(skipped)} rows): " + "; ".join(
+            sorted({f"{r['error'][:60]}" for r in skipped})))
+
+
+def throughput(path):
+    d = json.load(open(path))
+    print(f"Device: {d['device']}; {d['date']}\n")
+    ran = [r for r in d["rows"] if not r.get("skipped") and r.get("decode_tok_s") is not None]
+    ran.sort(key=lambda r: (r["model"], r.get("fill") != "synthetic", r["context"], r["batch"],
+                            ["full", "recall", "hgca", "scout"].index(r["mode"]) if r["mode"] in
+                            ("full", "recall", "hgca", "scout") else 9))
+    print(table(
+        ["model (layers)", "fill", "context", "B", "mode", "decode tok/s", "TBT p50 ms", "TBT p99 ms", "TTFT s",
+         "CPU attn ms", "callback ms", "device in use GiB", "host KV GiB"],
+        [[f"{r['model']} ({r['layers']})", str(r.get("fill", "-")), str(r["context"]), str(r["batch"]), r["mode"],
+          _f(r["decode_tok_s"]), _f(r["tbt_p50_ms"], 2), _f(r["tbt_p99_ms"], 2), _f(r.get("ttft_s"), 2),
+          _f(r.get("cpu_attn_ms"), 2), _f(r.get("callback_ms"), 2),
+          _f((r.get("device_in_use_bytes") or float("nan")) / 2**30, 1),
+          _f((r.get("host_kv_bytes") or float("nan")) / 2**30, 1)] for r in ran]))
+    print()
+    print(table(["model (layers)", "mode", "context", "largest batch run", "predicted max", "limited by",
+                 "first batch over"],
+                [[f"{c['model']} ({c['layers']})", c["mode"], str(c["context"]), _f(c.get("max_batch_run")),
+                  _f(c.get("pred_max_batch")), str(c.get("limited_by") or "-"), _f(c.get("first_batch_over"))]
+                 for c in d["capacity"] if c.get("layers") is not None]))
+    skipped = [r for r in d["rows"] if r.get("skipped")]
+    print(f"\nSkipped points ({len(skipped)}), by reason: " + "; ".join(
+        f"{n} x {reason}" for reason, n in sorted(_count(r["skipped"].split(":")[0] for r in skipped).items())))
+
+
+def _count(items):
+    out = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
 
 
 def hcache(path):
@@ -113,6 +151,8 @@ def hcache(path):
 if __name__ == "__main__":
     what = sys.argv[1]
     default = {"kernels": "kernels-h100.json", "host": "host-attention-h100.json", "diag": "kernels-h100-run2.json",
-               "hybrid": "hybrid-h100.json", "hcache": "hcache-h100.json"}[what]
+               "hybrid": "hybrid-h100.json", "hcache": "hcache-h100.json",
+               "throughput": "throughput-h100.json"}[what]
     path = sys.argv[2] if len(sys.argv) > 2 else os.path.join(HERE, "results", default)
-    {"kernels": kernels, "host": host, "diag": dense_diag, "hybrid": hybrid, "hcache": hcache}[what](path)
+    {"kernels": kernels, "host": host, "diag": dense_diag, "hybrid": hybrid, "hcache": hcache,
+     "throughput": throughput}[what](path)
