@@ -11,7 +11,7 @@ import pytest
 
 from jhybrid.bench import runner, synthetic
 from jhybrid.bench.budget import kv_bytes_per_token, point_memory, weight_bytes
-from jhybrid.bench.offload import PointSkipped, backend_for
+from jhybrid.bench.offload import PointSkipped, backend_for, topk_blocks_for
 from jhybrid.bench.shapes import SHAPES, load_model
 from jhybrid.bench.throughput import max_len_for, run_throughput
 from jhybrid.config import ConfigError, expand_sweep
@@ -46,7 +46,7 @@ def test_predicted_device_bytes_equal_the_real_cache(tiny, mode):
     cache = tiny.init_cache(3, max_len, backend)
     real = sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(cache))
     pred = point_memory(tiny.config, mode, 3, 256, max_len, window, sink=16, block_size=16,
-                        recall_blocks=2)
+                        recall_blocks=2, topk_blocks=topk_blocks_for(p.offload))
     assert pred.device_cache_per_seq * 3 == real
     if getattr(backend, "manager", None) is not None:
         backend.manager.close()
@@ -213,3 +213,39 @@ def test_a_failing_point_is_recorded_and_retried(tmp_path, monkeypatch):
     assert [r.get("error") for r in out.rows] == [None, "RuntimeError: Triton kernel failed to compile", None]
     again = runner.run_sweep(_stub_sweep(tmp_path, None), output_dir=str(tmp_path), argv=[], show_progress=False)
     assert calls == [1, 2, 3, 2] and again.errors == 0 and again.resumed == 2
+
+
+def test_full_decode_step_copies_no_cache_buffer(tiny):
+    """XLA's own account of the decode step (compiled from shapes, nothing allocated): from two
+    sequences on, its temporaries are far below one layer's K (the grouped einsum made XLA copy
+    every layer's K and V into transposed temporaries: 2x a layer's K)."""
+    from jhybrid.attention.full import FullAttention
+    from jhybrid.bench.throughput import compile_step, step_temp_bytes
+
+    cfg = tiny.config
+    for batch in (2, 4):
+        layer_k = batch * 512 * cfg.num_kv_heads * cfg.head_dim * 4
+        temp = step_temp_bytes(compile_step(tiny, FullAttention(), batch, 512))
+        assert temp < 0.25 * layer_k, (batch, temp, layer_k)
+
+
+def test_xla_max_batch_fits_and_the_next_does_not(tiny):
+    """'max' / 'max+1' for full from XLA's temp bytes against a fake device limit."""
+    from jhybrid.bench.throughput import params_bytes, resolve_batch
+
+    weights = params_bytes(tiny)
+    per_seq = 2 * 2 * 320 * 2 * 64 * 4  # K + V, 2 layers, max_len 320, float32
+    limit_gib = (weights + 10.5 * per_seq) / GIB
+    memories = {}
+    for spec in ("max", "max+1", 3):
+        p = point("full", batch=spec, context=256, device_memory_gib=limit_gib, device_reserve_gib=0)
+        backend, window = backend_for(p.offload, 256)
+        memories[spec] = resolve_batch(tiny, p, window, weights, backend)
+    (b_max, m_max), (b_next, m_next), (b3, m3) = memories["max"], memories["max+1"], memories[3]
+    assert m_max.temp_source == m_next.temp_source == m3.temp_source == "xla"
+    assert m_max.max_batch_device_checked == b_max and b_next == b_max + 1 and b3 == 3
+    assert m_max.step_temp_measured is not None and m_max.over_capacity() is None
+    assert m_max.device_bytes <= m_max.device_limit < m_next.device_bytes
+    assert "over device capacity" in m_next.over_capacity() and "(xla)" in m_next.over_capacity()
+    assert m_max.fields()["pred_temp_source"] == "xla" and m_max.fields()["pred_max_batch_checked"]
+    assert getattr(m_max, "compiled", None) is not None  # the run reuses the prediction's compile

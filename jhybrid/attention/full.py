@@ -3,6 +3,15 @@
 Cache of one layer: {"k": [B, max_len, Hkv, D], "v": [B, max_len, Hkv, D]}. New tokens are
 scattered to their positions (padding, position -1, is dropped), then attention runs in plain jnp
 over the whole buffer with a mask built from positions and lengths — exact, float32 softmax.
+
+No copy of the cache for a decode step of two or more sequences: the grouped einsum (batch and KV head as the dot's batch
+dimensions) needs the KV-head axis next to the batch axis, so XLA copies each layer's K and V
+buffer into a transposed temporary every step (one layer's K and V of extra memory at the largest
+batch, and twice their bytes moved). With few query rows per KV head (decode: memory bound) the
+scores are instead a dot contracting (KV head, D) — the buffer's minor axes as they lie — against
+a block-diagonal query (zero outside its own KV head: Hkv x the FLOPs, still far below the bytes
+read), and the output a dot contracting L over all KV heads, keeping each head's own diagonal. Exact:
+the extra products are exact zeros. Longer chunks (prefill, compute bound) use the grouped einsum.
 """
 
 from __future__ import annotations
@@ -25,6 +34,39 @@ def store_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Arra
     return cache.at[batch, index].set(new.astype(cache.dtype), mode="drop")
 
 
+# The copy-free formulation for up to this many query rows (steps x query heads) per sequence, and
+# from 2 sequences on: with one sequence XLA drops the batch axis, and XLA:CPU then fuses the cache
+# update into the dot's operand as well as into the returned cache and copies the buffer (3x a
+# layer's K of temporaries, against 2x with the grouped einsum; unchecked on GPU).
+COPY_FREE_MAX_ROWS = 128
+
+
+def _scores_copy_free(q, k_cache):
+    """q [B, T, Hkv, G, D] x k_cache [B, L, Hkv, D] -> float32 [B, Hkv, G, T, L] without a layout
+    change of the cache: contract (KV head, D) against a block-diagonal query."""
+    batch, steps, num_kv_heads, group, head_dim = q.shape
+    eye = jnp.eye(num_kv_heads, dtype=q.dtype)
+    q_bd = q[:, :, :, :, None, :] * eye[None, None, :, None, :, None]  # [B, T, Hkv, G, Hkv, D]
+    q_bd = q_bd.reshape(batch, steps * num_kv_heads * group, num_kv_heads * head_dim)
+    keys = k_cache.reshape(batch, k_cache.shape[1], num_kv_heads * head_dim)  # free: minor axes
+    scores = jnp.einsum("bmc,bsc->bms", q_bd, keys, preferred_element_type=jnp.float32)
+    scores = scores.reshape(batch, steps, num_kv_heads, group, -1)  # [B, T, Hkv, G, L]
+    return jnp.transpose(scores, (0, 2, 3, 1, 4))
+
+
+def _values_copy_free(probs, v_cache):
+    """probs [B, Hkv, G, T, L] x v_cache [B, L, Hkv, D] -> float32 [B, T, Hkv, G, D]: one dot
+    contracting L (the buffer's rows) for all KV heads at once, then each head's own."""
+    batch, num_kv_heads, group, steps, length = probs.shape
+    head_dim = v_cache.shape[3]
+    rows = jnp.transpose(probs, (0, 3, 1, 2, 4)).reshape(batch, steps * num_kv_heads * group, length)
+    values = v_cache.reshape(batch, length, num_kv_heads * head_dim)  # [B, L, Hkv*D]
+    every = jnp.einsum("bms,bsc->bmc", rows, values, preferred_element_type=jnp.float32)
+    every = every.reshape(batch, steps, num_kv_heads, group, num_kv_heads, head_dim)
+    eye = jnp.eye(num_kv_heads, dtype=jnp.float32)
+    return jnp.sum(every * eye[None, None, :, None, :, None], axis=4)  # [B, T, Hkv, G, D]
+
+
 def masked_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -44,9 +86,12 @@ def masked_attention(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     q = q.reshape(batch, steps, num_kv_heads, group, head_dim)
-    scores = jnp.einsum(
-        "btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32
-    ) * jnp.float32(scale)  # [B, Hkv, G, T, L]
+    copy_free = batch > 1 and num_kv_heads > 1 and steps * num_heads <= COPY_FREE_MAX_ROWS
+    if copy_free:
+        scores = _scores_copy_free(q, k_cache)
+    else:
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(scale)  # [B, Hkv, G, T, L]
     key_pos = jnp.arange(k_cache.shape[1])[None, None, :]  # [1, 1, L]
     query_pos = positions[:, :, None]  # [B, T, 1]
     visible = (key_pos <= query_pos) & (key_pos < lengths[:, None, None]) & (query_pos >= 0)
@@ -59,8 +104,11 @@ def masked_attention(
     weights = jnp.exp(scores - max_score)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_cache.dtype), v_cache,
-                     preferred_element_type=jnp.float32)
+    if copy_free:
+        out = _values_copy_free(probs.astype(v_cache.dtype), v_cache)
+    else:
+        out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_cache.dtype), v_cache,
+                         preferred_element_type=jnp.float32)
     lse = (jnp.log(denom) + max_score)[..., 0]  # [B, Hkv, G, T]; -inf where nothing is visible
     lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, steps, num_heads)
     return out.reshape(batch, steps, num_heads, head_dim).astype(q.dtype), lse

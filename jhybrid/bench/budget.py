@@ -166,14 +166,30 @@ class PointMemory:
     host_per_seq: int
     host_fixed: int
     host_limit: int | None
+    # Where the decode step's transient bytes come from: "arithmetic" (device_activations_per_seq,
+    # an estimate) or "xla" (the compiled step's memory_analysis().temp_size_in_bytes at two
+    # batches, as a fixed part in step_temp_fixed plus device_activations_per_seq per sequence).
+    temp_source: str = "arithmetic"
+    step_temp_fixed: int = 0
+    step_temp_measured: int | None = None  # XLA's temp bytes at exactly this batch (when compiled)
+    # The largest device batch found by compiling the step at it and at the next one (None: from
+    # the linear model above).
+    max_batch_device_checked: int | None = None
 
     @property
     def device_per_seq(self) -> int:
         return self.device_cache_per_seq + self.device_activations_per_seq
 
     @property
+    def step_temp_bytes(self) -> int:
+        """The decode step's transient device bytes at this batch (measured where compiled)."""
+        if self.step_temp_measured is not None:
+            return self.step_temp_measured
+        return self.step_temp_fixed + self.batch * self.device_activations_per_seq
+
+    @property
     def device_bytes(self) -> int:
-        return self.device_fixed + self.batch * self.device_per_seq
+        return self.device_fixed + self.batch * self.device_cache_per_seq + self.step_temp_bytes
 
     @property
     def host_bytes(self) -> int:
@@ -183,7 +199,9 @@ class PointMemory:
     def max_batch_device(self) -> int | None:
         if self.device_limit is None:
             return None
-        return max(0, (self.device_limit - self.device_fixed) // self.device_per_seq)
+        if self.max_batch_device_checked is not None:
+            return self.max_batch_device_checked
+        return max(0, (self.device_limit - self.device_fixed - self.step_temp_fixed) // self.device_per_seq)
 
     @property
     def max_batch_host(self) -> int | None:
@@ -211,7 +229,8 @@ class PointMemory:
         if self.device_limit is not None and self.device_bytes > self.device_limit:
             return (f"over device capacity (predicted): needs {gib(self.device_bytes)} = weights "
                     f"{gib(self.weight_bytes)} + reserve {gib(self.device_fixed - self.weight_bytes)} + "
-                    f"{self.batch} x {gib(self.device_per_seq)} per sequence ({self.mode}, max_len "
+                    f"{self.batch} x {gib(self.device_cache_per_seq)} cache per sequence + step "
+                    f"temporaries {gib(self.step_temp_bytes)} ({self.temp_source}) ({self.mode}, max_len "
                     f"{self.max_len}); the device has {gib(self.device_limit)}: max batch "
                     f"{self.max_batch_device}")
         if self.host_limit is not None and self.host_bytes > self.host_limit:
@@ -226,17 +245,21 @@ class PointMemory:
         return {"pred_device_bytes": self.device_bytes, "pred_host_bytes": self.host_bytes,
                 "pred_max_batch": self.max_batch, "pred_max_batch_device": self.max_batch_device,
                 "pred_max_batch_host": self.max_batch_host, "limited_by": self.limited_by,
-                "device_limit_bytes": self.device_limit, "host_limit_bytes": self.host_limit}
+                "device_limit_bytes": self.device_limit, "host_limit_bytes": self.host_limit,
+                "pred_step_temp_bytes": self.step_temp_bytes, "pred_temp_source": self.temp_source,
+                "pred_max_batch_checked": self.max_batch_device_checked is not None}
 
 
 def point_memory(config, mode: str, batch: int, context: int, max_len: int, window: int | None,
                  sink: int = 16, block_size: int = 16, recall_blocks: int = 8, hgca_keep: float = 0.1,
                  weights: int | None = None, device_limit: int | None = None,
                  host_limit: int | None = None, device_reserve: int = 0, host_reserve: int = 0,
-                 predict_query: bool = True, host_kv_dtype: str | None = None) -> PointMemory:
+                 predict_query: bool = True, host_kv_dtype: str | None = None,
+                 topk_blocks: int | None = None) -> PointMemory:
     """Predicted device and host bytes of one throughput point (see the table above).
 
-    window: GPU tokens per sequence and layer, sinks included (None for full). weights: parameter
+    window: GPU tokens per sequence and layer, sinks included (None for full). topk_blocks: scout /
+    topk's selected blocks per (sequence, KV head) (None: every block). weights: parameter
     bytes (None: estimated from the shape). The limits are the capacities to check against."""
     it = dtype_bytes(config.dtype)
     st = dtype_bytes(host_kv_dtype or config.dtype)
@@ -256,12 +279,13 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
         if mode == "recall":
             per_layer += 2 * nb * bs * hkv * d * it
             upload = n_layers * 2 * nb * bs * hkv * d * it  # the next upload before the last is freed
-        if mode in ("scout", "topk"):
-            per_layer += 2 * hkv * nb * d * it
+        if mode in ("scout", "topk"):  # digests, and the int32 [Hkv, k] selected block ids
+            per_layer += 2 * hkv * nb * d * it + hkv * min(topk_blocks or nb, nb) * 4
         if mode == "scout":
-            per_layer += 2 * recall_blocks * hkv * bs * d * it + recall_blocks * 4
+            # pool K + V, and int32 [Hkv, r] pool block ids and pool use
+            per_layer += 2 * recall_blocks * hkv * bs * d * it + 2 * recall_blocks * hkv * 4
             if predict_query:  # the layer-ahead copy of the next layer's pool ids (not the last layer)
-                extra = recall_blocks * 4 * (n_layers - 1)
+                extra = recall_blocks * hkv * 4 * (n_layers - 1)
         activations = logits
         over = max_len - sink - ring
         e = max(0, -(-over // bs))

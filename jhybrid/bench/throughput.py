@@ -7,7 +7,13 @@ Two ways to get a context (benchmark.fill):
              in seconds, no ttft. `warmup_steps` untimed decode steps, then `decode_tokens` timed.
 
 Before anything is allocated, the point's device and host bytes are predicted
-(jhybrid.bench.budget.point_memory); a point predicted not to fit is skipped with the reason
+(jhybrid.bench.budget.point_memory). For `full` with a synthetic fill the decode step's transient
+device bytes come from XLA itself: the step is compiled from ShapeDtypeStructs (nothing allocated)
+and `memory_analysis()` gives its temp bytes, fitted over batches and, for 'max', confirmed by
+compiling at the max (fits) and max + 1 (does not); the run reuses the compile of its batch. Other
+modes (whose steps carry host-runtime state) and prediction-only points keep the arithmetic
+estimate; each row says which (pred_temp_source: xla / arithmetic, pred_step_temp_bytes,
+pred_max_batch_checked: the max confirmed by compiles). A point predicted not to fit is skipped with the reason
 (unless benchmark.run_over_capacity), and an out-of-memory error during a run is recorded the
 same way. benchmark.batch 'max' / 'max+1' resolve to the predicted largest batch / the one after.
 
@@ -18,12 +24,14 @@ no per-point reset), host_rss_bytes (after the last step), host_rss_peak_bytes (
 host_kv_bytes, the per-step breakdown (between_steps_ms: the manager's work before each step,
 eviction / recall uploads / scout's block recall; callback_ms: time inside host callbacks, the GPU
 stalled; compute_ms: the rest of the step = GPU compute + dispatch; plus cpu_attn_ms, wait_ms,
-evict_ms, recall_ms, transfer_ms from the manager's counters) and the prediction (pred_*).
-Times exclude compilation (compile_s apart).
+evict_ms, recall_ms, transfer_ms from the manager's counters) and the prediction (pred_*,
+predict_s: its seconds, compiles for XLA's account included). Times exclude compilation (compile_s
+apart: the compile of the timed step, wherever it was made).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -36,7 +44,7 @@ import numpy as np
 
 from jhybrid.bench import synthetic
 from jhybrid.bench.budget import PointMemory, human_bytes, point_memory
-from jhybrid.bench.offload import PointSkipped, backend_for
+from jhybrid.bench.offload import PointSkipped, backend_for, topk_blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +102,113 @@ def max_len_for(bench) -> int:
     return -(-(bench.context + warmup + bench.decode_tokens + 1) // 64) * 64
 
 
+def decode_step(model, backend):
+    """(decode(params, tokens [B], positions [B], cache) -> (tokens, cache), params): the step the
+    synthetic fill times, jitted with the cache donated."""
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+
+    def decode(params, tokens, positions, cache):
+        logits, cache = nnx.merge(graphdef, params)(tokens[:, None], positions[:, None], cache, backend)
+        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
+
+    return jax.jit(decode, donate_argnums=(3,)), params
+
+
+def compile_step(model, backend, batch: int, max_len: int):
+    """The decode step compiled for [batch] tokens over a cache of max_len, from shapes only
+    (ShapeDtypeStructs: nothing is allocated). Its memory_analysis() is XLA's own account."""
+    step, params = decode_step(model, backend)
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    cache = jax.eval_shape(lambda: model.init_cache(batch, max_len, backend))
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    return step.lower(jax.tree_util.tree_map(spec, params), tokens, tokens, cache).compile()
+
+
+def step_temp_bytes(compiled) -> int:
+    """Transient device bytes of a compiled step: XLA's temp buffer plus outputs it cannot alias
+    to donated inputs."""
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + max(0, m.output_size_in_bytes - m.alias_size_in_bytes))
+
+
+# (id(model), mode, context, max_len, device limit) -> {batch: temp bytes}: compiled steps' temps,
+# shared by the 'max' and 'max+1' points of one shape.
+_XLA_TEMPS: dict = {}
+XLA_MAX_COMPILES = 6  # compiles one max-batch search may spend (each a few seconds on the GPU)
+
+
+def xla_predicts(model, point) -> bool:
+    """XLA, not arithmetic, predicts the step's transient bytes for run points of mode 'full' with a
+    synthetic fill (the device-bound mode; the offloading modes' steps hold host-runtime state and
+    keep the arithmetic estimate, as do prediction-only points, which have no model)."""
+    return (point.offload.mode == "full" and point.benchmark.fill == "synthetic"
+            and hasattr(model, "init_cache"))
+
+
+def xla_memory(model, point, backend, memory: PointMemory, batch_spec, compile_fn=None) -> PointMemory:
+    """The prediction with the step's transient bytes from XLA: temp(b) = fixed + b x per sequence,
+    fitted through the compiled step at the arithmetic max batch and at half of it; for 'max' / 'max+1'
+    the largest batch is then confirmed by compiling at it (fits) and at the one after (does not).
+    Returns the prediction at the resolved batch with XLA's temp measured there; its `compiled`
+    attribute is that batch's compiled step when this call compiled it (the run reuses it)."""
+    compile_fn = compile_fn or (lambda b: compile_step(model, backend, b, memory.max_len))
+    key = (id(model), point.offload.mode, point.benchmark.context, memory.max_len, memory.device_limit)
+    temps = _XLA_TEMPS.setdefault(key, {})
+    compiled: dict = {}
+    seconds: dict = {}
+
+    def temp(b: int) -> int:
+        if b not in temps:
+            start = time.perf_counter()
+            compiled[b] = compile_fn(b)
+            seconds[b] = time.perf_counter() - start
+            temps[b] = step_temp_bytes(compiled[b])
+        return temps[b]
+
+    def fits(b: int) -> bool:
+        if memory.device_limit is None:
+            return True
+        return memory.device_fixed + b * memory.device_cache_per_seq + temp(b) <= memory.device_limit
+
+    guess = max(2, memory.max_batch_device or 2)
+    low = guess // 2 if guess >= 4 else 1  # (batch 1 may take another formulation: fit above it)
+    per_seq = max(0, -(-(temp(guess) - temp(low)) // (guess - low)))
+    fixed = max(0, temp(low) - low * per_seq)
+    fitted = dataclasses.replace(memory, temp_source="xla", device_activations_per_seq=per_seq,
+                                 step_temp_fixed=fixed)
+    checked = None
+    if not isinstance(batch_spec, int) and memory.device_limit is not None:
+        b = max(1, fitted.max_batch_device or 0)
+        spent = 0
+        while spent < XLA_MAX_COMPILES:  # walk to the largest b that fits with b + 1 not fitting
+            spent += int(b not in temps) + int(b + 1 not in temps)
+            if not fits(b):
+                if b == 1:
+                    b = 0
+                    break
+                b -= 1
+            elif fits(b + 1):
+                b += 1
+            else:
+                break
+        else:
+            log.warning("max batch search: %d compiles spent; %d from the linear fit", XLA_MAX_COMPILES, b)
+        checked = b
+    fitted = dataclasses.replace(fitted, max_batch_device_checked=checked)
+    if isinstance(batch_spec, int):
+        batch = batch_spec
+    else:
+        if fitted.max_batch is None or fitted.max_batch < 1:
+            return fitted
+        batch = fitted.max_batch + (1 if batch_spec == "max+1" else 0)
+    out = dataclasses.replace(fitted, batch=batch, step_temp_measured=temp(batch))
+    out.compiled = compiled.get(batch)  # type: ignore[attr-defined]
+    out.compile_seconds = seconds.get(batch)  # type: ignore[attr-defined]
+    return out
+
+
 def predict(model, point, batch: int, window: int | None, weights: int) -> PointMemory:
     bench, offload = point.benchmark, point.offload
     limit = bench.device_memory_gib * GIB if bench.device_memory_gib else device_memory().get("bytes_limit")
@@ -104,15 +219,22 @@ def predict(model, point, batch: int, window: int | None, weights: int) -> Point
                         device_limit=None if limit is None else int(limit), host_limit=int(host),
                         device_reserve=int(bench.device_reserve_gib * GIB),
                         host_reserve=int(bench.host_reserve_gib * GIB),
-                        predict_query=offload.predict_query)
+                        predict_query=offload.predict_query, topk_blocks=topk_blocks_for(offload))
 
 
-def resolve_batch(model, point, window, weights) -> tuple[int, object]:
-    """(batch, prediction) for the point; 'max' / 'max+1' from the prediction at batch 1."""
+def resolve_batch(model, point, window, weights, backend=None) -> tuple[int, object]:
+    """(batch, prediction) for the point; 'max' / 'max+1' from the prediction at batch 1. With a
+    backend and xla_predicts(model, point), the step's transient bytes come from XLA (xla_memory)."""
     spec = point.benchmark.batch
-    if isinstance(spec, int):
+    if backend is not None and xla_predicts(model, point):
+        memory = xla_memory(model, point, backend, predict(model, point, 1, window, weights), spec)
+        if isinstance(spec, int):
+            return spec, memory
+        probe = memory
+    elif isinstance(spec, int):
         return spec, predict(model, point, spec, window, weights)
-    probe = predict(model, point, 1, window, weights)
+    else:
+        probe = predict(model, point, 1, window, weights)
     if probe.max_batch is None:
         raise PointSkipped(f"batch {spec!r}: neither the device nor the host reports a memory limit "
                            "(set benchmark.device_memory_gib / host_memory_gib)", **probe.fields())
@@ -120,6 +242,8 @@ def resolve_batch(model, point, window, weights) -> tuple[int, object]:
         raise PointSkipped(f"batch {spec!r}: not even one sequence fits: {probe.over_capacity()}",
                            **probe.fields())
     batch = probe.max_batch + (1 if spec == "max+1" else 0)
+    if probe.temp_source == "xla":
+        return batch, probe
     return batch, predict(model, point, batch, window, weights)
 
 
@@ -154,10 +278,12 @@ def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> lis
             "context": bench.context}
     backend, window = backend_for(offload, bench.context)
     weights = params_bytes(model)
-    batch, memory = resolve_batch(model, point, window, weights)
+    start = time.perf_counter()
+    batch, memory = resolve_batch(model, point, window, weights, backend)
+    predict_s = time.perf_counter() - start
     base.update(batch=batch, window=window, gpu_ratio=offload.gpu_ratio if window else None,
                 budget=offload.budget if offload.mode in ("scout", "topk") else None,
-                weight_bytes=weights, **memory.fields())
+                weight_bytes=weights, **memory.fields(), predict_s=round(predict_s, 2))
     reason = memory.over_capacity()
     if reason and not bench.run_over_capacity:
         raise PointSkipped(reason, **base)
@@ -173,8 +299,12 @@ def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> lis
         if is_oom(error):
             gc.collect()
             predicted = f" (predicted: {reason})" if reason else " (predicted to fit)"
+            stats = device_memory()  # where the allocator stood: fragmentation shows as a small
+            state = "".join(f", {label} {human_bytes(stats[key])}" for label, key in  # largest block
+                            (("device in use", "bytes_in_use"), ("largest free block", "largest_free_block_bytes"))
+                            if stats.get(key) is not None)
             raise PointSkipped(f"out of memory{predicted}: {type(error).__name__}: "
-                               f"{str(error).splitlines()[0][:300]}", **base) from None
+                               f"{str(error).splitlines()[0][:300]}{state}", **base) from None
         raise
     finally:
         _release(backend)
@@ -218,8 +348,6 @@ def _host_context(model_config, offload, keep: float):
 
 
 def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memory) -> dict:
-    from flax import nnx
-
     from jhybrid.hybrid.config import evicted_blocks
 
     bench, offload = point.benchmark, point.offload
@@ -247,17 +375,16 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     jax.block_until_ready(cache)
     fill_s = time.perf_counter() - fill_start
 
-    graphdef, params = nnx.split(model)
-
-    def decode(params, tokens, positions, cache):
-        logits, cache = nnx.merge(graphdef, params)(tokens[:, None], positions[:, None], cache, backend)
-        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
-
+    jitted, params = decode_step(model, backend)
     tokens = np.zeros(batch, np.int32)
     held = np.full(batch, bench.context, np.int32)
     start = time.perf_counter()
-    step = jax.jit(decode, donate_argnums=(3,)).lower(params, tokens, held, cache).compile()
-    compile_s = time.perf_counter() - start
+    step = getattr(memory, "compiled", None)  # compiled from shapes for the prediction: reused
+    if step is None:
+        step = jitted.lower(params, tokens, held, cache).compile()
+        compile_s = time.perf_counter() - start
+    else:
+        compile_s = memory.compile_seconds
     hook = getattr(backend, "before_step", None)
     step_s, hook_s = [], []
     planned = bench.warmup_steps + bench.decode_tokens
