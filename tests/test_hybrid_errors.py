@@ -37,10 +37,44 @@ def model():
     (dict(beta=0.0), "beta"),
     (dict(topk_blocks=0), "topk_blocks"),
     (dict(exchange="async"), "exchange"),
+    (dict(mode="scout", scout_exact_layers="auto"), r"scout_exact_layers='auto' \(expected a tuple"),
+    (dict(mode="scout", scout_exact_layers=True), r"scout_exact_layers=True \(expected"),
+    (dict(mode="scout", scout_exact_layers=-2), r"scout_exact_layers=-2 \(expected an int N >= 0"),
+    (dict(mode="scout", scout_exact_layers=(1, "2")), r"'2' not a layer index"),
+    (dict(mode="scout", scout_exact_layers=[3, 3]), r"scout_exact_layers=\(3, 3\) names a layer twice"),
+    (dict(mode="scout", predict_query=False, scout_exact_layers=(1,)), "already uses its exact query"),
 ])
 def test_bad_config(options, message):
     with pytest.raises(ValueError, match=message):
         HybridConfig(**options)
+
+
+def test_scout_exact_layers_forms():
+    assert HybridConfig(mode="scout", scout_exact_layers=[2, 1]).exact_layer_set() == {0, 1, 2}
+    assert HybridConfig(mode="scout", scout_exact_layers=[2, 1]).scout_exact_layers == (2, 1)  # hashable
+    assert HybridConfig(mode="scout", scout_exact_layers=3).exact_layer_set() == {0, 1, 2}
+    assert HybridConfig(mode="scout").exact_layer_set() == {0}
+    assert HybridConfig(mode="scout", scout_exact_layers=0).exact_layer_set() == {0}
+    cfg = HybridConfig(mode="scout", scout_exact_layers=(2,))
+    assert [cfg.exact_query(i) for i in range(4)] == [True, False, True, False]
+    assert all(HybridConfig(mode="topk").exact_query(i) for i in range(4))
+
+
+@pytest.mark.parametrize("value, message", [
+    ("auto", "expected a list of layer indices or an int N >= 0"),
+    (-1, "expected a list of layer indices or an int N >= 0"),
+    ([1, "x"], "expected layer indices"),
+    ([1, -1], "expected layer indices"),
+])
+def test_bad_scout_exact_layers_in_run_config(value, message):
+    from jhybrid.config.loading import config_from_dict
+    from jhybrid.config.schema import ConfigError
+
+    doc = {"name": "x", "offload": {"mode": "scout", "scout_exact_layers": value}}
+    with pytest.raises(ConfigError, match=rf"'offload.scout_exact_layers' = .*{message}"):
+        config_from_dict(doc)
+    ok = config_from_dict({"name": "x", "offload": {"mode": "scout", "scout_exact_layers": [1, 2]}})
+    assert ok.offload.scout_exact_layers == (1, 2)
 
 
 def test_unknown_mode_through_get_backend():

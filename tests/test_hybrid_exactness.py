@@ -1,7 +1,8 @@
 """Hybrid attention modes against `full` on a tiny random model (CPU).
 
 With a keep-everything policy (beta -> 0, every block selected) recall, hgca, topk and scout
-(exact query) must give full attention's logits to float tolerance over 64 decode steps that cross
+(exact query: predict_query=False, or every layer in scout_exact_layers) must give full attention's
+logits to float tolerance over 64 decode steps that cross
 several evictions, greedy tokens must match, and no token is lost: host-stored + GPU-resident ==
 tokens written. A new turn appended to the cache triggers hgca's re-evaluation and stays exact.
 """
@@ -94,6 +95,9 @@ CASES = {
     "topk": dict(mode="topk"),
     "scout-exact-query": dict(mode="scout", predict_query=False, recall_blocks=2, recall_min_interval=2,
                               recall_threshold=0.0),
+    # predict_query=True, but every layer listed as exact: the same exact path, chosen per layer.
+    "scout-exact-layers": dict(mode="scout", scout_exact_layers=2, recall_blocks=2, recall_min_interval=2,
+                               recall_threshold=0.0),
 }
 
 
@@ -106,7 +110,7 @@ def test_keep_all_equals_full(model, tokens, reference, case):
     assert_nothing_lost(backend, held)
     counters = backend.manager.counters()
     assert counters["n_evicted_blocks"] == 4 * B * CONFIG.num_layers
-    if case == "scout-exact-query":
+    if case in ("scout-exact-query", "scout-exact-layers"):
         assert counters["n_recalls"] > 0  # blocks were recalled to the GPU pool and attended there
 
 

@@ -19,11 +19,15 @@ mode, recall buffers or digests and a recall pool; the host store holds every ev
                "sync": one callback computing on the spot, then the window kernel
     topk       digests -> top-k blocks with the exact q -> submit the blocks to the CPU ->
                window kernel -> collect -> merge (2 callbacks per layer)
-    scout      layer 0: as topk. Layer i: window kernel + block-sparse kernel over the selected
-               blocks in the GPU pool; then ONE exchange callback that collects layer i's CPU
-               part and submits layer i+1's, chosen with layer i+1's W_q applied to layer i's
-               input (L + 1 callbacks per step). With predict_query=False it runs like topk
-               plus the pool (exact at keep-all).
+    scout      exact layers (layer 0 + config.scout_exact_layers): as topk (+ the pool).
+               Predicted layer i: the selection and CPU job submitted by layer i - 1; window
+               kernel + block-sparse kernel over the selected blocks in the GPU pool; then ONE
+               callback that collects layer i's CPU part and, if layer i+1 is predicted, submits
+               layer i+1's, chosen and attended with layer i+1's norm + W_q + RoPE applied to
+               layer i's input. An exact layer whose successor is predicted also submits it in its
+               collect callback; a layer whose successor is exact submits nothing ahead.
+               Callbacks per decode step: L + |exact layers| (L + 1 with layer 0 only).
+               With predict_query=False every layer is exact: topk plus the pool (exact at keep-all).
 Every producer returns (o, lse); `jhybrid.merge.merge_partials` combines them exactly.
 """
 
@@ -91,6 +95,7 @@ class HybridAttention(AttentionBackend):
             raise ValueError(f"top-k budget of {cfg.topk_blocks} blocks x {cfg.block_size} tokens is larger "
                              f"than the context of {max_len} tokens")
         if layer_idx == 0:
+            cfg.check_layers(config.num_layers)
             if self.manager is not None:
                 self.manager.close()
             self.manager = KVManager(cfg, config, batch_size, max_len, dtype)
@@ -104,10 +109,13 @@ class HybridAttention(AttentionBackend):
             # The whole top-k of this layer's last decode step (read by the manager's recall planner
             # and by benchmarks for the selection drift); written, never read, by the step.
             state["sel_ids"] = jnp.full((batch_size, hkv, min(cfg.topk_blocks or nb, nb)), -1, jnp.int32)
-            if not cfg.predicts() or layer_idx == 0:
+            # Digests of this layer (exact-query selection here) or of the next layer (its
+            # layer-ahead selection runs here): each layer's digests live in exactly one place.
+            ahead = cfg.predicts() and not last and not cfg.exact_query(layer_idx + 1)
+            if cfg.exact_query(layer_idx):
                 state["kmin"] = jnp.zeros((batch_size, hkv, nb, d), dtype)
                 state["kmax"] = jnp.zeros((batch_size, hkv, nb, d), dtype)
-            if cfg.predicts() and not last:
+            if ahead:
                 state["next_kmin"] = jnp.zeros((batch_size, hkv, nb, d), dtype)
                 state["next_kmax"] = jnp.zeros((batch_size, hkv, nb, d), dtype)
             r = cfg.pool_blocks()
@@ -116,7 +124,7 @@ class HybridAttention(AttentionBackend):
                 state["pool_v"] = jnp.zeros((batch_size * r, hkv, bs, d), dtype)
                 state["pool_blocks"] = jnp.full((batch_size, hkv, r), -1, jnp.int32)
                 state["pool_used"] = jnp.full((batch_size, hkv, r), -1, jnp.int32)
-                if cfg.predicts() and not last:
+                if ahead:
                     state["next_pool_blocks"] = jnp.full((batch_size, hkv, r), -1, jnp.int32)
         return state
 
@@ -212,30 +220,28 @@ class HybridAttention(AttentionBackend):
         scale = context.scale
         e, *_ = ring_meta(cfg, lengths)
         pool = state.get("pool_blocks")
-        if not cfg.predicts():
+        if cfg.exact_query(layer_idx):
+            # Exact query (topk; scout's layer 0 and scout_exact_layers): select with q, submit the
+            # CPU part before the GPU window attention, collect after it. If the next layer runs on a
+            # prediction, this layer's collect also submits it (one exchange callback).
+            if layer_idx == 0:
+                self._carry.clear()  # a new traced step (drops leftovers of a failed trace)
+            elif layer_idx in self._carry:
+                raise RuntimeError(f"scout: layer {layer_idx} runs on its exact query but a layer-ahead "
+                                   "selection was submitted for it")
             sel = select(q[:, 0], state["kmin"], state["kmax"], e, self._k(state), pool, cfg.kernel_backend)
-            self._note_selection(state, sel, positions)
             ticket = bridge.submit(get, layer_idx, "blocks", q, sel.cpu_ids)
-            q_gpu = bridge.after(q, ticket)
-            o_w, lse_w, probs = self._window(q_gpu, state, lengths, scale)
-            parts = [(o_w, lse_w)] + self._gpu_selected(q_gpu, state, sel, scale)
-            parts.append(bridge.collect(get, ticket, q.shape, lse_w))
-            return parts, probs
-        # scout, layer-ahead
-        if layer_idx == 0:
-            self._carry.clear()
-            sel = select(q[:, 0], state["kmin"], state["kmax"], e, self._k(state), pool, cfg.kernel_backend)
-            ticket = bridge.submit(get, 0, "blocks", q, sel.cpu_ids)
             q = bridge.after(q, ticket)
-        else:
+        else:  # scout, predicted at the previous layer
             if layer_idx not in self._carry:
                 raise RuntimeError(f"scout: no layer-ahead selection for layer {layer_idx} (layers must run "
                                    "in order inside one traced step)")
             sel, ticket = self._carry.pop(layer_idx)
         self._note_selection(state, sel, positions)
         nxt = context.next_layer
+        ahead = cfg.predicts() and nxt is not None and not cfg.exact_query(layer_idx + 1)
         next_q = next_ids = None
-        if nxt is not None:
+        if ahead:
             hidden = nxt.attention_input(context.layer_input)
             next_q = nxt.attention.project_q(hidden, positions)  # [B, 1, Hq, D] predicted
             next_sel = select(next_q[:, 0], state["next_kmin"], state["next_kmax"], e, self._k(state),
@@ -243,11 +249,12 @@ class HybridAttention(AttentionBackend):
             next_ids = next_sel.cpu_ids
         o_w, lse_w, probs = self._window(q, state, lengths, scale)
         parts = [(o_w, lse_w)] + self._gpu_selected(q, state, sel, scale)
-        o_c, lse_c, next_ticket = bridge.exchange(get, ticket, q.shape, "blocks",
-                                                  None if nxt is None else layer_idx + 1,
-                                                  next_q, next_ids, lse_w)
-        if nxt is not None:
+        if ahead:
+            o_c, lse_c, next_ticket = bridge.exchange(get, ticket, q.shape, "blocks", layer_idx + 1,
+                                                      next_q, next_ids, lse_w)
             self._carry[layer_idx + 1] = (next_sel, next_ticket)
+        else:
+            o_c, lse_c = bridge.collect(get, ticket, q.shape, lse_w)
         parts.append((o_c, lse_c))
         return parts, probs
 

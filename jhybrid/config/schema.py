@@ -59,7 +59,10 @@ class OffloadSpec:
     window_tokens or gpu_ratio (not both): GPU tokens per layer and sequence, sinks included, or
     that share of the point's context (rounded down to sink + whole blocks).
     budget: scout/topk offloaded tokens attended per step (rounded up to blocks; None = all).
-    host_threads: Numba threads of the host worker (None: all cores but one)."""
+    host_threads: Numba threads of the host worker (None: all cores but one).
+    scout_exact_layers: scout: layers that use their exact query instead of the layer-ahead
+        prediction: a list of layer indices or an int N = layers 0..N-1 (layer 0 always is);
+        HybridConfig.scout_exact_layers. In a sweep, a list of sets is a list of lists: [[], [1, 2]]."""
 
     mode: str = dataclasses.field(default="full", metadata=_choices(*MODES))
     window_tokens: int | None = None
@@ -72,6 +75,7 @@ class OffloadSpec:
     recall_blocks: int = 8
     recall_threshold: float = 0.12
     predict_query: bool = True
+    scout_exact_layers: int | list = ()
     exchange: str = dataclasses.field(default="split", metadata=_choices(*EXCHANGES))
     host_threads: int | None = None
 
@@ -214,6 +218,15 @@ def _check_ranges(section: str, spec) -> None:
             raise ConfigError(f"'offload.alpha' = {spec.alpha}: expected a float in (0, 1]")
         if not spec.beta > 0.0:
             raise ConfigError(f"'offload.beta' = {spec.beta}: expected a float > 0")
+        exact = spec.scout_exact_layers
+        if isinstance(exact, (list, tuple)):
+            if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in exact):
+                raise ConfigError(f"'offload.scout_exact_layers' = {list(exact)!r}: expected layer indices "
+                                  "(ints >= 0)")
+            object.__setattr__(spec, "scout_exact_layers", tuple(exact))  # hashable, like HybridConfig's
+        elif isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
+            raise ConfigError(f"'offload.scout_exact_layers' = {exact!r}: expected a list of layer indices "
+                              "or an int N >= 0 (layers 0..N-1)")
         if not 0.0 <= spec.recall_threshold <= 1.0:
             raise ConfigError(f"'offload.recall_threshold' = {spec.recall_threshold}: expected a "
                               "fraction in [0, 1]")

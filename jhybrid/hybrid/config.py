@@ -40,6 +40,16 @@ class HybridConfig:
     recall_min_interval: ... but at most once every this many decode steps.
     predict_query: scout: CPU attention uses the layer-ahead predicted query (True, the paper's
         design, approximate) or the exact query submitted at the layer itself (False; exact).
+    scout_exact_layers: scout with predict_query=True: the layers that use their exact query anyway
+        (selection and CPU attention submitted at the layer itself, like topk) instead of the
+        layer-ahead prediction. A tuple / list of layer indices, or an int N meaning layers 0..N-1.
+        Layer 0 is always exact (nothing runs ahead of it), so () and 0 and 1 all mean "layer 0
+        only" (the paper's design). Use it for layers whose predicted query is poor, e.g. SmolLM2's
+        layers 1 and 2 (cosine predicted vs real query 0.23 and 0.67, jhybrid.bench.query_similarity;
+        `calibrate_scout_exact_layers` picks them from a sample). Cost: one extra callback per exact
+        layer and decode step (L + |exact layers incl. 0| callbacks per step) and no layer-ahead
+        overlap of those layers' CPU work. Indices >= the model's layer count are a ValueError when
+        the cache is built. Ignored by modes other than scout (like predict_query).
     exchange: hgca: "split" = submit before the GPU window attention, collect after it (2 callbacks
         per layer, CPU overlaps the GPU); "sync" = one callback that computes on the spot.
     kernel_backend: pallas_kernels backend (None: triton on GPU, jnp reference elsewhere, logged).
@@ -59,6 +69,7 @@ class HybridConfig:
     recall_threshold: float = 0.12
     recall_min_interval: int = 4
     predict_query: bool = True
+    scout_exact_layers: tuple[int, ...] | int = ()
     exchange: str = "split"
     kernel_backend: str | None = None
     n_threads: int | None = None
@@ -99,6 +110,26 @@ class HybridConfig:
         if self.host_memory_cap_bytes is not None and (not isinstance(self.host_memory_cap_bytes, int)
                                                        or self.host_memory_cap_bytes <= 0):
             bad.append(f"host_memory_cap_bytes={self.host_memory_cap_bytes!r} (expected None or a positive int)")
+        exact = self.scout_exact_layers
+        if isinstance(exact, list):
+            exact = tuple(exact)
+            object.__setattr__(self, "scout_exact_layers", exact)  # hashable: the config is a jit static
+        if isinstance(exact, bool) or not isinstance(exact, (int, tuple)):
+            bad.append(f"scout_exact_layers={exact!r} (expected a tuple of layer indices or an int N = "
+                       "layers 0..N-1)")
+        elif isinstance(exact, int) and exact < 0:
+            bad.append(f"scout_exact_layers={exact!r} (expected an int N >= 0 = layers 0..N-1)")
+        elif isinstance(exact, tuple):
+            wrong = [x for x in exact if isinstance(x, bool) or not isinstance(x, int) or x < 0]
+            if wrong:
+                bad.append(f"scout_exact_layers={exact!r}: {', '.join(map(repr, wrong))} not a layer index "
+                           "(expected ints >= 0)")
+            elif len(set(exact)) != len(exact):
+                bad.append(f"scout_exact_layers={exact!r} names a layer twice")
+        if (self.mode == "scout" and not self.predict_query and not bad
+                and self.exact_layer_set() - {0}):
+            bad.append(f"scout_exact_layers={exact!r} with predict_query=False: every layer already uses "
+                       "its exact query (set one of the two)")
         if bad:
             raise ValueError("invalid hybrid attention config: " + "; ".join(bad))
 
@@ -126,6 +157,24 @@ class HybridConfig:
 
     def predicts(self) -> bool:
         return self.mode == "scout" and self.predict_query
+
+    def exact_layer_set(self) -> frozenset:
+        """scout_exact_layers as a set of layer indices (layer 0 always included)."""
+        exact = self.scout_exact_layers
+        return frozenset(range(max(exact, 1)) if isinstance(exact, int) else (0, *exact))
+
+    def exact_query(self, layer: int) -> bool:
+        """Does `layer` select and attend with its exact query (False: layer-ahead prediction)?"""
+        return not self.predicts() or layer in self.exact_layer_set()
+
+    def check_layers(self, num_layers: int) -> None:
+        """ValueError when scout_exact_layers names a layer the model does not have."""
+        if self.predicts():
+            over = sorted(x for x in self.exact_layer_set() if x >= num_layers)
+            if over:
+                raise ValueError(f"scout_exact_layers={self.scout_exact_layers!r}: layer(s) "
+                                 f"{', '.join(map(str, over))} out of range for a model of {num_layers} layers "
+                                 f"(0..{num_layers - 1})")
 
     def pool_blocks(self) -> int:
         """GPU recall-pool slots per (layer, sequence) (scout only)."""
