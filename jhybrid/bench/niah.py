@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jhybrid.bench.offload import PointSkipped, backend_for
+from jhybrid.bench.offload import PointSkipped, backend_for, exact_layers_of
 from jhybrid.bench.texts import text_tokens
 from jhybrid.generation import Generator
 
@@ -56,4 +56,5 @@ def run_niah(model, pretrained, point, on_step=None, deadline=None) -> list[dict
              "gpu_ratio": offload.gpu_ratio if window else None,
              "beta": offload.beta if offload.mode == "hgca" else None,
              "budget": offload.budget if offload.mode in ("scout", "topk") else None,
-             "predict_query": offload.predict_query if offload.mode == "scout" else None}]
+             "predict_query": offload.predict_query if offload.mode == "scout" else None,
+             "scout_exact_layers": exact_layers_of(offload)}]

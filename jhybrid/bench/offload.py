@@ -56,7 +56,17 @@ def backend_for(offload, context: int):
                               topk_blocks=topk_blocks_for(offload), recall_blocks=offload.recall_blocks,
                               recall_threshold=offload.recall_threshold,
                               predict_query=offload.predict_query, exchange=offload.exchange,
+                              scout_exact_layers=offload.scout_exact_layers if offload.mode == "scout" else (),
                               n_threads=offload.host_threads)
     except ValueError as error:
         raise PointSkipped(str(error)) from None
     return make_backend(config), window
+
+
+def exact_layers_of(offload):
+    """The row value of offload.scout_exact_layers: a list of layer indices or an int N (JSON-friendly);
+    None outside scout."""
+    if offload.mode != "scout":
+        return None
+    exact = offload.scout_exact_layers
+    return exact if isinstance(exact, int) else list(exact)

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from jhybrid.bench.forced import forced_nll
-from jhybrid.bench.offload import PointSkipped, backend_for
+from jhybrid.bench.offload import PointSkipped, backend_for, exact_layers_of
 from jhybrid.bench.texts import text_tokens
 
 
@@ -32,6 +32,7 @@ def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> lis
              "beta": offload.beta if offload.mode == "hgca" else None,
              "budget": offload.budget if offload.mode in ("scout", "topk") else None,
              "predict_query": offload.predict_query if offload.mode == "scout" else None,
+             "scout_exact_layers": exact_layers_of(offload),
              "scored": len(nll), "mean_nll": round(float(nll.mean()), 6),
              "ppl": round(float(np.exp(nll.mean())), 4),
              "seconds": round(time.perf_counter() - start, 2)}]

@@ -45,8 +45,8 @@ class HybridConfig:
         layer-ahead prediction. A tuple / list of layer indices, or an int N meaning layers 0..N-1.
         Layer 0 is always exact (nothing runs ahead of it), so () and 0 and 1 all mean "layer 0
         only" (the paper's design). Use it for layers whose predicted query is poor, e.g. SmolLM2's
-        layers 1 and 2 (cosine predicted vs real query 0.23 and 0.67, jhybrid.bench.query_similarity;
-        `calibrate_scout_exact_layers` picks them from a sample). Cost: one extra callback per exact
+        layers 1 and 2 (cosine predicted vs real query 0.23 and 0.67, measured with
+        `python -m jhybrid.bench.query_similarity`). Cost: one extra callback per exact
         layer and decode step (L + |exact layers incl. 0| callbacks per step) and no layer-ahead
         overlap of those layers' CPU work. Indices >= the model's layer count are a ValueError when
         the cache is built. Ignored by modes other than scout (like predict_query).
