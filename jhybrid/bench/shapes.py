@@ -98,8 +98,25 @@ def load_model(spec):
                          f"{', '.join(SHAPES)} or a config.json path)")
     log.info("model %s: random weights (seed %d), %d layers, %s, no tokenizer", spec.name, spec.seed,
              config.num_layers, config.dtype)
-    model = create_model(config, seed=spec.seed)
-    return cast_params(model, config.dtype), None
+    return create_cast_on_host(config, spec.seed), None
+
+
+def create_cast_on_host(config, seed: int):
+    """A random-weight model whose parameters reach the accelerator already in config.dtype.
+
+    Created and cast on the host CPU device, then copied over: creating float32 weights on the GPU
+    and casting them there left a float32-sized hole below the bf16 weights, which fragmented GPU
+    memory enough that large cache fills later failed (H100, throughput suite). Off-GPU: as before."""
+    import jax
+    from flax import nnx
+
+    accelerator = jax.devices()[0]
+    if accelerator.platform == "cpu":
+        return cast_params(create_model(config, seed=seed), config.dtype)
+    with jax.default_device(jax.devices("cpu")[0]):
+        model = cast_params(create_model(config, seed=seed), config.dtype)
+    graphdef, params = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(params, accelerator))
 
 
 def cast_params(model, dtype: str):
