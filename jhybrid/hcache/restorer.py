@@ -14,6 +14,29 @@ of layer l. Every restored layer is handed to a **sink** `sink(layer, k, v)` wit
 [1, n, Hkv, D] device arrays for positions [0, n). `FullCacheWriter` is the sink for the `full`
 backend; a hybrid backend (GPU window + host store) gets its own sink that writes the last
 `window` positions to the device window and the rest to its host store.
+
+Length buckets (compile once per bucket, not once per history length): the jitted projection, KV
+split and recompute programs run at a BUCKETED length nb = `bucket_length(n, step)` >= n, so every
+history length of a bucket reuses one compilation. Policy (`bucket_length`): n rounded up to a
+multiple of max(step, 2 ** (floor(log2(n - 1)) - 2)), step = 256 by default, i.e. multiples of 256
+up to 2048 tokens, then 4 buckets per doubling (2560, 3072, 3584, 4096, 5120, ...): padding stays
+below 25% of n beyond 1K tokens (below `step` rows under it) and the number of programs grows with
+log(n). `LayerKernels(model, bucket=None)` (or 0 / 1) turns bucketing off (exact shapes: the
+reference path). Where the padding comes from, two ways:
+  * a source sends only the n real rows: they are zero-padded to nb on the device by a tiny copy
+    program (`_pad_rows`; no matmul, nothing to autotune, but still one compilation per n and row
+    width: ~50 ms each on the CPU backend, so a new length costs ~2 of those instead of the full
+    set of projection programs);
+  * a source sends nb rows (`SessionFileSource(pad_to=nb)`, `HostMemorySource(pad_to=nb)`): no
+    program is compiled for a new length of a known bucket. SessionFileSource zeroes the tail of
+    its reused read buffer (no extra host copy); the transfer grows by the padding (< 25% beyond
+    1K tokens). HCacheEngine restores use this (a new history length is the common case).
+Padded rows are per-row independent of the real ones (norm, projections and
+RoPE are row-wise; recompute masks them by position -1), so the real rows' K, V come out exactly
+as on the unbucketed path (tested bit for bit on the CPU backend). A sink with `accepts_padded =
+True` gets k, v [1, m, Hkv, D] with m >= n (only the first n rows are valid; `FullCacheWriter`
+writes only those rows, masked, so no padded position ever enters the cache); any other sink gets
+k[:, :n], v[:, :n] (one slice per layer).
 """
 
 from __future__ import annotations
@@ -63,18 +86,56 @@ def _join(rows) -> jax.Array:
     return rows
 
 
+DEFAULT_BUCKET = 256
+
+
+def bucket_length(n: int, step: int | None = DEFAULT_BUCKET) -> int:
+    """The padded length the restore programs run at for n history tokens (module docstring).
+
+    step None, 0 or 1: no bucketing (n itself). Otherwise n rounded up to a multiple of
+    max(step, 2 ** (floor(log2(n - 1)) - 2)): multiples of step while those are coarser, then
+    4 buckets per doubling of n (n <= nb < 1.25 n beyond 4 * step tokens)."""
+    n = int(n)
+    if not step or step <= 1 or n <= 0:
+        return n
+    grain = max(int(step), 1 << max(0, (n - 1).bit_length() - 3))
+    return -(-n // grain) * grain
+
+
+def _rows_len(rows) -> int:
+    return sum(r.shape[0] for r in rows) if isinstance(rows, (tuple, list)) else rows.shape[0]
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _pad_rows(rows, length):
+    """rows [n, r] (or pieces) -> [length, r], zero rows after n: joins and pads on the device."""
+    rows = _join(rows)
+    return jnp.pad(rows, ((0, length - rows.shape[0]), (0, 0)))
+
+
+def _take_queries(hidden, positions, num_queries, n):
+    """The last num_queries of the n valid rows of hidden [1, m, d] and positions [1, m]."""
+    if n is None:
+        return hidden[:, -num_queries:], positions[:, -num_queries:]
+    start = n - num_queries
+    return (jax.lax.dynamic_slice_in_dim(hidden, start, num_queries, axis=1),
+            jax.lax.dynamic_slice_in_dim(positions, start, num_queries, axis=1))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 5))
-def _project(config, graphdef, state, rows, positions, num_queries):
+def _project(config, graphdef, state, rows, positions, num_queries, n=None):
     """rows [n, d_model] (or pieces, joined here: inside the jit, on the dispatching thread) ->
     k, v [1, n, Hkv, D] and, when num_queries > 0, the queries q [1, num_queries, Hq, D] of the
-    last num_queries positions (norm + W_q + RoPE, what the layer computed for those tokens)."""
+    last num_queries positions (norm + W_q + RoPE, what the layer computed for those tokens).
+    n (traced int32 scalar, or None = every row): the valid rows when rows are bucket-padded; the
+    queries are those of positions n - num_queries .. n - 1."""
     layer = nnx.merge(graphdef, state)
-    hidden = _join(rows)[None].astype(config.dtype)  # [1, n, d]
+    hidden = _join(rows)[None].astype(config.dtype)  # [1, m, d]
     k, v = kv_from_hidden(layer, hidden, positions)
     if not num_queries:
         return k, v, None
-    tail = hidden[:, -num_queries:]
-    q = layer.attention.project_q(layer.attention_input(tail), positions[:, -num_queries:])
+    tail, tail_positions = _take_queries(hidden, positions, num_queries, n)
+    q = layer.attention.project_q(layer.attention_input(tail), tail_positions)
     return k, v, q
 
 
@@ -110,10 +171,13 @@ class LayerKernels:
     Layers of the same kind (sliding or not) have identical structure; their graphdefs differ
     only in the static `layer_idx`, which kv_from_hidden and the full backend do not use, so one
     representative graphdef per kind serves all of them with each layer's own parameters.
+
+    bucket: the length-bucket step (module docstring; None, 0 or 1: exact shapes).
     """
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, bucket: int | None = DEFAULT_BUCKET):
         self.config = model.config
+        self.bucket = bucket
         self.states = []
         representative: dict[bool, object] = {}
         self.graphdef_of = []
@@ -135,18 +199,48 @@ class LayerKernels:
                 self._positions.pop(next(iter(self._positions)))
         return out
 
-    def project(self, layer: int, rows, num_queries: int = 0):
+    def padded_length(self, n: int) -> int:
+        """The bucketed length nb >= n the programs run at for n history tokens."""
+        return bucket_length(n, self.bucket)
+
+    def pad(self, rows, n: int | None = None):
+        """rows of n real tokens -> rows of padded_length(n). rows: [n, r] (or pieces along n):
+        zero-padded on the device (a tiny program per n); or one array already of
+        padded_length(n) rows (a source that sent the padding: `pad_to`), passed through."""
+        m = _rows_len(rows)
+        n = m if n is None else n
+        nb = self.padded_length(n)
+        if m == nb and (nb == n or not isinstance(rows, (tuple, list))):
+            return rows  # unbucketed pieces are joined inside the heavy jits themselves
+        if m != n:
+            raise ValueError(f"restore rows hold {m} tokens; expected {n} (or {nb} padded)")
+        return _pad_rows(tuple(rows) if isinstance(rows, list) else rows, nb)
+
+    def project(self, layer: int, rows, num_queries: int = 0, padded: bool = False,
+                n: int | None = None):
         """rows [n, d_model] (storage dtype; or a tuple of pieces along n) -> k, v [1, n, Hkv, D]
         at positions 0..n-1; with num_queries > 0 -> (k, v, q [1, num_queries, Hq, D]), the
-        queries of the last num_queries positions."""
-        n = sum(r.shape[0] for r in rows) if isinstance(rows, (tuple, list)) else rows.shape[0]
+        queries of the last num_queries positions. The projection runs at the bucketed length;
+        padded=True returns k, v [1, nb, Hkv, D] (rows n.. are padding), else [1, n, Hkv, D].
+        n: the real tokens when rows come padded already (see `pad`); default all of rows."""
+        n = _rows_len(rows) if n is None else n
+        rows = self.pad(rows, n)
+        nb = self.padded_length(n)
         k, v, q = _project(self.config, self.graphdef_of[layer], self.states[layer], rows,
-                           self.positions(n), min(num_queries, n))
+                           self.positions(nb), min(num_queries, n),
+                           None if nb == n else np.int32(n))
+        if not padded and nb != n:
+            k, v = k[:, :n], v[:, :n]
         return (k, v) if not num_queries else (k, v, q)
 
-    def split_kv(self, rows):
-        """Saved KV rows [n, 2*Hkv*D] (or pieces) -> k, v [1, n, Hkv, D]."""
-        return _split_kv(rows, self.config.num_kv_heads, self.config.head_dim)
+    def split_kv(self, rows, padded: bool = False, n: int | None = None):
+        """Saved KV rows [n, 2*Hkv*D] (or pieces; or [nb, ...] already padded, with n given) ->
+        k, v [1, n, Hkv, D] ([1, nb, Hkv, D] with padded=True, rows n.. padding)."""
+        n = _rows_len(rows) if n is None else n
+        k, v = _split_kv(self.pad(rows, n), self.config.num_kv_heads, self.config.head_dim)
+        if not padded and k.shape[1] != n:
+            k, v = k[:, :n], v[:, :n]
+        return k, v
 
     def embed(self, tokens, positions) -> jax.Array:
         """tokens, positions [B, T] int32 -> the first layer's input [B, T, d_model]."""
@@ -161,12 +255,15 @@ class LayerKernels:
 def recompute_kv(kernels: LayerKernels, tokens: np.ndarray, num_layers: int, sink: Sink,
                  chunk: int = 1024) -> None:
     """Token recomputation of the first `num_layers` layers (an exact chunked prefill of those
-    layers, full backend); each layer's k, v [1, n, Hkv, D] goes to the sink at the end."""
+    layers, full backend); each layer's k, v [1, n, Hkv, D] goes to the sink at the end
+    ([1, m >= n, ...] to a sink with accepts_padded). Chunk and cache capacity follow the
+    bucketed length, so every n of a bucket runs the same programs."""
     n, config = len(tokens), kernels.config
     if num_layers == 0 or n == 0:
         return
-    chunk = min(chunk, -(-n // 16) * 16)
-    capacity = -(-n // chunk) * chunk
+    nb = max(kernels.padded_length(n), -(-n // 16) * 16)
+    chunk = min(chunk, nb)
+    capacity = -(-nb // chunk) * chunk
     backend = FullAttention()
     caches = [backend.init_layer_cache(config, i, 1, capacity, config.dtype) for i in range(num_layers)]
     for begin in range(0, n, chunk):
@@ -178,8 +275,12 @@ def recompute_kv(kernels: LayerKernels, tokens: np.ndarray, num_layers: int, sin
         x = kernels.embed(chunk_tokens, positions)
         for layer in range(num_layers):
             x, caches[layer] = kernels.run_layer(layer, x, positions, lengths, caches[layer])
+    padded = bool(getattr(sink, "accepts_padded", False))
     for layer in range(num_layers):
-        sink(layer, caches[layer]["k"][:, :n], caches[layer]["v"][:, :n])
+        k, v = caches[layer]["k"], caches[layer]["v"]
+        if not padded or k.shape[1] < n:
+            k, v = k[:, :n], v[:, :n]
+        sink(layer, k, v)
 
 
 def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch, sink: Sink,
@@ -188,7 +289,9 @@ def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch,
 
     methods: per layer "recompute" (a prefix), "hidden" or "kv" (see module docstring).
     fetch(layer, method) -> device rows [n, d_model] for "hidden", [n, 2 * Hkv * D] for "kv"
-    (storage dtype), or a tuple of pieces of such rows along n; runs on one background reader
+    (storage dtype), or a tuple of pieces of such rows along n, or one array of
+    kernels.padded_length(n) rows (the source sent the bucket padding, e.g. `pad_to`; the rows
+    after n are ignored whatever they hold); runs on one background reader
     thread, in I/O order. fetch must only START TRANSFERS (device_put), never dispatch device
     computations (concatenate, reshape, ...): on a GPU the reader thread runs ahead of the
     projections, and a computation it enqueued for layer l+5 would sit in the compute stream in
@@ -197,12 +300,15 @@ def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch,
     A sink with an int attribute `num_queries` > 0 also gets, for each "hidden" layer,
     sink.queries(layer, q) with q [1, num_queries, Hq, D]: the queries of the last positions
     (hgca's re-evaluation of offloaded tokens needs them; see jhybrid.hybrid.ingest).
+    A sink with `accepts_padded = True` gets k, v [1, m >= n, Hkv, D] of which only the first n
+    rows are valid (the bucketed programs' outputs, no slicing copy); others get [1, n, Hkv, D].
     Returns when every layer has been dispatched to the sink (the device work may still run:
     block on the sink's arrays to time it).
     """
-    config = kernels.config
+    config, n = kernels.config, len(tokens)
     methods = validate_plan(methods, config.num_layers)
     num_queries = int(getattr(sink, "num_queries", 0) or 0)
+    padded = bool(getattr(sink, "accepts_padded", False))
     io_order = ([l for l, m in enumerate(methods) if m == "hidden"]
                 + [l for l, m in enumerate(methods) if m == "kv"])
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hcache-reader") as reader:
@@ -213,12 +319,12 @@ def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch,
                 rows = arriving.pop(layer).result()
                 if methods[layer] == "hidden":
                     if num_queries:
-                        k, v, q = kernels.project(layer, rows, num_queries)
+                        k, v, q = kernels.project(layer, rows, num_queries, padded=padded, n=n)
                         sink.queries(layer, q)
                     else:
-                        k, v = kernels.project(layer, rows)
+                        k, v = kernels.project(layer, rows, padded=padded, n=n)
                 else:
-                    k, v = kernels.split_kv(rows)
+                    k, v = kernels.split_kv(rows, padded=padded, n=n)
                 del rows  # the device rows can go as soon as the projection has consumed them
                 sink(layer, k, v)
         except BaseException:
@@ -231,15 +337,25 @@ def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch,
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _write_prefix(buffer, values):
-    return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (0, 0, 0, 0))
+def _write_prefix(buffer, values, n):
+    """buffer [1, S, Hkv, D], values [1, m, Hkv, D] -> buffer with slots [0, n) = values[:, :n];
+    the other slots keep their content (padded rows n.. of values are masked out, never written).
+    Compiled per (S, m), not per n (n is traced)."""
+    m = min(values.shape[1], buffer.shape[1])
+    values = values[:, :m].astype(buffer.dtype)
+    old = buffer[:, :m]
+    keep = jnp.arange(m, dtype=jnp.int32)[None, :, None, None] < n
+    return jax.lax.dynamic_update_slice(buffer, jnp.where(keep, values, old), (0, 0, 0, 0))
 
 
 class FullCacheWriter:
     """Sink that writes restored layers into a fresh `full`-backend KVCache of max_len slots.
 
     After restore_kv: `writer.cache()` is a KVCache holding positions [0, n) with lengths [n].
+    Accepts bucket-padded k, v [1, m >= n, Hkv, D]: only rows [0, n) are written.
     """
+
+    accepts_padded = True
 
     def __init__(self, model: CausalLM, max_len: int, num_tokens: int):
         if num_tokens > max_len:
@@ -249,7 +365,8 @@ class FullCacheWriter:
 
     def __call__(self, layer: int, k: jax.Array, v: jax.Array) -> None:
         old = self.cache_layers[layer]
-        self.cache_layers[layer] = {"k": _write_prefix(old["k"], k), "v": _write_prefix(old["v"], v)}
+        n = np.int32(self.num_tokens)
+        self.cache_layers[layer] = {"k": _write_prefix(old["k"], k, n), "v": _write_prefix(old["v"], v, n)}
 
     def cache(self) -> KVCache:
         return KVCache(layers=tuple(self.cache_layers),
@@ -292,11 +409,16 @@ class SessionFileSource:
     tail_file, tail_offsets, tail_crc). Reads the first `num_tokens` tokens of a layer with one
     sequential read per stripe into a reused host buffer, verifies the chunks' crc32, copies to
     the device.
+    pad_to (>= num_tokens, e.g. LayerKernels.padded_length(num_tokens)): send that many rows,
+    the rows after num_tokens zeroed in the read buffer (no extra host copy; the transfer grows
+    by the padding) so the restore needs no per-length pad program on the device. None: send
+    only the real rows (padded on the device).
     """
 
     def __init__(self, layout: ChunkLayout, manifest: dict, num_tokens: int, dtype,
-                 buffers: dict | None = None):
+                 buffers: dict | None = None, pad_to: int | None = None):
         self.layout, self.manifest, self.num_tokens = layout, manifest, num_tokens
+        self.send_rows = max(num_tokens, pad_to or 0)
         self.session_id = manifest["session_id"]
         self.dtype = np.dtype(dtype)
         chunk = layout.chunk_tokens
@@ -317,7 +439,7 @@ class SessionFileSource:
                 raise CorruptSession(f"session {self.session_id}: tail file unreadable: {err}") from err
 
     def _buffer(self, row: int) -> np.ndarray:
-        rows_needed = -(-self.num_tokens // self.layout.chunk_tokens) * self.layout.chunk_tokens
+        rows_needed = -(-self.send_rows // self.layout.chunk_tokens) * self.layout.chunk_tokens
         buf = self.buffers.get(row)
         if buf is None or len(buf) < rows_needed or buf.dtype != self.dtype:
             buf = self.buffers[row] = np.empty((rows_needed, row), self.dtype)
@@ -343,7 +465,8 @@ class SessionFileSource:
                 raise CorruptSession(f"{what}: tail checksum mismatch")
             tail_rows = np.frombuffer(tail, self.dtype).reshape(-1, row)
             buf[self.num_chunks * chunk:self.num_tokens] = tail_rows[:rest]
-        return to_device(buf[:self.num_tokens])
+        buf[self.num_tokens:self.send_rows] = 0
+        return to_device(buf[:self.send_rows])
 
 
 class HostMemorySource:
@@ -351,15 +474,21 @@ class HostMemorySource:
 
     hidden[l]: [>= n, d_model], kv[l]: [>= n, 2*Hkv*D] — NumPy arrays, or pinned_host jax arrays
     on GPU (device_put from pinned memory runs at full PCIe speed and asynchronously).
+    pad_to: send that many rows where the array holds them (the rows after num_tokens as stored:
+    the restore ignores them), else only the real rows (padded on the device).
     """
 
-    def __init__(self, hidden: list | None, kv: list | None, num_tokens: int, device=None):
+    def __init__(self, hidden: list | None, kv: list | None, num_tokens: int, device=None,
+                 pad_to: int | None = None):
         self.arrays = {"hidden": hidden, "kv": kv}
         self.num_tokens = num_tokens
+        self.pad_to = pad_to
         self.device = device or jax.devices()[0]
 
     def __call__(self, layer: int, method: str) -> jax.Array:
-        rows = self.arrays[method][layer][:self.num_tokens]
+        array = self.arrays[method][layer]
+        send = self.pad_to if self.pad_to and array.shape[0] >= self.pad_to else self.num_tokens
+        rows = array[:send]
         if isinstance(rows, np.ndarray):
             return to_device(rows, self.device)
         return jax.device_put(rows, jax.sharding.SingleDeviceSharding(self.device))

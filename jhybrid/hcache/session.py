@@ -295,7 +295,8 @@ class Session:
         tokens = manifest["tokens"]
         if len(tokens) != n:
             raise CorruptSession(f"session {self.id}: manifest holds {len(tokens)} tokens, says {n}")
-        source = SessionFileSource(self.layout, manifest, n, engine.dtype, engine.read_buffers)
+        source = SessionFileSource(self.layout, manifest, n, engine.dtype, engine.read_buffers,
+                                   pad_to=engine.kernels.padded_length(n))
         sink = engine.restore_sink(n)
         restore_kv(engine.kernels, self.methods, np.asarray(tokens, np.int32), source, sink)
         self.cache = sink.finish()
@@ -333,7 +334,7 @@ class Session:
                 self.writer.submit([layer], lambda rows=rows.copy(): rows[None])
 
         source = SessionFileSource(engine.layout_of(manifest), manifest, n, engine.dtype,
-                                   engine.read_buffers)
+                                   engine.read_buffers, pad_to=engine.kernels.padded_length(n))
         sink = engine.restore_sink(n)
         fetch = _capturing(source, keep_rows)
         restore_kv(engine.kernels, self.methods, np.asarray(feed[:n], np.int32), fetch, sink)
