@@ -19,9 +19,18 @@ recompute cost per layer is the measured recompute restore / L), picks per layer
 (confirm_plan) measures that plan against every single-method plan and keeps the fastest.
 restore_ms: median wall time of restore_kv until every layer's K, V is on the device (and
 restore_ms_min, the fastest run: on a shared machine the less noisy of the two).
+Pipelines (`--pipelines reader,in_jit,...`, restore_kv's `pipeline`): every row has a `pipeline`;
+the four methods run with "reader" (the default pipeline); at the `--pipeline-histories` of the
+dram storage, "hidden" and "kv" also run with each other pipeline listed (rows method hidden/kv,
+pipeline <name>, pipeline_used = what restore_kv reports, e.g. a logged fallback), timed in the
+same interleaved rounds as the reader rows, and checked against the prefill first.
 
     PYTHONPATH=. python3 benchmarks/bench_hcache.py --out $OUT/hcache-h100.json      # GPU, < 5 min
     PYTHONPATH=. python3 benchmarks/bench_hcache.py --quick --out benchmarks/results/hcache-cpu2.json
+    # pipelines compared in one GPU run (MHA 1K/4K/16K, GQA 4K, DRAM only):
+    PYTHONPATH=. python3 benchmarks/bench_hcache.py --out $OUT/hcache-pipelines-h100.json \
+        --histories 1024 4096 16384 --model-histories llama3-8b-gqa=4096 --disk-max-tokens 0 \
+        --pipelines reader,upfront,in_jit,in_jit_lhs --pipeline-histories 1024 4096 16384
 """
 
 from __future__ import annotations
@@ -51,8 +60,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import device_description, print_table, write_results  # noqa: E402
 from jhybrid.hcache.planner import LayerCosts, confirm_plan, plan_restore  # noqa: E402
-from jhybrid.hcache.restorer import (CollectingSink, LayerKernels, SessionFileSource,  # noqa: E402
-                                     bytes_per_token, restore_kv, to_device)
+from jhybrid.hcache.restorer import (PIPELINES, CollectingSink, LayerKernels,  # noqa: E402
+                                     SessionFileSource, bytes_per_token, restore_kv, to_device)
 from jhybrid.hcache.saver import pinned_host_sharding  # noqa: E402
 from jhybrid.hcache.storage import ChunkLayout, LayerAppender, drop_page_cache  # noqa: E402
 from jhybrid.models import ModelConfig, create_model  # noqa: E402
@@ -150,6 +159,13 @@ class DramStore:
             return tuple(to_device(p) for p in pieces)
         return tuple(jax.device_put(pieces, jax.sharding.SingleDeviceSharding(self.device)))
 
+    __call__ = fetch  # restore_kv's fetch is the store itself for the other pipelines
+
+    def host_rows(self, layer: int, method: str):
+        """-> the pieces still in host memory (pinned_host jax arrays on GPU, NumPy on CPU): the
+        in_jit pipelines move them to the device inside their one program."""
+        return tuple(self.pieces[method][layer][:self.num_tokens // self.piece])
+
 
 class DiskStore:
     """The library's chunk files for every layer, hidden and kv, n_max tokens (tiled rows)."""
@@ -206,6 +222,11 @@ def filesystem_of(path: str) -> str:
     return "unknown" if best is None else f"{best[2]} {best[0]} on {best[1]}"
 
 
+def model_histories(args, name: str) -> list[int]:
+    """--histories, or this model's --model-histories override."""
+    return args.model_histories.get(name, args.histories)
+
+
 def median_seconds(fn, prepare, repeats: int = 3) -> float:
     prepare()
     fn()
@@ -227,7 +248,8 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
     tokens_check = rng.integers(0, config.vocab_size, args.check_tokens).astype(np.int32)
     hidden, kv = reference_prefill(model, tokens_check)
     itemsize = hidden.dtype.itemsize
-    histories = [n for n in args.histories if n % args.check_tokens == 0]
+    histories = [n for n in model_histories(args, name) if n % args.check_tokens == 0]
+    extra_pipelines = [p for p in args.pipelines if p != "reader"]
     n_max = max(histories)
     stores: dict = {}
     console.log(f"{name}: filling DRAM store ({n_max} tokens)")
@@ -263,9 +285,28 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
                     raise SystemExit(f"{name} {storage_name} {label}: restored KV differs from the "
                                      f"prefill's (relative error {err:.3g} > {tolerance})")
                 checks.append({"model": name, "storage": storage_name, "method": label,
-                               "history_tokens": n, "relative_error": err, "tolerance": tolerance})
+                               "pipeline": "reader", "history_tokens": n, "relative_error": err,
+                               "tolerance": tolerance})
                 console.log(f"{name} {storage_name} {label}: restored KV matches the prefill "
                             f"(relative error {err:.2g} <= {tolerance})")
+            if storage_name != "dram":
+                continue
+            for pipeline in extra_pipelines:
+                for method in ("hidden", "kv"):
+                    prepare()
+                    sink = CollectingSink(L)
+                    used = restore_kv(kernels, (method,) * L, tokens_check, store, sink,
+                                      args.recompute_chunk, pipeline=pipeline)
+                    sink.block()
+                    err = max_relative_error(sink, kv)
+                    if err > args.tolerance:
+                        raise SystemExit(f"{name} {storage_name} {method} ({pipeline}): restored KV "
+                                         f"differs from the prefill's ({err:.3g} > {args.tolerance})")
+                    checks.append({"model": name, "storage": storage_name, "method": method,
+                                   "pipeline": pipeline, "pipeline_used": used, "history_tokens": n,
+                                   "relative_error": err, "tolerance": args.tolerance})
+                    console.log(f"{name} {storage_name} {method} ({pipeline} -> {used}): restored "
+                                f"KV matches the prefill (relative error {err:.2g})")
         # Every other history first (1K, 4K, 16K; disk 1K, 4K), then the ones between: when the
         # time budget runs out, what is skipped are the fill-ins, not a whole storage.
         points = ([("dram", n) for n in histories[::2]] + [("disk", n) for n in disk_histories[::2]]
@@ -283,10 +324,14 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
             # One untimed run of each single method (compilation, and the recompute cost the
             # planner needs), then the planner's plan, then all four timed in interleaved rounds
             # so that machine noise hits them alike.
-            def run(methods):
+            def run(methods, pipeline="reader"):
                 sink = CollectingSink(L)
-                restore_kv(kernels, methods, tokens, store.fetch, sink, args.recompute_chunk)
+                # the store itself: fetch(layer, method) and, for the in_jit pipelines, host_rows
+                fetch = store if pipeline != "reader" else store.fetch
+                used = restore_kv(kernels, methods, tokens, fetch, sink, args.recompute_chunk,
+                                  pipeline=pipeline)
                 sink.block()
+                return used
 
             plans = {m: (m,) * L for m in METHODS}
             warm = {}
@@ -328,36 +373,59 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
             jax.block_until_ready([kernels.project(l, resident[l]) for l in range(L)])
             project_only = time.perf_counter() - start
             plans["planner"] = plan.methods
+            # The other pipelines (dram, --pipeline-histories): "hidden@in_jit" etc., one untimed
+            # run each (compilation; records what restore_kv used), then timed with the rest.
+            pipeline_of = {m: "reader" for m in plans}
+            used_of = {m: "reader" for m in plans}
+            if storage_name == "dram" and n in args.pipeline_histories:
+                for pipeline in extra_pipelines:
+                    for method in ("hidden", "kv"):
+                        label = f"{method}@{pipeline}"
+                        plans[label], pipeline_of[label] = (method,) * L, pipeline
+                        prepare()
+                        used_of[label] = run(plans[label], pipeline)
             repeats = args.disk_repeats if storage_name == "disk" else args.repeats
             samples = {m: [] for m in plans}
             order = list(plans)
             for round_index in range(repeats):
                 # Rotate the order each round: what ran just before a method (e.g. recompute's
                 # large temporaries being freed) must not always hit the same method.
-                for method in order[round_index % 4:] + order[:round_index % 4]:
+                shift = round_index % len(order)
+                for method in order[shift:] + order[:shift]:
                     methods = plans[method]
                     if method == "recompute" and len(samples[method]) >= max(1, repeats - 1):
                         continue  # the slowest by far: one run fewer
                     prepare()
                     gc.collect()
                     start = time.perf_counter()
-                    run(methods)
+                    run(methods, pipeline_of[method])
                     samples[method].append((time.perf_counter() - start) * 1e3)
             measured = {m: statistics.median(v) for m, v in samples.items()}
             best = min(measured[m] for m in METHODS)
             best_min = min(min(samples[m]) for m in METHODS)
-            for method, methods in plans.items():
+            for label, methods in plans.items():
+                method, pipeline = label.split("@")[0], pipeline_of[label]
+                suffix = "" if pipeline == "reader" else f"@{pipeline}"
                 row = {"model": name, "history_tokens": n, "method": method,
-                       "storage": storage_name, "restore_ms": round(measured[method], 3),
-                       "restore_ms_min": round(min(samples[method]), 3),
+                       "pipeline": pipeline, "storage": storage_name,
+                       "restore_ms": round(measured[label], 3),
+                       "restore_ms_min": round(min(samples[label]), 3),
                        "bytes_per_token": bytes_per_token(config, methods, itemsize)}
+                if pipeline != "reader":
+                    row["pipeline_used"] = used_of[label]
+                    row["vs_reader"] = round(measured[method] / measured[label], 3)
                 if method == "hidden":
-                    row["kv_over_hidden"] = round(measured["kv"] / measured["hidden"], 3)
-                    row["recompute_over_hidden"] = round(measured["recompute"] / measured["hidden"], 3)
+                    hidden_ms = measured[label]
+                    row["kv_over_hidden"] = round(measured["kv" + suffix] / hidden_ms, 3)
+                    # the target: hidden restore vs the plain KV restore, reader pipeline
+                    row["kv_reader_over_hidden"] = round(measured["kv"] / hidden_ms, 3)
+                    row["kv_reader_over_hidden_min"] = round(min(samples["kv"]) / min(samples[label]), 3)
+                    if pipeline == "reader":
+                        row["recompute_over_hidden"] = round(measured["recompute"] / hidden_ms, 3)
                     row["io_only_ms"] = round(io_only * 1e3, 3)
                     row["project_only_ms"] = round(project_only * 1e3, 3)
                     # 1 = transfer and projection fully overlapped, 0 = serialised
-                    row["overlap"] = round((io_only + project_only - measured["hidden"] / 1e3)
+                    row["overlap"] = round((io_only + project_only - hidden_ms / 1e3)
                                            / max(1e-9, min(io_only, project_only)), 3)
                 if method == "planner":
                     row["plan"] = plan.describe()
@@ -370,6 +438,9 @@ def bench_model(name, config, args, rows, checks, progress, deadline):
                 progress.advance(progress.task_ids[0])
             console.log(f"{name} {storage_name} n={n}: " + ", ".join(
                 f"{m} {t:.1f} ms" for m, t in measured.items()))
+            for label, used in used_of.items():
+                if used != pipeline_of[label]:
+                    console.log(f"[yellow]{name} n={n} {label}: restore_kv used {used}")
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
         try:
@@ -400,24 +471,48 @@ def main():
                    help="max relative KV error (Frobenius, per layer) of hidden/kv; x5 with recompute")
     p.add_argument("--time-budget", type=float, default=210.0, help="seconds; later points are skipped")
     p.add_argument("--models", nargs="+", default=None)
+    p.add_argument("--model-histories", nargs="+", default=[], metavar="MODEL=N,N",
+                   help="per-model history lengths replacing --histories, e.g. llama3-8b-gqa=4096")
+    p.add_argument("--pipelines", default="reader",
+                   help=f"comma-separated restore_kv pipelines to compare ({', '.join(PIPELINES)}); "
+                        "reader always runs (all methods); the others add hidden and kv rows on "
+                        "dram at --pipeline-histories")
+    p.add_argument("--pipeline-histories", type=int, nargs="+", default=None,
+                   help="histories where the other pipelines run (default 4096 16384; every "
+                        "history with --quick)")
     p.add_argument("--confirm-skip", type=float, default=4.0,
                    help="confirm_plan does not measure a single method estimated this many times "
                         "slower than the plan (recompute at 16K: seconds per run)")
     args = p.parse_args()
+    args.pipelines = ["reader"] + [q for q in dict.fromkeys(x.strip() for x in
+                                                            args.pipelines.split(","))
+                                   if q and q != "reader"]
+    bad = [q for q in args.pipelines if q not in PIPELINES]
+    if bad:
+        p.error(f"unknown pipelines {bad} (known: {', '.join(PIPELINES)})")
+    overrides = {}
+    for item in args.model_histories:
+        model_name, _, lengths = item.partition("=")
+        if not lengths:
+            p.error(f"--model-histories takes MODEL=N,N,...; got {item!r}")
+        overrides[model_name] = [int(x) for x in lengths.split(",") if x]
+    args.model_histories = overrides
     if args.quick:
         args.histories = args.histories or [256, 512, 1024]
         args.check_tokens = args.check_tokens or 256
-        args.disk_max_tokens = args.disk_max_tokens or 1024
+        args.disk_max_tokens = 1024 if args.disk_max_tokens is None else args.disk_max_tokens
         args.recompute_chunk = args.recompute_chunk or 256
         args.repeats = args.repeats or 8
         args.disk_repeats = args.disk_repeats or 8
     else:
         args.histories = args.histories or [1024, 2048, 4096, 8192, 16384]
         args.check_tokens = args.check_tokens or 1024
-        args.disk_max_tokens = args.disk_max_tokens or 4096
+        args.disk_max_tokens = 4096 if args.disk_max_tokens is None else args.disk_max_tokens
         args.recompute_chunk = args.recompute_chunk or 2048
         args.repeats = args.repeats or 4
         args.disk_repeats = args.disk_repeats or 2
+    if args.pipeline_histories is None:
+        args.pipeline_histories = list(args.histories) if args.quick else [4096, 16384]
     logging.basicConfig(level=logging.WARNING)
     configs = model_configs(args.quick)
     if args.models:
@@ -426,13 +521,20 @@ def main():
     deadline = start + args.time_budget
     rows: list[dict] = []
     checks: list[dict] = []
-    total = sum(len(args.histories) * 4 * 2 for _ in configs)
+    unknown = set(args.model_histories) - set(configs)
+    if unknown:
+        p.error(f"--model-histories for unknown models {sorted(unknown)} (models: {list(configs)})")
+    # budget weights: the tokens restored per model (the long histories dominate the time)
+    points = {name: sum(model_histories(args, name)) for name in configs}
+    total = sum(len(model_histories(args, name)) * 4 * 2 for name in configs)
     copy_path = None
     with Progress(console=console, transient=True) as progress:
         progress.add_task("restores", total=total)
+        names = list(configs)
         for i, (name, config) in enumerate(configs.items()):
-            # Each model gets an equal share of what is left of the budget.
-            share = (deadline - time.monotonic()) / (len(configs) - i)
+            # Each model gets a share of what is left of the budget in proportion to its tokens.
+            left = sum(points[m] for m in names[i:])
+            share = (deadline - time.monotonic()) * points[name] / max(1, left)
             copy_path = bench_model(name, config, args, rows, checks, progress,
                                     time.monotonic() + share)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -441,7 +543,10 @@ def main():
         "models": {k: {f: getattr(v, f) for f in ("d_model", "num_layers", "num_heads",
                                                   "num_kv_heads", "head_dim", "mlp_dim", "dtype")}
                    for k, v in configs.items()},
-        "batch": 1, "histories": args.histories, "check_tokens": args.check_tokens,
+        "batch": 1, "histories": args.histories, "model_histories": args.model_histories,
+        "check_tokens": args.check_tokens,
+        "pipelines": args.pipelines, "pipeline_histories": args.pipeline_histories,
+        "pipeline_storage": "dram only (the disk source has no host_rows: in_jit would fall back)",
         "disk_max_tokens": args.disk_max_tokens, "repeats": args.repeats,
         "disk_repeats": args.disk_repeats,
         "recompute_chunk": args.recompute_chunk, "chunk_tokens": 64,
@@ -464,12 +569,14 @@ def main():
     }
     order = {m: i for i, m in enumerate(METHODS + ("planner",))}
     rows.sort(key=lambda r: (list(configs).index(r["model"]), r["storage"] != "dram",
-                             r["history_tokens"], order[r["method"]]))
+                             r["history_tokens"], args.pipelines.index(r["pipeline"]),
+                             order[r["method"]]))
     write_results(out, "hcache-restore", config, rows)
     console.log(f"wrote {out} ({device_description()}, {config['elapsed_s']} s)")
-    print_table(rows, ["model", "history_tokens", "storage", "method", "restore_ms", "restore_ms_min",
-                       "bytes_per_token", "kv_over_hidden", "recompute_over_hidden", "overlap", "plan",
-                       "vs_best_single", "vs_best_single_min", "planner_ok"])
+    print_table(rows, ["model", "history_tokens", "storage", "pipeline", "method", "restore_ms",
+                       "restore_ms_min", "bytes_per_token", "kv_over_hidden", "kv_reader_over_hidden",
+                       "vs_reader", "recompute_over_hidden", "overlap", "plan", "vs_best_single",
+                       "vs_best_single_min", "planner_ok", "pipeline_used"])
 
 
 if __name__ == "__main__":

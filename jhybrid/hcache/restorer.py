@@ -10,10 +10,14 @@ A restore plan gives each layer a method:
 `restore_kv` reads on a background thread, in the order hidden layers, then KV layers, while the
 calling thread recomputes the prefix and dispatches each hidden layer's projection as soon as that
 layer has arrived (JAX dispatch is asynchronous), so transfer of layer l+1 overlaps the projection
-of layer l. Every restored layer is handed to a **sink** `sink(layer, k, v)` with k, v
-[1, n, Hkv, D] device arrays for positions [0, n). `FullCacheWriter` is the sink for the `full`
-backend; a hybrid backend (GPU window + host store) gets its own sink that writes the last
-`window` positions to the device window and the rest to its host store.
+of layer l (the default `pipeline="reader"`; "upfront" issues every fetch before any projection;
+"in_jit" / "in_jit_lhs" run all hidden and KV layers as ONE jitted program whose inputs are the
+rows still in pinned host memory, moved to the device inside it so that XLA's scheduler overlaps
+the host->device copies with the projections: see `restore_kv`). Every restored layer is handed
+to a **sink** `sink(layer, k, v)` with k, v [1, n, Hkv, D] device arrays for positions [0, n).
+`FullCacheWriter` is the sink for the `full` backend; a hybrid backend (GPU window + host store)
+gets its own sink that writes the last `window` positions to the device window and the rest to
+its host store.
 
 Length buckets (compile once per bucket, not once per history length): the jitted projection, KV
 split and recompute programs run at a BUCKETED length nb = `bucket_length(n, step)` >= n, so every
@@ -122,13 +126,8 @@ def _take_queries(hidden, positions, num_queries, n):
             jax.lax.dynamic_slice_in_dim(positions, start, num_queries, axis=1))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 5))
-def _project(config, graphdef, state, rows, positions, num_queries, n=None):
-    """rows [n, d_model] (or pieces, joined here: inside the jit, on the dispatching thread) ->
-    k, v [1, n, Hkv, D] and, when num_queries > 0, the queries q [1, num_queries, Hq, D] of the
-    last num_queries positions (norm + W_q + RoPE, what the layer computed for those tokens).
-    n (traced int32 scalar, or None = every row): the valid rows when rows are bucket-padded; the
-    queries are those of positions n - num_queries .. n - 1."""
+def _project_rows(config, graphdef, state, rows, positions, num_queries, n=None):
+    """The body of `_project` (also traced into the in_jit restore program, `_restore_layers`)."""
     layer = nnx.merge(graphdef, state)
     hidden = _join(rows)[None].astype(config.dtype)  # [1, m, d]
     k, v = kv_from_hidden(layer, hidden, positions)
@@ -139,12 +138,73 @@ def _project(config, graphdef, state, rows, positions, num_queries, n=None):
     return k, v, q
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _split_kv(rows, num_kv_heads, head_dim):
-    """KV rows [n, 2*Hkv*D] (or pieces) -> k, v [1, n, Hkv, D] (one program, no eager copies)."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 5))
+def _project(config, graphdef, state, rows, positions, num_queries, n=None):
+    """rows [n, d_model] (or pieces, joined here: inside the jit, on the dispatching thread) ->
+    k, v [1, n, Hkv, D] and, when num_queries > 0, the queries q [1, num_queries, Hq, D] of the
+    last num_queries positions (norm + W_q + RoPE, what the layer computed for those tokens).
+    n (traced int32 scalar, or None = every row): the valid rows when rows are bucket-padded; the
+    queries are those of positions n - num_queries .. n - 1."""
+    return _project_rows(config, graphdef, state, rows, positions, num_queries, n)
+
+
+def _split_rows(rows, num_kv_heads, head_dim):
+    """The body of `_split_kv` (also traced into `_restore_layers`)."""
     kv = _join(rows)
     kv = kv.reshape(1, kv.shape[0], 2, num_kv_heads, head_dim)
     return kv[:, :, 0], kv[:, :, 1]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _split_kv(rows, num_kv_heads, head_dim):
+    """KV rows [n, 2*Hkv*D] (or pieces) -> k, v [1, n, Hkv, D] (one program, no eager copies)."""
+    return _split_rows(rows, num_kv_heads, head_dim)
+
+
+def _to_device_memory(x):
+    """Inside a jit: an input living in host memory (a `pinned_host` / `unpinned_host` jax array)
+    -> device memory. JAX lowers this to an `annotate_device_placement` custom call on GPU/TPU,
+    which XLA's host offloader turns into an async copy-start / copy-done pair (run on a separate
+    copy stream on GPU) that the latency-hiding scheduler can overlap with other layers'
+    projections. On the CPU backend JAX lowers it to nothing (one memory). Inputs already in
+    device memory pass through."""
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
+
+
+def _restore_layers(config, graphdefs, methods, num_queries, states, rows, positions, n):
+    """The in_jit restore program: every "hidden" / "kv" layer of a restore in ONE program.
+
+    rows[i]: layer i's rows (one array or a tuple of pieces along the token axis), each in host
+    memory (moved to the device inside the program, `_to_device_memory`) or on the device;
+    n real rows or nb = positions.shape[1] (bucket-padded) rows, zero-padded to nb here.
+    methods[i] "hidden": `_project_rows` with graphdefs[i], states[i]; "kv": `_split_rows`.
+    -> per layer (k, v, q or None), k, v [1, nb, Hkv, D]: op for op the math of the reader
+    pipeline's `_pad_rows` + `_project` / `_split_kv` programs."""
+    nb = positions.shape[1]
+    out = []
+    for graphdef, method, state, layer_rows in zip(graphdefs, methods, states, rows):
+        pieces = layer_rows if isinstance(layer_rows, tuple) else (layer_rows,)
+        x = _join(tuple(_to_device_memory(p) for p in pieces))
+        if x.shape[0] < nb:
+            x = jnp.pad(x, ((0, nb - x.shape[0]), (0, 0)))
+        if method == "hidden":
+            out.append(_project_rows(config, graphdef, state, x, positions, num_queries, n))
+        else:
+            out.append(_split_rows(x, config.num_kv_heads, config.head_dim) + (None,))
+    return tuple(out)
+
+
+_IN_JIT_STATIC = (0, 1, 2, 3)
+# "in_jit": XLA's default options; "in_jit_lhs": the same program compiled with XLA:GPU's
+# latency-hiding scheduler forced on (the pass that moves copy-starts early so that a layer's
+# host->device copy runs under earlier layers' projections), should the default have it off.
+_RESTORE_PROGRAMS = {
+    "in_jit": jax.jit(_restore_layers, static_argnums=_IN_JIT_STATIC),
+    "in_jit_lhs": jax.jit(_restore_layers, static_argnums=_IN_JIT_STATIC,
+                          compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True}),
+}
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(5,))
@@ -283,8 +343,83 @@ def recompute_kv(kernels: LayerKernels, tokens: np.ndarray, num_layers: int, sin
         sink(layer, k, v)
 
 
+PIPELINES = ("reader", "upfront", "in_jit", "in_jit_lhs")
+_logged: set = set()
+
+
+def _log_once(level: int, key, message: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.log(level, message, *args)
+
+
+def _dispatch_layer(kernels: LayerKernels, layer: int, method: str, rows, n: int,
+                    num_queries: int, padded: bool, sink: Sink) -> None:
+    """One "hidden" / "kv" layer of the reader / upfront pipelines: its program, then the sink."""
+    if method == "hidden":
+        if num_queries:
+            k, v, q = kernels.project(layer, rows, num_queries, padded=padded, n=n)
+            sink.queries(layer, q)
+        else:
+            k, v = kernels.project(layer, rows, padded=padded, n=n)
+    else:
+        k, v = kernels.split_kv(rows, padded=padded, n=n)
+    sink(layer, k, v)
+
+
+def _in_memory_space(x, space) -> bool:
+    return isinstance(x, jax.Array) and jax.typeof(x).memory_space == space
+
+
+def _dispatch_in_jit(kernels: LayerKernels, methods, io_order, host_rows, n: int,
+                     num_queries: int, pipeline: str):
+    """Dispatches the in_jit restore program (`_restore_layers`) over every io_order layer.
+    -> (outputs per io_order layer (k, v, q or None) at the bucketed length, the mode used), or
+    (None, reason) when XLA refused to compile it (the caller falls back to the reader)."""
+    nb = kernels.padded_length(n)
+    rows = []
+    for layer in io_order:
+        r = host_rows(layer, methods[layer])
+        r = tuple(r) if isinstance(r, (tuple, list)) else r
+        m = _rows_len(r)
+        if m != n and not (m == nb and not isinstance(r, tuple)):
+            raise ValueError(f"layer {layer}: host rows hold {m} tokens; expected {n} "
+                             f"(or {nb} padded, as one array)")
+        rows.append(r)
+    leaves = jax.tree_util.tree_leaves(rows)
+    not_host = sum(not _in_memory_space(x, jax.memory.Space.Host) for x in leaves)
+    platform = kernels.positions(nb).devices().pop().platform
+    if not_host:
+        mode = f"{pipeline}:dispatch_copies"
+        _log_once(logging.WARNING, ("in_jit-not-host", platform),
+                  "hcache restore %s: %d of %d row arrays are not jax arrays in host memory "
+                  "(pinned_host) but NumPy or device arrays: jit copies them to the device before "
+                  "the program starts, so transfers do not overlap projections inside it (same "
+                  "numerics)", pipeline, not_host, len(leaves))
+    else:
+        mode = pipeline
+        if platform == "cpu":
+            _log_once(logging.INFO, ("in_jit-cpu",),
+                      "hcache restore %s on the CPU backend: host and device memory are one, the "
+                      "in-program host->device moves lower to nothing (numerics and program "
+                      "structure only)", pipeline)
+    graphdefs = tuple(kernels.graphdef_of[l] if methods[l] == "hidden" else None for l in io_order)
+    states = tuple(kernels.states[l] if methods[l] == "hidden" else None for l in io_order)
+    kinds = tuple(methods[l] for l in io_order)
+    try:
+        out = _RESTORE_PROGRAMS[pipeline](
+            kernels.config, graphdefs, kinds, min(num_queries, n), states, tuple(rows),
+            kernels.positions(nb), None if nb == n else np.int32(n))
+    except jax.errors.JaxRuntimeError as err:
+        reason = f"XLA could not compile the {pipeline} restore program ({err})"
+        _log_once(logging.WARNING, ("in_jit-compile", pipeline, str(err)[:200]),
+                  "hcache restore: %s; falling back to the reader pipeline", reason)
+        return None, reason
+    return out, mode
+
+
 def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch, sink: Sink,
-               recompute_chunk: int = 1024) -> None:
+               recompute_chunk: int = 1024, pipeline: str = "reader") -> str:
     """Restores K, V of positions [0, n) (n = len(tokens)) of every layer into `sink`.
 
     methods: per layer "recompute" (a prefix), "hidden" or "kv" (see module docstring).
@@ -304,33 +439,84 @@ def restore_kv(kernels: LayerKernels, methods, tokens: np.ndarray, fetch: Fetch,
     rows are valid (the bucketed programs' outputs, no slicing copy); others get [1, n, Hkv, D].
     Returns when every layer has been dispatched to the sink (the device work may still run:
     block on the sink's arrays to time it).
+
+    pipeline (how the "hidden" / "kv" layers are moved and projected; same K, V bit for bit):
+      "reader"      (default) the reader thread above; one jitted program per layer.
+      "upfront"     no thread: this thread calls fetch for every layer first (all transfers
+                    issued before any projection is dispatched), then dispatches the projections.
+                    Only sensible for asynchronous fetches (device_put from host memory).
+      "in_jit"      ONE jitted program for all those layers (`_restore_layers`) whose inputs are
+                    the rows still in host memory: `fetch.host_rows(layer, method)` must return
+                    them (rows as for fetch — one array or pieces, n or padded_length(n) rows —
+                    but `pinned_host` jax arrays NOT moved to the device). The program moves each
+                    layer's rows to the device itself (JAX memory kinds: XLA async copies that its
+                    scheduler overlaps with the projections), then projects / splits them.
+      "in_jit_lhs"  "in_jit" compiled with XLA:GPU's latency-hiding scheduler forced on.
+    The in_jit variants fall back, with a WARNING logged once per cause, never silently: to
+    "reader" when fetch has no `host_rows` or XLA cannot compile the program; to copying the
+    rows at dispatch (the program itself unchanged, mode "<pipeline>:dispatch_copies") when host
+    rows are NumPy or device arrays rather than host-memory jax arrays. On the CPU backend
+    in-program moves are no-ops (one memory; logged at INFO). Sink calls come in the same order
+    for every pipeline (recomputed layers, then I/O order); in_jit calls the sink only after its
+    one program has been dispatched.
+    Returns the pipeline used: pipeline itself, "<pipeline>:dispatch_copies", or "reader" after
+    a fallback.
     """
     config, n = kernels.config, len(tokens)
     methods = validate_plan(methods, config.num_layers)
+    if pipeline not in PIPELINES:
+        raise ValueError(f"unknown restore pipeline {pipeline!r} ({', '.join(PIPELINES)})")
     num_queries = int(getattr(sink, "num_queries", 0) or 0)
     padded = bool(getattr(sink, "accepts_padded", False))
     io_order = ([l for l, m in enumerate(methods) if m == "hidden"]
                 + [l for l, m in enumerate(methods) if m == "kv"])
+    num_recompute = methods.count("recompute")
+    used = pipeline
+    if pipeline.startswith("in_jit") and io_order:
+        host_rows = getattr(fetch, "host_rows", None)
+        if host_rows is None:
+            _log_once(logging.WARNING, ("in_jit-no-host-rows", type(fetch).__name__),
+                      "hcache restore %s: the source %s has no host_rows(layer, method) (rows "
+                      "still in host memory); falling back to the reader pipeline", pipeline,
+                      type(fetch).__name__)
+            used = pipeline = "reader"
+        else:
+            # Dispatched before the recompute prefix: its transfers start at once and the
+            # recompute programs queue behind it (as the reader's transfers run under them).
+            out, mode = _dispatch_in_jit(kernels, methods, io_order, host_rows, n, num_queries,
+                                         pipeline)
+            if out is None:
+                used = pipeline = "reader"
+            else:
+                recompute_kv(kernels, tokens, num_recompute, sink, recompute_chunk)
+                for layer, (k, v, q) in zip(io_order, out):
+                    if q is not None and num_queries:
+                        sink.queries(layer, q)
+                    if not padded and k.shape[1] != n:
+                        k, v = k[:, :n], v[:, :n]
+                    sink(layer, k, v)
+                return mode
+    if pipeline == "upfront" or not io_order:
+        arrived = {l: fetch(l, methods[l]) for l in io_order}
+        recompute_kv(kernels, tokens, num_recompute, sink, recompute_chunk)
+        for layer in io_order:
+            _dispatch_layer(kernels, layer, methods[layer], arrived.pop(layer), n, num_queries,
+                            padded, sink)
+        return used
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hcache-reader") as reader:
         arriving = {l: reader.submit(fetch, l, methods[l]) for l in io_order}
         try:
-            recompute_kv(kernels, tokens, methods.count("recompute"), sink, recompute_chunk)
+            recompute_kv(kernels, tokens, num_recompute, sink, recompute_chunk)
             for layer in io_order:
                 rows = arriving.pop(layer).result()
-                if methods[layer] == "hidden":
-                    if num_queries:
-                        k, v, q = kernels.project(layer, rows, num_queries, padded=padded, n=n)
-                        sink.queries(layer, q)
-                    else:
-                        k, v = kernels.project(layer, rows, padded=padded, n=n)
-                else:
-                    k, v = kernels.split_kv(rows, padded=padded, n=n)
-                del rows  # the device rows can go as soon as the projection has consumed them
-                sink(layer, k, v)
+                # the device rows can go as soon as the projection has consumed them
+                _dispatch_layer(kernels, layer, methods[layer], rows, n, num_queries, padded, sink)
+                del rows
         except BaseException:
             for future in arriving.values():
                 future.cancel()
             raise
+    return used
 
 
 # ----------------------------------------------------------------------------- sinks
@@ -476,6 +662,11 @@ class HostMemorySource:
     on GPU (device_put from pinned memory runs at full PCIe speed and asynchronously).
     pad_to: send that many rows where the array holds them (the rows after num_tokens as stored:
     the restore ignores them), else only the real rows (padded on the device).
+    An array of exactly the rows to send is sent as it is. A longer jax array must be sliced,
+    and slicing a pinned_host jax array is a device program (dispatched from the reader thread,
+    logged once): size the arrays to the rows to send (or pad_to) where that matters.
+    `host_rows(layer, method)`: the rows to send, still in host memory (restore_kv's in_jit
+    pipelines move them to the device inside their program).
     """
 
     def __init__(self, hidden: list | None, kv: list | None, num_tokens: int, device=None,
@@ -485,10 +676,20 @@ class HostMemorySource:
         self.pad_to = pad_to
         self.device = device or jax.devices()[0]
 
-    def __call__(self, layer: int, method: str) -> jax.Array:
+    def host_rows(self, layer: int, method: str):
         array = self.arrays[method][layer]
         send = self.pad_to if self.pad_to and array.shape[0] >= self.pad_to else self.num_tokens
-        rows = array[:send]
+        if array.shape[0] == send:
+            return array  # no slice: x[:len(x)] of a jax array is a no-op today, but say so
+        if isinstance(array, jax.Array):
+            _log_once(logging.INFO, ("host-slice", str(array.sharding.memory_kind)),
+                      "hcache HostMemorySource: slicing %s rows of a %s-row %s jax array runs a "
+                      "slice program; arrays of exactly the rows to send avoid it", send,
+                      array.shape[0], array.sharding.memory_kind)
+        return array[:send]
+
+    def __call__(self, layer: int, method: str) -> jax.Array:
+        rows = self.host_rows(layer, method)
         if isinstance(rows, np.ndarray):
             return to_device(rows, self.device)
         return jax.device_put(rows, jax.sharding.SingleDeviceSharding(self.device))
