@@ -235,3 +235,344 @@ def atomic_fetch_add(typingctx, arr, index, value):
         return builder.atomic_rmw("add", ptr, val, "seq_cst")
 
     return types.int64(arr, index, value), codegen
+
+
+# ---- explicit SIMD micro-kernels (LLVM vector IR) ----------------------------------------------
+#
+# Vectors of VEC float32 lanes (16 with AVX-512, else 8), written as LLVM vector IR: the loop
+# vectoriser reduced every dot-product accumulator on its own (about as many shuffles/adds as FMAs
+# at D = 64), widened bf16 with a lane-crossing zero-extension, and reloaded/stored the output rows
+# every four tokens.
+#
+# bf16 lane order: a block of 2 * VEC bf16 values is loaded as VEC uint32 words; `word << 16` gives
+# the even elements and `word & 0xFFFF0000` the odd ones (no shuffle). So for bf16 pages the query
+# rows and the value accumulators are kept permuted: natural element d of each 2 * VEC block lies
+# at position `bf16_lane_pos(d)` (evens first, then odds). float32 pages use the natural order.
+
+_HOST_FEATURES = llvm.get_host_cpu_features()
+VEC = 16 if _HOST_FEATURES.get("avx512f", False) else 8
+QK_VEC = 8  # lanes of the score micro-kernel's vectors: ymm reductions are cheaper than zmm on Zen 4 (+5% at D=64)
+PV_VEC = VEC  # lanes of the value micro-kernel's vectors
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+
+
+@njit(inline="always", nogil=True)
+def bf16_lane_pos(d, w):
+    """Position of natural element d in the permuted (bf16 SIMD, w lanes) order of a row."""
+    blk = 2 * w
+    i = d % blk
+    return d - i + (i % 2) * w + i // 2
+
+
+def _row_ptr(context, builder, aryty, ary, index, col=None):
+    """Pointer to element [index, col] (col 0 unless given) of a 2-D array."""
+    col = context.get_constant(types.intp, 0) if col is None else col
+    return cgutils.get_item_pointer(context, builder, aryty, ary, [index, col], wraparound=False,
+                                    boundscheck=False)
+
+
+def _load_pair(builder, ptr, dtype, offset, width):
+    """Two float32 <width x float> vectors from the 2 * width elements at ptr + offset: for bf16
+    bits the even and the odd elements (see bf16 lane order), for float32 the two halves."""
+    vt = ir.VectorType(_F32, width)
+    if isinstance(dtype, types.Integer):  # bf16 bits
+        it = ir.VectorType(_I32, width)
+        words = builder.load(builder.bitcast(builder.gep(ptr, [offset]), it.as_pointer()), align=2)
+        even = builder.shl(words, ir.Constant(it, [16] * width))
+        odd = builder.and_(words, ir.Constant(it, [-65536] * width))
+        return builder.bitcast(even, vt), builder.bitcast(odd, vt)
+    lo = builder.load(builder.bitcast(builder.gep(ptr, [offset]), vt.as_pointer()), align=4)
+    off2 = builder.add(offset, ir.Constant(offset.type, width))
+    hi = builder.load(builder.bitcast(builder.gep(ptr, [off2]), vt.as_pointer()), align=4)
+    return lo, hi
+
+
+def _vfma(builder, a, b, c):
+    """a * b + c on float vectors (llvm.fma: one FMA instruction per register)."""
+    vt = a.type
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]),
+                                        f"llvm.fma.v{vt.count}f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _simd_args_ok(*tys):
+    return all(isinstance(t, types.Array) and t.ndim == 2 for t in tys)
+
+
+def _n_rows_literal(rows):
+    if isinstance(rows, types.IntegerLiteral) and 1 <= rows.literal_value <= 4:
+        return rows.literal_value
+    return None
+
+
+@intrinsic
+def qk_rows(typingctx, qs, r, k, j, n, s, rows):
+    """s[r + a, j + t] = qs[r + a] . k[min(j + t, n - 1)] for a < rows (a literal 1..4), t < 4:
+    four columns of s are written (s needs 3 spare columns past n). qs float32 rows in the lane
+    order of k's dtype (bf16: permuted); needs D % (2 * VEC) == 0 and unit stride along D (the
+    caller checks). The 4 * rows vector accumulators are reduced together by a transposing add
+    tree (pairs of vectors: 2 shuffles + 1 add), not one by one."""
+    n_r = _n_rows_literal(rows)
+    if n_r is None or not _simd_args_ok(qs, k, s) or qs.dtype != types.float32 \
+            or s.dtype != types.float32 or k.dtype not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        qty, rty, kty, jty, nty, sty, _ = signature.args
+        qa = context.make_array(qty)(context, builder, args[0])
+        ka = context.make_array(kty)(context, builder, args[2])
+        sa = context.make_array(sty)(context, builder, args[5])
+        r0 = context.cast(builder, args[1], rty, types.intp)
+        j0 = context.cast(builder, args[3], jty, types.intp)
+        last = builder.sub(context.cast(builder, args[4], nty, types.intp), ir.Constant(r0.type, 1))
+        intp = r0.type
+        w = QK_VEC
+        vt = ir.VectorType(_F32, w)
+        qp = [_row_ptr(context, builder, qty, qa, builder.add(r0, intp(a))) for a in range(n_r)]
+        kp = []
+        for t in range(4):
+            jt = builder.add(j0, intp(t))
+            jt = builder.select(builder.icmp_signed(">", jt, last), last, jt)
+            kp.append(_row_ptr(context, builder, kty, ka, jt))
+        d_size = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vt, None)) for _ in range(4 * n_r)]
+        with cgutils.for_range(builder, builder.udiv(d_size, intp(2 * w))) as loop:
+            off = builder.mul(loop.index, intp(2 * w))
+            kv = [_load_pair(builder, kp[t], kty.dtype, off, w) for t in range(4)]
+            for a in range(n_r):
+                qv = _load_pair(builder, qp[a], types.float32, off, w)
+                for t in range(4):
+                    acc = accs[4 * a + t]
+                    x = _vfma(builder, qv[0], kv[t][0], builder.load(acc))
+                    builder.store(_vfma(builder, qv[1], kv[t][1], x), acc)
+        vals = [builder.load(acc) for acc in accs]
+        g = w  # partial sums per dot product in each vector
+        while g > 1:
+            h = g // 2
+            lo, hi = [], []
+            for src in (0, w):
+                for grp in range(w // g):
+                    lo += [src + grp * g + i for i in range(h)]
+                    hi += [src + grp * g + h + i for i in range(h)]
+            lo_m = ir.Constant(ir.VectorType(_I32, w), lo)
+            hi_m = ir.Constant(ir.VectorType(_I32, w), hi)
+            pairs = [(vals[i], vals[min(i + 1, len(vals) - 1)]) for i in range(0, len(vals), 2)]
+            vals = [builder.fadd(builder.shuffle_vector(x, y, lo_m), builder.shuffle_vector(x, y, hi_m))
+                    for x, y in pairs]
+            g = h
+        # dot (a, t) = index i = 4a + t: lane i % w of vals[i // w]
+        v4 = ir.VectorType(_F32, 4)
+        for a in range(n_r):
+            src = vals[(4 * a) // w]
+            base = (4 * a) % w
+            part = builder.shuffle_vector(src, src, ir.Constant(ir.VectorType(_I32, 4),
+                                                                [base + i for i in range(4)]))
+            dst = _row_ptr(context, builder, sty, sa, builder.add(r0, intp(a)), j0)
+            builder.store(part, builder.bitcast(dst, v4.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(qs, r, k, j, n, s, rows), codegen
+
+
+@intrinsic
+def pv_rows(typingctx, p, r, v, n, acc, rows):
+    """acc[r + a, :] += sum_{j < n} p[r + a, j] * v[j, :] for a < rows (a literal 1..4); acc rows
+    in the lane order of v's dtype (bf16: permuted). Needs D % (2 * VEC) == 0 and unit stride along
+    D (the caller checks). D is cut into blocks of a few vectors whose rows x block accumulators
+    stay in registers over all n tokens (each output element loaded and stored once per call)."""
+    n_r = _n_rows_literal(rows)
+    if n_r is None or not _simd_args_ok(p, v, acc) or p.dtype != types.float32 \
+            or acc.dtype != types.float32 or v.dtype not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pty, rty, vty, nty, aty, _ = signature.args
+        pa = context.make_array(pty)(context, builder, args[0])
+        va = context.make_array(vty)(context, builder, args[2])
+        aa = context.make_array(aty)(context, builder, args[4])
+        r0 = context.cast(builder, args[1], rty, types.intp)
+        n_tok = context.cast(builder, args[3], nty, types.intp)
+        intp = r0.type
+        w = PV_VEC
+        vt = ir.VectorType(_F32, w)
+        pairs_per_block = 2 if w == 16 else 1  # 2 * pairs vectors of D per row in registers
+        d_size = cgutils.unpack_tuple(builder, aa.shape, 2)[1]
+        pp = [_row_ptr(context, builder, pty, pa, builder.add(r0, intp(a))) for a in range(n_r)]
+        ap = [_row_ptr(context, builder, aty, aa, builder.add(r0, intp(a))) for a in range(n_r)]
+        v0 = _row_ptr(context, builder, vty, va, intp(0))
+        itemsize = context.get_abi_sizeof(context.get_data_type(vty.dtype))
+        v_stride = builder.udiv(cgutils.unpack_tuple(builder, va.strides, 2)[0], intp(itemsize))
+        splat = ir.Constant(ir.VectorType(_I32, w), [0] * w)
+
+        def emit_block(d0, npair):
+            nv = 2 * npair
+            slots = [[cgutils.alloca_once(builder, vt) for _ in range(nv)] for _ in range(n_r)]
+            for a in range(n_r):
+                for b in range(nv):
+                    ptr = builder.bitcast(builder.gep(ap[a], [builder.add(d0, intp(b * w))]), vt.as_pointer())
+                    builder.store(builder.load(ptr, align=4), slots[a][b])
+            with cgutils.for_range(builder, n_tok) as loop:
+                row = builder.mul(loop.index, v_stride)
+                xs = []
+                for b in range(npair):
+                    off = builder.add(row, builder.add(d0, intp(2 * b * w)))
+                    xs += list(_load_pair(builder, v0, vty.dtype, off, w))
+                for a in range(n_r):
+                    pj = builder.load(builder.gep(pp[a], [loop.index]))
+                    pv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), pj, _I32(0)),
+                                                ir.Constant(vt, None), splat)
+                    for b in range(nv):
+                        builder.store(_vfma(builder, pv, xs[b], builder.load(slots[a][b])), slots[a][b])
+            for a in range(n_r):
+                for b in range(nv):
+                    ptr = builder.bitcast(builder.gep(ap[a], [builder.add(d0, intp(b * w))]), vt.as_pointer())
+                    builder.store(builder.load(slots[a][b]), ptr, align=4)
+
+        step = 2 * pairs_per_block * w
+        n_full = builder.udiv(d_size, intp(step))
+        with cgutils.for_range(builder, n_full) as loop:
+            emit_block(builder.mul(loop.index, intp(step)), pairs_per_block)
+        done = builder.mul(n_full, intp(step))
+        n_rest = builder.udiv(builder.sub(d_size, done), intp(2 * w))
+        with cgutils.for_range(builder, n_rest) as loop:
+            emit_block(builder.add(done, builder.mul(loop.index, intp(2 * w))), 1)
+        return context.get_dummy_value()
+
+    return types.void(p, r, v, n, acc, rows), codegen
+
+
+def _fmax(builder, a, b):
+    """a > b ? a : b (vmaxps; a NaN in a is dropped)."""
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+@intrinsic
+def row_max(typingctx, s, r, n, init):
+    """max(init, s[r, 0], ..., s[r, n - 1]) (float32; unit stride along the row), vectorised
+    (compare-and-select: exact for -inf; NaN elements are ignored)."""
+    if not (isinstance(s, types.Array) and s.ndim == 2 and s.dtype == types.float32
+            and isinstance(r, types.Integer) and isinstance(n, types.Integer) and init == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        sty, rty, nty, _ = signature.args
+        sa = context.make_array(sty)(context, builder, args[0])
+        r0 = context.cast(builder, args[1], rty, types.intp)
+        n_el = context.cast(builder, args[2], nty, types.intp)
+        intp = r0.type
+        w = VEC
+        vt = ir.VectorType(_F32, w)
+        it = ir.VectorType(_I32, w)
+        vptr = vt.as_pointer()
+        base = _row_ptr(context, builder, sty, sa, r0)
+        neg_inf = ir.Constant(vt, [float("-inf")] * w)
+        accs = [cgutils.alloca_once_value(builder, neg_inf) for _ in range(2)]
+        n_vec = builder.udiv(n_el, intp(2 * w))
+        with cgutils.for_range(builder, n_vec) as loop:
+            off = builder.mul(loop.index, intp(2 * w))
+            for i in range(2):
+                ptr = builder.bitcast(builder.gep(base, [builder.add(off, intp(i * w))]), vptr)
+                builder.store(_fmax(builder, builder.load(ptr, align=4), builder.load(accs[i])), accs[i])
+        # the last n % (2 * w) elements: masked loads (-inf in the lanes past n; no scalar loop)
+        done = builder.mul(n_vec, intp(2 * w))
+        rest = builder.trunc(builder.sub(n_el, done), _I32)
+        bt = ir.VectorType(ir.IntType(1), w)
+        mload = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vptr, _I32, bt, vt]),
+                                               f"llvm.masked.load.v{w}f32.p0")
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(it, None), rest, _I32(0)),
+                                       ir.Constant(it, None), ir.Constant(it, [0] * w))
+        m = _fmax(builder, builder.load(accs[0]), builder.load(accs[1]))
+        for i in range(2):
+            mask = builder.icmp_signed("<", ir.Constant(it, [i * w + lane for lane in range(w)]), splat)
+            ptr = builder.bitcast(builder.gep(base, [builder.add(done, intp(i * w))]), vptr)
+            m = _fmax(builder, builder.call(mload, [ptr, _I32(4), mask, neg_inf]), m)
+        width = w  # horizontal: halve the width with shuffles
+        while width > 1:
+            half = width // 2
+            hi = builder.shuffle_vector(m, m, ir.Constant(it, [half + i if i < half else i for i in range(w)]))
+            m = _fmax(builder, hi, m)
+            width = half
+        return _fmax(builder, builder.extract_element(m, _I32(0)), args[3])
+
+    return types.float32(s, r, n, init), codegen
+
+
+# exp(x) = 2^t, t = x * log2(e): 2^k * 2^f with k = round(t), |f| <= 1/2; Taylor coefficients of
+# 2^f (relative error < 1e-8 at degree 7).
+_LOG2E = 1.4426950408889634
+_EXP2_COEFFS = (1.525273380405984e-05, 0.00015403530393381606, 0.0013333558146428443, 0.009618129107628477,
+                0.05550410866482158, 0.2402265069591007, 0.6931471805599453, 1.0)
+
+
+@intrinsic
+def exp_row(typingctx, s, r, n, shift):
+    """s[r, j] = exp(s[r, j] - shift) for j < n in place (unit stride along the row); returns
+    their float32 sum. Vectorised (Numba has no SIMD exp without SVML; masked loads/stores for the
+    last n % VEC). t is clamped at -125 (exp(x) ~ 1e-38 instead of 0 below x = -86.6; the row
+    maximum always contributes 1)."""
+    if not (isinstance(s, types.Array) and s.ndim == 2 and s.dtype == types.float32
+            and isinstance(r, types.Integer) and isinstance(n, types.Integer) and shift == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        sty, rty, nty, _ = signature.args
+        sa = context.make_array(sty)(context, builder, args[0])
+        r0 = context.cast(builder, args[1], rty, types.intp)
+        n_el = context.cast(builder, args[2], nty, types.intp)
+        intp = r0.type
+        w = VEC
+        vt = ir.VectorType(_F32, w)
+        it = ir.VectorType(_I32, w)
+        bt = ir.VectorType(ir.IntType(1), w)
+        vptr = vt.as_pointer()
+        base = _row_ptr(context, builder, sty, sa, r0)
+
+        def splat(x, ty):
+            return builder.shuffle_vector(builder.insert_element(ir.Constant(ty, None), x, _I32(0)),
+                                          ir.Constant(ty, None), ir.Constant(it, [0] * w))
+
+        def const(x):
+            return ir.Constant(vt, [x] * w)
+
+        shift_v = splat(args[3], vt)
+        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt]), f"llvm.floor.v{w}f32")
+
+        def exp_vec(x):
+            t = builder.fmul(builder.fsub(x, shift_v), const(_LOG2E))
+            t = _fmax(builder, t, const(-125.0))
+            k = builder.call(floor, [builder.fadd(t, const(0.5))])
+            f = builder.fsub(t, k)
+            p = const(_EXP2_COEFFS[0])
+            for c in _EXP2_COEFFS[1:]:
+                p = _vfma(builder, p, f, const(c))
+            e = builder.shl(builder.fptosi(k, it), ir.Constant(it, [23] * w))
+            return builder.bitcast(builder.add(builder.bitcast(p, it), e), vt)
+
+        total = cgutils.alloca_once_value(builder, const(0.0))
+        n_vec = builder.udiv(n_el, intp(w))
+        with cgutils.for_range(builder, n_vec) as loop:
+            ptr = builder.bitcast(builder.gep(base, [builder.mul(loop.index, intp(w))]), vptr)
+            y = exp_vec(builder.load(ptr, align=4))
+            builder.store(y, ptr, align=4)
+            builder.store(builder.fadd(builder.load(total), y), total)
+        done = builder.mul(n_vec, intp(w))
+        rest = builder.trunc(builder.sub(n_el, done), _I32)
+        mask = builder.icmp_signed("<", ir.Constant(it, list(range(w))), splat(rest, it))
+        ptr = builder.bitcast(builder.gep(base, [done]), vptr)
+        mload = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vptr, _I32, bt, vt]),
+                                               f"llvm.masked.load.v{w}f32.p0")
+        mstore = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [vt, vptr, _I32, bt]),
+                                                f"llvm.masked.store.v{w}f32.p0")
+        y = exp_vec(builder.call(mload, [ptr, _I32(4), mask, const(0.0)]))
+        builder.call(mstore, [y, ptr, _I32(4), mask])
+        m = builder.fadd(builder.load(total), builder.select(mask, y, const(0.0)))
+        width = w
+        while width > 1:
+            half = width // 2
+            hi = builder.shuffle_vector(m, m, ir.Constant(it, [half + i if i < half else i for i in range(w)]))
+            m = builder.fadd(m, hi)
+            width = half
+        return builder.extract_element(m, _I32(0))
+
+    return types.float32(s, r, n, shift), codegen
