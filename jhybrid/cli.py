@@ -126,6 +126,9 @@ def _add_bench(sub) -> None:
                    help="override a setting, e.g. --set offload.beta=0.5 (repeatable)")
     p.add_argument("--output-dir", default=None, help="results folder (default: benchmark.output_dir)")
     p.add_argument("--list", action="store_true", help="print the sweep's points and exit")
+    p.add_argument("--only", action="append", default=[], metavar="TEXT",
+                   help="run only the points whose key contains TEXT (repeatable: any of them); "
+                        "several processes with disjoint --only share one results file")
 
 
 def _add_budget(sub) -> None:
@@ -148,11 +151,18 @@ def _bench(args) -> int:
     from jhybrid.config import expand_sweep, load_config
 
     run = load_config(args.config, args.overrides)
+    if args.only:
+        keys = [point.key for point in expand_sweep(run)]
+        for text in args.only:
+            if not any(text in key for key in keys):
+                raise SystemExit(f"--only {text!r} matches none of the {len(keys)} points of {args.config} "
+                                 "(--list prints them)")
     if args.list:
         for point in expand_sweep(run):
-            print(point.key)
+            if not args.only or any(text in point.key for text in args.only):
+                print(point.key)
         return 0
-    outcome = run_sweep(run, output_dir=args.output_dir, argv=args.argv)
+    outcome = run_sweep(run, output_dir=args.output_dir, argv=args.argv, only=args.only)
     print(f"{outcome.ran} points run, {outcome.resumed} resumed, {outcome.skipped} skipped; wrote "
           + ", ".join(outcome.paths), file=sys.stderr)
     return 130 if outcome.interrupted else 0

@@ -112,3 +112,52 @@ def test_interrupt_keeps_rows_and_rerun_resumes(tmp_path, monkeypatch):
     monkeypatch.setitem(runner.TASKS, "throughput", lambda *a, **k: [{"task": "throughput", "mode": "x"}])
     again = runner.run_sweep(run, output_dir=str(tmp_path), argv=[], show_progress=False)
     assert again.resumed == 1 and again.ran == 4 and len(again.rows) == 5  # the stubs never skip
+
+
+def test_only_runs_a_part_and_parallel_parts_share_one_file(tmp_path, monkeypatch):
+    """--only picks points by key; rows another process writes meanwhile are kept (merge on write)."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(CONFIG)
+    run = load_config(str(path))
+    json_path = tmp_path / "tiny-bench.json"
+
+    def row(mode, ppl):
+        return {"task": "perplexity", "mode": mode, "text": "random", "tokens": 96, "gpu_ratio": None,
+                "window": 48, "beta": 1.0, "budget": None, "ppl": ppl}
+
+    def other_process_writes(model, pretrained, point, on_step=None, deadline=None):
+        # Another process finishes the full point while this one is busy with its own point.
+        runner._publish(str(json_path), str(tmp_path / "tiny-bench.csv"), "tiny-bench", {}, "other",
+                        [{**row("full", 1.0), "point": "offload.mode=full"}])
+        return [row(point.offload.mode, 2.0)]
+
+    monkeypatch.setitem(runner.TASKS, "perplexity", other_process_writes)
+    outcome = runner.run_sweep(run, output_dir=str(tmp_path), argv=[], show_progress=False,
+                               only=["offload.mode=hgca,offload.beta"])
+    assert outcome.ran == 1
+    saved = {r["point"]: r for r in json.loads(json_path.read_text())["rows"]}
+    assert set(saved) == {"offload.mode=full", "offload.mode=hgca,offload.beta=1e-30"}
+    assert saved["offload.mode=full"]["ppl"] == 1.0
+    # A later run of the whole sweep resumes both parts and runs only the rest.
+    called = []
+    monkeypatch.setitem(runner.TASKS, "perplexity",
+                        lambda model, pretrained, point, **k: called.append(point.key) or [row("x", 3.0)])
+    monkeypatch.setitem(runner.TASKS, "throughput", lambda *a, **k: [{"mode": "x"}])
+    again = runner.run_sweep(run, output_dir=str(tmp_path), argv=[], show_progress=False)
+    assert again.resumed == 2 and "offload.mode=full" not in called
+    assert len(json.loads(json_path.read_text())["rows"]) == 5
+
+
+def test_only_that_matches_nothing_is_an_error(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(CONFIG)
+    with pytest.raises(SystemExit, match="matches none"):
+        cli.main(["bench", str(path), "--only", "offload.mode=warp"])
+
+
+def test_hgca_rows_report_the_kept_share(first_run):
+    folder, _, _ = first_run
+    rows = {r["point"]: r for r in json.loads((folder / "results" / "tiny-bench.json").read_text())["rows"]}
+    assert 0.0 <= rows["offload.mode=hgca"]["kept_share"] <= 1.0
+    assert rows["offload.mode=hgca,offload.beta=1e-30"]["kept_share"] == 1.0  # keep-everything
+    assert "kept_share" not in rows["offload.mode=full"]

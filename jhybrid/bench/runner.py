@@ -4,7 +4,9 @@ For each point of the expanded sweep: skip it if the results JSON already has a 
 (resume), else load the model (once per model spec), run the point's task and append its rows;
 a point that cannot run (PointSkipped) gets one row {point, skipped: reason, ...}. The JSON and CSV
 are rewritten after every point, so Ctrl-C keeps everything measured so far. Plots and the summary
-table come at the end (also after an interrupt).
+table come at the end (also after an interrupt). `only` (the CLI's --only) runs the points whose
+key contains one of its strings; each write merges into the file under a lock, so processes given
+disjoint parts of one sweep (e.g. one text each on a 2-core machine) fill one results file.
 
 Wall-clock budget (benchmark.time_budget_s of the base config): once spent, every point left gets a
 row {skipped: "time budget: ..."} without running; tasks also get the deadline (a throughput point
@@ -55,6 +57,23 @@ def results_stem(run: RunConfig, output_dir: str | None = None) -> str:
 TIME_BUDGET = "time budget"
 
 
+def _publish(json_path, csv_path, name, config, command, mine: list[dict]) -> list[dict]:
+    """Merge this process's rows into the results file (under an exclusive lock: another process
+    may be running other points of the same sweep) and return every row now in it. A point's rows
+    from this process replace any older rows of that point; rows of points that did not finish
+    (skipped for time, errors) are dropped unless no one has rerun them yet."""
+    import fcntl
+
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ours = {r.get("point") for r in mine}
+        rows = [r for r in read_rows(json_path) if r.get("point") not in ours] + mine
+        write_json(json_path, name, config, rows, command, _extra(rows))
+        write_csv(csv_path, rows)
+    return rows
+
+
 def is_done(row: dict) -> bool:
     """A row that a rerun keeps (everything but points skipped for lack of time or failed with an
     error: a rerun tries those again)."""
@@ -75,7 +94,10 @@ def _extra(rows: list[dict]) -> dict:
 
 
 def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | None = None,
-              console=None, show_progress: bool = True) -> RunOutcome:
+              console=None, show_progress: bool = True, only: list[str] | None = None) -> RunOutcome:
+    """Run the sweep's points not yet in the results file (only those whose key contains one of
+    `only`, when given). Rows are merged into the file under a lock after every point, so processes
+    running disjoint parts of one sweep share its results file."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -83,9 +105,12 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
     stem = results_stem(run, output_dir)
     json_path, csv_path = stem + ".json", stem + ".csv"
     points = expand_sweep(run)
+    if only:
+        points = [p for p in points if any(text in p.key for text in only)]
     rows = [r for r in read_rows(json_path) if is_done(r)]
     done = {r.get("point") for r in rows}
     todo = [p for p in points if p.key not in done]
+    mine: list[dict] = []  # the rows this process produced
     if len(todo) < len(points):
         console.print(f"resuming {json_path}: {len(points) - len(todo)} of {len(points)} points already there")
     config, command = config_to_dict(run), command_line(argv)
@@ -133,22 +158,21 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                 for row in new:
                     row["point"] = point.key
                     row.setdefault("point_seconds", round(time.perf_counter() - start, 2))
-                    if not row.get("skipped"):
+                    if not row.get("skipped") and not row.get("error"):
                         measure = ", ".join(f"{k} {row[k]}" for k in ("ppl", "retrieved", "decode_tok_s",
                                                                        "tbt_p99_ms", "ttft_s")
                                             if row.get(k) is not None)
                         console.print(f"[green]done[/] {point.key}: {measure} ({row['point_seconds']} s)")
-                rows.extend(new)
-                write_json(json_path, run.name, config, rows, command, _extra(rows))
-                write_csv(csv_path, rows)
+                mine.extend(new)
+                rows = _publish(json_path, csv_path, run.name, config, command, mine)
                 progress.advance(overall)
         except KeyboardInterrupt:
             interrupted = True
             console.print(f"[red]interrupted[/]: {len(rows)} rows kept in {json_path}; rerun to resume")
+    if mine or read_rows(json_path):
+        rows = _publish(json_path, csv_path, run.name, config, command, mine)
     paths = [json_path, csv_path] if rows else []
     if rows:
-        write_json(json_path, run.name, config, rows, command, _extra(rows))
-        write_csv(csv_path, rows)
         paths += render_plots(rows, stem)
         print_summary(rows, console)
     if errors:
