@@ -1,6 +1,8 @@
 """Perplexity task: teacher-forced decoding of a real text through the point's attention mode.
 
-Row: mode, text, tokens, gpu_ratio, beta, budget, ppl (+ window, scored, mean_nll, seconds).
+Row: mode, text, tokens, gpu_ratio, beta, budget, ppl (+ window, scored, mean_nll, seconds; hgca:
+kept_share, the share of offloaded tokens its CPU attends at the end of the text, over layers and
+KV heads: what the beta threshold kept).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> lis
     context = bench.tokens - 1 - bench.scored_tokens
     start = time.perf_counter()
     nll = forced_nll(model, backend, tokens, context, chunk=bench.prefill_chunk, on_step=on_step)
+    row_kept = {"kept_share": hgca_kept_share(backend)} if offload.mode == "hgca" else {}
     return [{"task": "perplexity", "mode": offload.mode, "text": text, "tokens": bench.tokens,
              "gpu_ratio": offload.gpu_ratio if window else None, "window": window,
              "beta": offload.beta if offload.mode == "hgca" else None,
@@ -35,4 +38,19 @@ def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> lis
              "scout_exact_layers": exact_layers_of(offload),
              "scored": len(nll), "mean_nll": round(float(nll.mean()), 6),
              "ppl": round(float(np.exp(nll.mean())), 4),
-             "seconds": round(time.perf_counter() - start, 2)}]
+             **row_kept, "seconds": round(time.perf_counter() - start, 2)}]
+
+
+def hgca_kept_share(backend) -> float | None:
+    """Kept (CPU-attended) tokens / offloaded tokens of an hgca backend's host store, summed over
+    its layers, sequences and KV heads (None before anything was offloaded)."""
+    manager = backend.manager
+    executor = manager.executor  # one FIFO worker: a no-op task returns after the queued sparsify /
+    executor.collect(executor.submit_task(lambda: None, what="drain"))  # re-evaluation tasks
+    store, hkv = manager.store, manager.hkv
+    kept = offloaded = 0
+    for layer in range(manager.n_layers):
+        for seq in range(manager.batch):
+            kept += int(store.context.kept_counts(layer, seq).sum())
+            offloaded += store.n_tokens(layer, seq) * hkv
+    return round(kept / offloaded, 4) if offloaded else None
