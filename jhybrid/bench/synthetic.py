@@ -277,7 +277,11 @@ def host_shape(model_config, block_size: int) -> HostShape:
 
 def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: int, seed: int = 1):
     """Writes the synthetic context into a fresh hybrid cache (from model.init_cache(.., backend))
-    and hands the host store (and recall's mirror) to the backend's manager. Returns the cache."""
+    and hands the host store (and recall's mirror) to the backend's manager. Returns the cache.
+
+    Consumes `cache`: each device array it replaces is deleted as soon as its random replacement
+    exists, so the fill never holds the zero window and the random one at once (at the device's
+    largest batch that would need the window's memory twice)."""
     cfg, manager = backend.config, backend.manager
     e = int(evicted_blocks(np.int64(context), cfg))
     nb = cfg.host_blocks(manager.max_len)
@@ -285,19 +289,26 @@ def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: in
         host.rebuild_context_cache(batch, e, cfg.beta, cfg.window_tokens)
     key = jax.random.key(seed)
     layers = []
+    def replace(state: dict, name: str, new: jax.Array) -> None:
+        old, state[name] = state[name], new
+        new.block_until_ready()  # the old buffer is free to go only once the new one is written
+        old.delete()
+
     for layer, state in enumerate(cache.layers):
         state = dict(state)
         for name in ("sink_k", "sink_v", "k_ring", "v_ring"):
             if name in state and state[name].size:
                 key, sub = jax.random.split(key)
                 x = state[name]
-                state[name] = tiled_normal(sub, tuple(x.shape), x.dtype, 2)  # [B, Hkv, T, D]
+                replace(state, name, tiled_normal(sub, tuple(x.shape), x.dtype, 2))  # [B, Hkv, T, D]
         if "maw" in state:
-            state["maw"] = jnp.full_like(state["maw"], 1.0 / cfg.window_tokens)
+            replace(state, "maw", jnp.full_like(state["maw"], 1.0 / cfg.window_tokens))
         for prefix, source in (("", layer), ("next_", layer + 1)):
             if prefix + "kmin" in state:
                 dtype = state[prefix + "kmin"].dtype
-                state[prefix + "kmin"], state[prefix + "kmax"] = host.digests(source, batch, e, nb, dtype)
+                kmin, kmax = host.digests(source, batch, e, nb, dtype)
+                replace(state, prefix + "kmin", kmin)
+                replace(state, prefix + "kmax", kmax)
         layers.append(state)
     if manager.mirror is not None:
         manager.mirror = host.mirror(manager.mirror, batch, e)
