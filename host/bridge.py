@@ -58,6 +58,8 @@ class HostBridge:
         self.error: BaseException | None = None
         self.last_block_ids: dict[int, np.ndarray] = {}  # layer -> last CPU block ids [B, Hkv, k]
         self.last_queries: dict[int, np.ndarray] = {}    # layer -> last queries [B, Tq, Hq, D]
+        # layer -> (tail [B, keep, Hq, D], valid [B]) of the last prefill chunk attended on the device
+        self.turn_tails: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.reset_counters()
 
     # ---- counters ----------------------------------------------------------------------------
@@ -155,6 +157,13 @@ class HostBridge:
                 nxt = np.int32(self.submit(next_layer, next_queries, mode, next_block_ids))
             o, lse = self.collect(ticket)
             return o, lse, nxt
+        return self._guard(run)
+
+    def cb_record_tail(self, layer: int, tail, valid):
+        """Keep a prefill chunk's last queries (see jhybrid.hybrid.bridge.record_tail) -> int32 0."""
+        def run():
+            self.turn_tails[layer] = (np.array(tail, np.float32), np.array(valid, np.int64))
+            return np.int32(0)
         return self._guard(run)
 
     def raise_pending(self) -> None:

@@ -173,7 +173,8 @@ class Generator:
         """Calls fn compiled ahead of time for these shapes (compile time kept apart)."""
         # self.params never changes shape: skip flattening its hundreds of leaves every step.
         varying = [a for a in args if a is not self.params]
-        key = (name,) + tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(varying))
+        leaves, treedef = jax.tree_util.tree_flatten(varying)  # the structure too: a hybrid cache
+        key = (name, treedef) + tuple((a.shape, str(a.dtype)) for a in leaves)  # gains prefill copies
         if key not in self._executables:
             start = time.perf_counter()
             self._executables[key] = jax.jit(fn, donate_argnums=donate).lower(*args).compile()

@@ -10,7 +10,10 @@ mode, recall buffers or digests and a recall pool; the host store holds every ev
 `KVManager` (Python, between steps) evicts and recalls; inside the jitted step each layer does:
 
   prefill / append (T > 1), every mode: exact. GPU: causal jnp attention over sinks + ring;
-      CPU: `attend_all` over every offloaded token (submit before, collect after the GPU part).
+      offloaded tokens: on the device over the copies the manager put in the state (pf_k, pf_v,
+      pf_len; passed through, dropped at the next step start; config.prefill_offloaded "device",
+      "auto" on a GPU), else
+      CPU `attend_all` over every offloaded token (submit before, collect after the GPU part).
   decode (T = 1):
     streaming  window kernel only (offloaded tokens kept, not attended)
     recall     window kernel + the same kernel over the offloaded KV uploaded this step
@@ -39,6 +42,7 @@ from jhybrid.attention.base import AttentionBackend, LayerContext
 from jhybrid.attention.full import FullAttention
 from jhybrid.hybrid import bridge
 from jhybrid.hybrid.config import HybridConfig
+from jhybrid.hybrid.prefill_upload import offloaded_attention
 from jhybrid.hybrid.manager import KVManager
 from jhybrid.hybrid.ring import (exact_window_attention, init_window, ring_meta, update_maw,
                                  write_tokens)
@@ -156,7 +160,14 @@ class HybridAttention(AttentionBackend):
         active = jnp.any(positions >= 0, axis=1)
         get = self._bridge
         scale = context.scale
-        if q.shape[1] > 1:  # prefill / append: exact
+        token = None
+        if q.shape[1] > 1 and "pf_k" in state:  # prefill / append, offloaded part on the device
+            o_c, lse_c = offloaded_attention(q, state["pf_k"], state["pf_v"], state["pf_len"], scale)
+            if cfg.mode == "hgca":  # the re-evaluation's queries reach the host without an attention call
+                token = bridge.record_tail(get, layer_idx, q, positions, cfg.reevaluate_queries)
+            o_g, lse_g, probs = exact_window_attention(cfg, q, state, positions, lengths, scale)
+            parts = [(o_g, lse_g), (o_c, lse_c)]
+        elif q.shape[1] > 1:  # prefill / append, offloaded part on the CPU: exact
             ticket = bridge.submit(get, layer_idx, "all", q)
             q_gpu = bridge.after(q, ticket)
             o_g, lse_g, probs = exact_window_attention(cfg, q_gpu, state, positions, lengths, scale)
@@ -164,6 +175,8 @@ class HybridAttention(AttentionBackend):
         else:
             parts, probs = self._decode(layer_idx, q, positions, lengths, state, context)
         state["maw"] = update_maw(cfg, state["maw"], probs, active)
+        if token is not None:  # ties the callback to an output, so it runs and is done with the step
+            state["maw"] = state["maw"] + 0.0 * token.astype(jnp.float32)
         o, _ = merge_partials([p[0] for p in parts], [p[1] for p in parts], out_dtype=jnp.float32)
         o = jnp.where((positions >= 0)[:, :, None, None], o, 0.0)
         return o.astype(q.dtype), state

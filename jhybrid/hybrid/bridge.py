@@ -60,3 +60,16 @@ def exchange(get_bridge: Callable, ticket: jax.Array, q_shape, mode: str, next_l
     return jax.pure_callback(
         lambda t, nq, ni, *deps: get_bridge().cb_exchange(next_layer, mode, t, nq, ni), shapes,
         ticket, next_q.astype(jnp.float32), next_ids.astype(jnp.int32), *dependencies)
+
+
+def record_tail(get_bridge: Callable, layer: int, q: jax.Array, positions: jax.Array, keep: int):
+    """Hand the host the last `keep` valid queries of each row of a chunk (hgca's re-evaluation
+    queries) when no host attention call carries them: tail [B, keep, Hq, D] float32, row b's
+    query at valid position p - keep + j in tail[b, j] (earlier slots repeat query 0; the host
+    reads the last min(keep, valid) of them). Returns an int32 token to tie into the step's outputs
+    (a pure callback whose result is unused would be dropped)."""
+    valid = jnp.sum(positions >= 0, axis=1)  # [B]
+    idx = jnp.clip(valid[:, None] - keep + jnp.arange(keep)[None, :], 0, q.shape[1] - 1)  # [B, keep]
+    tail = jnp.take_along_axis(q, idx[:, :, None, None], axis=1).astype(jnp.float32)
+    return jax.pure_callback(lambda t, v: get_bridge().cb_record_tail(layer, t, v),
+                             jax.ShapeDtypeStruct((), jnp.int32), tail, valid.astype(jnp.int32))

@@ -21,6 +21,7 @@ import math
 MODES = ("full", "recall", "hgca", "scout", "streaming", "topk")
 HOST_MODES = ("recall", "hgca", "scout", "streaming", "topk")  # the modes that offload
 EXCHANGES = ("split", "sync")
+PREFILL_OFFLOADED = ("auto", "device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,12 @@ class HybridConfig:
     n_threads: Numba threads of the host worker (None: all cores but one).
     host_memory_cap_bytes: cap of the host store; a context that cannot fit is a ValueError.
     reevaluate_queries: hgca: how many of a new turn's last queries re-score the offloaded tokens.
+    prefill_offloaded: where a prefill / append chunk attends to the part of its sequence that is
+        already offloaded: "device" = copy those blocks to the device before the chunk and attend
+        there (`jhybrid.hybrid.prefill_upload`), "host" = CPU attention over the host store (every
+        mode's decode-time path; slow for long chunks), "auto" = device on a GPU, host elsewhere.
+    prefill_upload_max_bytes: "device" / "auto": a chunk whose copy (K + V of every layer, padded)
+        would exceed this many bytes uses the host path instead (logged). None = no limit.
     """
 
     mode: str = "hgca"
@@ -75,6 +82,8 @@ class HybridConfig:
     n_threads: int | None = None
     host_memory_cap_bytes: int | None = None
     reevaluate_queries: int = 16
+    prefill_offloaded: str = "auto"
+    prefill_upload_max_bytes: int | None = 8 * 2**30
 
     def __post_init__(self):
         bad = []
@@ -103,6 +112,12 @@ class HybridConfig:
             bad.append(f"recall_blocks={self.recall_blocks!r} (expected an int >= 0)")
         if not 0.0 <= self.recall_threshold <= 1.0:
             bad.append(f"recall_threshold={self.recall_threshold!r} (expected a fraction in [0, 1])")
+        if self.prefill_offloaded not in PREFILL_OFFLOADED:
+            bad.append(f"prefill_offloaded={self.prefill_offloaded!r} (expected one of {PREFILL_OFFLOADED})")
+        if self.prefill_upload_max_bytes is not None and (
+                not isinstance(self.prefill_upload_max_bytes, int) or isinstance(self.prefill_upload_max_bytes, bool)
+                or self.prefill_upload_max_bytes < 0):
+            bad.append(f"prefill_upload_max_bytes={self.prefill_upload_max_bytes!r} (expected None or an int >= 0)")
         if self.exchange not in EXCHANGES:
             bad.append(f"exchange={self.exchange!r} (expected one of {EXCHANGES})")
         if self.kernel_backend not in (None, "triton", "interpret", "reference"):

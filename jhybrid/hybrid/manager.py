@@ -12,6 +12,13 @@ per-token work:
     blk_size decode steps per sequence.
   * re-evaluation (hgca): on the first decode step after a prefill or append, each layer's
     offloaded tokens are re-scored with the turn's last queries (`submit_reevaluate`).
+  * prefill over the offloaded prompt (`cfg.prefill_offloaded`): before a prefill chunk whose
+    sequences already have offloaded blocks, either nothing (the step's callbacks attend to them on
+    the CPU) or, on the device path, every layer's offloaded blocks are copied to the device into
+    the layer states as pf_k, pf_v [B, Hkv, P, D] and pf_len [B] (`jhybrid.hybrid.prefill_upload`);
+    the step attends to them there and passes them through (donated, no copy). The next chunk
+    extends them on the device with the blocks evicted before it (`_extend_prompt`: no host round
+    trip); a decode step drops them.
   * recall (recall mode): the whole offloaded KV is uploaded to the device before every step.
   * recall (scout, `jhybrid.hybrid.recall`): asynchronous and incremental (ScoutAttention §3.4).
     At a step start, per layer: when the CPU's share of the layer's selected blocks at the last
@@ -48,6 +55,7 @@ import numpy as np
 from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
 from jhybrid.hybrid.config import HybridConfig, evicted_blocks
+from jhybrid.hybrid.prefill_upload import offloaded_prompt, offloaded_prompt_bytes
 from jhybrid.hybrid.recall import RecallPlan, plan_recall, pool_spec, stage_recall
 
 log = logging.getLogger(__name__)
@@ -118,6 +126,12 @@ class KVManager:
         self.decode_steps = 0
         self._prefill_queries: list[np.ndarray | None] = [None] * self.n_layers  # hgca re-evaluation
         self._needs_reevaluate = False
+        self._tails_in_flight = False
+        # device path of prefill_offloaded: the last chunk's copies (kept while chunks follow each
+        # other) with the blocks per sequence they hold, and this step's evicted blocks on the device
+        self._pf_prev: tuple | None = None
+        self._pf_blocks: np.ndarray | None = None
+        self._pf_evicted: tuple | None = None
         self._last_recall = np.full(self.n_layers, -10**9)
         # scout recall: host copy of every layer's pool table [L, B, Hkv, R] (updated when a recall
         # is applied), the in-flight recall of each layer, and the background thread.
@@ -179,7 +193,8 @@ class KVManager:
         self._last_snapshot = None
         self._c = dict(evict_s=0.0, transfer_s=0.0, recall_s=0.0, recall_bg_s=0.0, bytes_to_host=0,
                        bytes_to_device=0, n_evicted_blocks=0, n_recall_triggers=0, n_recalls=0, recall_rows=0,
-                       n_reevaluations=0)
+                       n_reevaluations=0, n_prefill_device_chunks=0, n_prefill_extends=0,
+                       n_prefill_host_chunks=0)
         self.bridge.reset_counters()
 
     def counters(self) -> dict:
@@ -212,6 +227,15 @@ class KVManager:
     def before_step(self, cache, positions):
         """Call with the cache and the step's positions [B, T] before running the step."""
         self.bridge.raise_pending()
+        if self._tails_in_flight:  # the last chunk handed its query tails over inside the step
+            jax.block_until_ready(cache)
+            self._tails_in_flight = False
+        self._pf_prev, self._pf_evicted = None, None
+        if "pf_k" in cache.layers[0]:  # the last chunk's copies of the offloaded prompt: a following
+            if np.shape(positions)[1] > 1:  # chunk extends them on the device, a decode step drops them
+                self._pf_prev = tuple((state["pf_k"], state["pf_v"]) for state in cache.layers)
+            cache = cache.replace(layers=tuple({name: x for name, x in state.items() if not name.startswith("pf_")}
+                                               for state in cache.layers))
         self._record_step()
         if self._recaller is not None:
             cache = _commit(cache)
@@ -231,11 +255,14 @@ class KVManager:
         e0, e1 = evicted_blocks(self.n_tokens, self.cfg), evicted_blocks(after, self.cfg)
         if np.any(e1 > e0):
             cache = self._evict(cache, e0, e1)
+            if pos.shape[1] == 1:
+                self._pf_evicted = None  # only a prefill chunk extends its copies with them
         if self._pending:
             cache = self._apply_ready_recalls(cache)
         if pos.shape[1] > 1:
             self._remember_turn_queries(pos)
             self._since_prefill = 0
+            cache = self._attach_offloaded_prompt(cache)
         else:
             if self._needs_reevaluate:
                 self._reevaluate()
@@ -258,7 +285,9 @@ class KVManager:
         blk = np.full(size, self.nb_max, np.int32)
         seq[:n] = [r[0] for r in rows]
         blk[:n] = [r[1] for r in rows]
-        layers, k, v, maw = _gather_blocks(self.cfg, cache.layers, jnp.asarray(seq), jnp.asarray(blk))
+        seq_d, blk_d = jnp.asarray(seq), jnp.asarray(blk)
+        layers, k, v, maw = _gather_blocks(self.cfg, cache.layers, seq_d, blk_d)
+        self._pf_evicted = (k, v, seq_d, blk_d, e1 - e0)  # a device-path prefill chunk extends with them
         t0 = time.perf_counter()
         k, v, maw = to_host(k), to_host(v), to_host(maw)  # [L, N, bs, Hkv, D], ..., [L, N, bs, Hkv]
         self._c["transfer_s"] += time.perf_counter() - t0
@@ -302,12 +331,16 @@ class KVManager:
         keep = self.cfg.reevaluate_queries
         for layer in range(self.n_layers):
             q = self.bridge.last_queries.get(layer)
-            if q is None or q.shape[1] == 1:
+            tail = self.bridge.turn_tails.pop(layer, None)  # the chunk ran on the device path
+            if tail is None and (q is None or q.shape[1] == 1):
                 continue
             old = self._prefill_queries[layer]
             rows = []
             for b in range(self.batch):
-                mine = q[b, max(0, int(valid[b]) - keep):int(valid[b])]
+                if tail is not None:
+                    mine = tail[0][b, keep - min(keep, int(tail[1][b])):]
+                else:
+                    mine = q[b, max(0, int(valid[b]) - keep):int(valid[b])]
                 if old is not None:
                     mine = np.concatenate([old[b], mine])[-keep:] if mine.shape[0] < keep else mine
                 rows.append(mine)
@@ -328,6 +361,63 @@ class KVManager:
                                                 self.model_config.attention_scale)
                 self._c["n_reevaluations"] += 1
         self._prefill_queries = [None] * self.n_layers
+
+    # ---- prefill over the offloaded part of the prompt -------------------------------------------
+    def _attach_offloaded_prompt(self, cache):
+        """Device path of cfg.prefill_offloaded: put every layer's offloaded blocks in its state (pf_k,
+        pf_v, pf_len) for the coming prefill chunk; unchanged cache on the host path."""
+        choice = self.cfg.prefill_offloaded
+        device = next(iter(cache.layers[0]["k_ring"].devices()))
+        if choice == "host" or (choice == "auto" and device.platform != "gpu"):
+            return cache
+        nbytes = offloaded_prompt_bytes(self.store, self.batch, self.dtype.itemsize)
+        if nbytes == 0:
+            return cache
+        limit = self.cfg.prefill_upload_max_bytes
+        if limit is not None and nbytes > limit:
+            if not self._c["n_prefill_host_chunks"]:
+                log.warning("hybrid %s: a prefill chunk's offloaded prompt (%d bytes on the device) exceeds "
+                            "prefill_upload_max_bytes=%d; such chunks attend to it on the CPU (slower)",
+                            self.cfg.mode, nbytes, limit)
+            self._c["n_prefill_host_chunks"] += 1
+            return cache
+        start = time.perf_counter()
+        blocks = np.array([self.store.n_blocks(0, b) for b in range(self.batch)], np.int64)
+        layers_kv = self._extend_offloaded_prompt(blocks)
+        if layers_kv is None:  # the first chunk over offloaded tokens (or after decode): from the store
+            layers_kv, _ = offloaded_prompt(self.store, self.batch, self.dtype, device)
+            self._c["bytes_to_device"] += nbytes
+        n_valid = (blocks * self.cfg.block_size).astype(np.int32)
+        # one pf_len per layer: the step donates the cache, and a buffer cannot be donated twice
+        layers = tuple(dict(state, pf_k=k, pf_v=v, pf_len=jax.device_put(n_valid, device))
+                       for state, (k, v) in zip(cache.layers, layers_kv))
+        self._c["transfer_s"] += time.perf_counter() - start
+        self._pf_blocks = blocks
+        self._c["n_prefill_device_chunks"] += 1
+        self._tails_in_flight = self.cfg.mode == "hgca"
+        return cache.replace(layers=layers)
+
+    def _extend_offloaded_prompt(self, blocks: np.ndarray):
+        """The last chunk's device copies plus the blocks evicted before this chunk, scattered in on
+        the device (no host round trip); None when there are no copies to extend or they do not
+        account for exactly `blocks` [B] offloaded blocks per sequence."""
+        prev, evicted = self._pf_prev, self._pf_evicted
+        self._pf_prev = self._pf_evicted = None
+        if prev is None or self._pf_blocks is None:
+            return None
+        added = evicted[4] if evicted is not None else np.zeros_like(blocks)
+        if not np.array_equal(self._pf_blocks + added, blocks):
+            log.debug("prefill copies hold %s blocks + %s evicted != %s stored: rebuilt from the store",
+                      self._pf_blocks.tolist(), added.tolist(), blocks.tolist())
+            return None
+        p = _next_pow2(int(blocks.max())) * self.cfg.block_size
+        if evicted is None and p == prev[0][0].shape[2]:
+            return prev
+        if evicted is None:  # only a larger padding: scatter nothing
+            k = jnp.zeros((self.n_layers, 0, self.cfg.block_size, self.hkv, self.d), self.dtype)
+            evicted = (k, k, jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32))
+        self._c["n_prefill_extends"] += 1
+        return _extend_prompt(prev, *evicted[:4], p)
 
     # ---- recall mode: everything back, every step --------------------------------------------
     def _upload_offloaded(self, cache):
@@ -446,6 +536,32 @@ def _commit(cache):
         return cache
     return jax.tree_util.tree_map(
         lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) and not x.committed else x, cache)
+
+
+def _extend_prompt(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, blk: jax.Array, p: int):
+    """`_extend_into` with prev donated when its padding stays (the scatter then writes in place)."""
+    fn = _extend_in_place if prev[0][0].shape[2] == p else _extend_into
+    return fn(prev, k, v, seq, blk, p)
+
+
+def _extend_into(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, blk: jax.Array, p: int):
+    """prev[l] = (pf_k, pf_v) [B, Hkv, P0, D], padded to p tokens, with the evicted blocks k, v
+    [L, N, bs, Hkv, D] (sequence seq[n], offloaded block number blk[n]) written at their offsets.
+    Padding rows (seq = B) are dropped."""
+    bs = k.shape[2]
+    tokens = blk[:, None] * bs + jnp.arange(bs)[None, :]  # [N, bs]
+    out = []
+    for layer, pair in enumerate(prev):
+        new = []
+        for x, rows in zip(pair, (k[layer], v[layer])):
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, p - x.shape[2]), (0, 0)))
+            new.append(x.at[seq[:, None], :, tokens].set(rows.astype(x.dtype), mode="drop"))
+        out.append(tuple(new))
+    return tuple(out)
+
+
+_extend_in_place = jax.jit(_extend_into, static_argnums=(5,), donate_argnums=(0,))
+_extend_into = jax.jit(_extend_into, static_argnums=(5,))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))

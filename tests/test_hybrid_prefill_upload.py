@@ -1,0 +1,210 @@
+"""Prefill over the offloaded prompt on the device (`HybridConfig.prefill_offloaded="device"`).
+
+The attention over the uploaded copies against a float64 NumPy reference (ragged lengths, GQA, an
+empty sequence); the upload against the host store; whole runs (prefill + an appended turn +
+decode) on the device path against full attention and against the host path, including hgca with
+a real threshold (its re-evaluation must get the same queries on both paths); the size limit's
+fallback to the host path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from host import KVStore, StoreConfig
+from jhybrid.attention.hybrid import make_backend
+from jhybrid.hybrid.config import HybridConfig
+from jhybrid.hybrid.prefill_upload import offloaded_attention, offloaded_prompt, offloaded_prompt_bytes
+from jhybrid.generation import make_step
+from jhybrid.models import create_model
+from tests.test_hybrid_exactness import CONFIG, TOL, run_forced
+
+WINDOW = dict(window_tokens=40, block_size=16, sink=8, n_threads=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def full_float32_matmuls():
+    """On a GPU (where the device path is the default) XLA's float32 matmuls default to TF32
+    (~1e-3 relative): these tolerances are for float32 arithmetic."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def reference_attention(q, k, v, n_valid, scale):
+    """float64: q [B, T, Hq, D], k/v [B, Hkv, P, D] -> o [B, T, Hq, D], lse [B, T, Hq]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, t, hq, d = q.shape
+    g = hq // k.shape[1]
+    o = np.zeros((b, t, hq, d))
+    lse = np.full((b, t, hq), -np.inf)
+    for bi in range(b):
+        n = int(n_valid[bi])
+        if n == 0:
+            continue
+        for h in range(hq):
+            s = q[bi, :, h] @ k[bi, h // g, :n].T * scale  # [T, n]
+            m = s.max(axis=1, keepdims=True)
+            p = np.exp(s - m)
+            o[bi, :, h] = (p / p.sum(1, keepdims=True)) @ v[bi, h // g, :n]
+            lse[bi, :, h] = np.log(p.sum(1)) + m[:, 0]
+    return o, lse
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 6), (8, 1)])
+def test_offloaded_attention_matches_float64(hq, hkv):
+    rng = np.random.default_rng(hq * 10 + hkv)
+    b, t, p, d = 3, 5, 48, 64
+    q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
+    k = rng.standard_normal((b, hkv, p, d)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, p, d)).astype(np.float32)
+    n_valid = np.array([48, 17, 0], np.int32)  # full, ragged, nothing offloaded yet
+    for bi, n in enumerate(n_valid):  # keys past n_valid are poison (must be masked); values there
+        k[bi, :, n:] = 1e4                # are zeros, as offloaded_prompt writes them
+        v[bi, :, n:] = 0.0
+    o, lse = offloaded_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(n_valid), 0.125)
+    o_ref, lse_ref = reference_attention(q, k, v, n_valid, 0.125)
+    np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse)[:2], lse_ref[:2], atol=2e-5, rtol=2e-5)
+    assert np.all(np.isneginf(np.asarray(lse)[2])) and not np.asarray(o)[2].any()
+
+
+def test_offloaded_prompt_copies_the_store_ragged():
+    cfg = StoreConfig(n_layers=2, n_kv_heads=2, head_dim=64, block_size=16, kv_dtype="bf16")
+    store = KVStore(cfg)
+    rng = np.random.default_rng(0)
+    for seq, n in ((0, 3), (1, 1), (2, 0)):
+        store.add_sequence(seq)
+        for layer in range(2):
+            if n:
+                k = rng.standard_normal((n, 16, 2, 64)).astype(np.float32)
+                v = rng.standard_normal((n, 16, 2, 64)).astype(np.float32)
+                store.append_blocks(layer, seq, k, v, np.zeros((n, 16, 2), np.float32),
+                                    np.arange(n * 16).reshape(n, 16))
+    device = jax.devices()[0]
+    layers, n_valid = offloaded_prompt(store, 3, jnp.float32, device)
+    assert n_valid.tolist() == [48, 16, 0]
+    assert layers[0][0].shape == (3, 2, 64, 64)  # P = next power of two of 3 blocks, x 16
+    assert offloaded_prompt_bytes(store, 3, 4) == 2 * 2 * 3 * 2 * 64 * 64 * 4
+    for layer in range(2):
+        for seq, n in ((0, 48), (1, 16)):
+            blocks = store.read_blocks(layer, seq)  # k [n, bs, Hkv, D] bf16 bits
+            from host.kv_store import from_storage
+            want = from_storage(blocks["k"], "bf16").transpose(2, 0, 1, 3).reshape(2, n, 64)
+            got = np.asarray(layers[layer][0][seq])
+            np.testing.assert_array_equal(got[:, :n], want)
+            assert not got[:, n:].any()
+        assert not np.asarray(layers[layer][1][2]).any()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(CONFIG, seed=0)
+
+
+def forced(model, backend, seed=1234):
+    """Prompt 72 tokens (chunks of 16), a 20-token turn appended before decode step 10, 30 decode
+    steps: prefill chunks that see offloaded blocks on both the prompt (chunks 3-5; 4 and 5 extend
+    the copies with the blocks evicted before them) and the appended turn (copied from the store)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 97, (2, 72)).astype(np.int32)
+    cont = rng.integers(0, 97, (2, 30)).astype(np.int32)
+    turn = rng.integers(0, 97, (2, 20)).astype(np.int32)
+    return run_forced(model, backend, prompt, cont, turns={10: turn})
+
+
+@pytest.fixture(scope="module")
+def full_logits(model):
+    return forced(model, make_backend("full"))[0]
+
+
+@pytest.mark.parametrize("mode,extra", [("hgca", dict(beta=1e-30)), ("topk", {}), ("recall", {}),
+                                        ("scout", dict(predict_query=False))])
+def test_device_prefill_keep_all_equals_full(model, full_logits, mode, extra):
+    backend = make_backend(HybridConfig(mode=mode, prefill_offloaded="device", **WINDOW, **extra))
+    logits, backend, cache, _ = forced(model, backend)
+    np.testing.assert_allclose(logits, full_logits, atol=TOL, rtol=TOL)
+    counters = backend.counters()
+    assert counters["n_prefill_device_chunks"] >= 2 and counters["n_prefill_host_chunks"] == 0
+    assert counters["n_prefill_extends"] >= 1  # a chunk after another extended its copies on the device
+    assert not any(name.startswith("pf_") for name in cache.layers[0])  # dropped after the prefill
+
+
+def test_device_and_host_prefill_agree_for_hgca_with_a_threshold(model):
+    """beta = 1 drops tokens: the two paths agree only if the re-evaluation gets the same queries."""
+    runs = {}
+    for where in ("host", "device"):
+        backend = make_backend(HybridConfig(mode="hgca", beta=1.0, prefill_offloaded=where, **WINDOW))
+        logits, backend, _, _ = forced(model, backend)
+        runs[where] = (logits, backend.counters())
+    np.testing.assert_allclose(runs["device"][0], runs["host"][0], atol=1e-5, rtol=1e-5)
+    assert runs["device"][1]["n_reevaluations"] == runs["host"][1]["n_reevaluations"] > 0
+    assert runs["device"][1]["n_prefill_device_chunks"] > 0 == runs["host"][1]["n_prefill_device_chunks"]
+
+
+def run_ragged(model, backend, lengths=(70, 37), steps=6, chunk=16, seed=7):
+    """Ragged prompts (padding positions -1) in chunks, then `steps` decode steps per row at its own
+    position: a sequence whose prompt ended keeps being padded while the other's chunks continue.
+    Returns decode logits [B, steps, V]."""
+    from tests.test_hybrid_exactness import MAX_LEN
+
+    step, params = make_step(model, backend)
+    rng = np.random.default_rng(seed)
+    batch, longest = len(lengths), max(lengths)
+    prompt = rng.integers(0, 97, (batch, longest)).astype(np.int32)
+    cont = rng.integers(0, 97, (batch, steps)).astype(np.int32)
+    cache = model.init_cache(batch, MAX_LEN, backend)
+    hook = getattr(backend, "before_step", None)
+    for s in range(0, longest, chunk):
+        pos = s + np.arange(chunk)[None].repeat(batch, 0)
+        pos = np.where(pos < np.array(lengths)[:, None], pos, -1).astype(np.int32)
+        part = np.pad(prompt[:, s:s + chunk], ((0, 0), (0, chunk - prompt[:, s:s + chunk].shape[1])))
+        if hook:
+            cache = hook(cache, pos)
+        _, cache = step(params, part, pos, cache)
+    out = []
+    for i in range(steps):
+        pos = (np.array(lengths) + i)[:, None].astype(np.int32)
+        if hook:
+            cache = hook(cache, pos)
+        logits, cache = step(params, cont[:, i:i + 1], pos, cache)
+        out.append(np.asarray(logits[:, 0]))
+    return np.stack(out, 1), backend
+
+
+def test_device_prefill_ragged_lengths_equal_full_and_host(model):
+    """Ragged prompts: the shorter one stops evicting while the longer one's copies keep growing."""
+    full, _ = run_ragged(model, make_backend("full"))
+    keep_all, backend = run_ragged(model, make_backend(HybridConfig(mode="hgca", beta=1e-30,
+                                                                    prefill_offloaded="device", **WINDOW)))
+    np.testing.assert_allclose(keep_all, full, atol=TOL, rtol=TOL)
+    assert backend.counters()["n_prefill_extends"] >= 1
+    runs = {where: run_ragged(model, make_backend(HybridConfig(mode="topk", topk_blocks=1, prefill_offloaded=where,
+                                                               **WINDOW)))[0] for where in ("host", "device")}
+    np.testing.assert_allclose(runs["device"], runs["host"], atol=1e-5, rtol=1e-5)
+
+
+def test_upload_over_the_limit_uses_the_host_path_and_says_so(model, full_logits, caplog):
+    backend = make_backend(HybridConfig(mode="hgca", beta=1e-30, prefill_offloaded="device",
+                                        prefill_upload_max_bytes=1, **WINDOW))
+    with caplog.at_level(logging.WARNING, logger="jhybrid.hybrid.manager"):
+        logits, backend, _, _ = forced(model, backend)
+    np.testing.assert_allclose(logits, full_logits, atol=TOL, rtol=TOL)
+    counters = backend.counters()
+    assert counters["n_prefill_device_chunks"] == 0 and counters["n_prefill_host_chunks"] >= 2
+    assert "exceeds prefill_upload_max_bytes=1" in caplog.text
+
+
+def test_auto_is_device_on_a_gpu_host_elsewhere_and_bad_values_are_named(model):
+    backend = make_backend(HybridConfig(mode="hgca", beta=1e-30, **WINDOW))  # "auto"
+    _, backend, _, _ = forced(model, backend)
+    on_gpu = jax.devices()[0].platform == "gpu"
+    assert (backend.counters()["n_prefill_device_chunks"] > 0) == on_gpu
+    with pytest.raises(ValueError, match="prefill_offloaded='gpu'"):
+        HybridConfig(prefill_offloaded="gpu")
+    with pytest.raises(ValueError, match="prefill_upload_max_bytes=-1"):
+        HybridConfig(prefill_upload_max_bytes=-1)
