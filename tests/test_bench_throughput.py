@@ -114,8 +114,11 @@ def test_synthetic_points_measure_and_reuse_the_host_store(tiny):
 
 
 def test_prefill_point_measures_ttft(tiny):
-    row = run_throughput(tiny, None, point("hgca", batch=1, context=96, fill="prefill", prefill_chunk=16))[0]
+    row = run_throughput(tiny, None, point("hgca", batch=1, context=96, fill="prefill", prefill_chunk=16,
+                                           prefill_repeats=2))[0]
     assert row["ttft_s"] > 0 and row["fill"] == "prefill" and row["decode_tok_s"] > 0
+    assert len(row["ttft_runs_s"]) == 2 and row["ttft_s"] == pytest.approx(np.median(row["ttft_runs_s"]), abs=1e-4)
+    assert row["prefill_offloaded"] == "auto" and row["prefill_host_chunks"] == 0  # CPU: auto = host path
 
 
 def _stub_sweep(tmp_path, budget):
@@ -249,3 +252,23 @@ def test_xla_max_batch_fits_and_the_next_does_not(tiny):
     assert "over device capacity" in m_next.over_capacity() and "(xla)" in m_next.over_capacity()
     assert m_max.fields()["pred_temp_source"] == "xla" and m_max.fields()["pred_max_batch_checked"]
     assert getattr(m_max, "compiled", None) is not None  # the run reuses the prediction's compile
+
+
+def test_synthetic_hybrid_fill_frees_each_zero_array_it_replaces(tiny):
+    """The fill must not hold the zero window and the random one at once (2x device memory at the
+    largest batch): every replaced array of the fresh cache is deleted, none of the new ones is."""
+    import jax
+
+    p = point("scout", batch=2, context=256)
+    backend, _ = backend_for(p.offload, 256)
+    max_len = max_len_for(p.benchmark)
+    e = int(evicted_blocks(np.int64(256), backend.config))
+    host = synthetic.HostContext(synthetic.host_shape(tiny.config, 16), sink=16, keep=0.1)
+    host.prepare(2, e, slack_blocks=4)
+    zero = tiny.init_cache(2, max_len, backend)
+    replaced = [zero.layers[0][name] for name in ("k_ring", "v_ring", "sink_k", "maw", "kmin")]
+    filled = synthetic.load_hybrid_cache(zero, backend, host, 2, 256)
+    assert all(x.is_deleted() for x in replaced)
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(filled))
+    assert float(np.abs(np.asarray(filled.layers[0]["k_ring"], np.float32)).max()) > 0
+    backend.manager.close()

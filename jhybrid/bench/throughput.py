@@ -441,7 +441,7 @@ def _run_prefill(model, point, backend, batch, on_step) -> dict:
 
     bench = point.benchmark
     max_len = max_len_for(bench)
-    prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, bench.context))
+    rng = np.random.default_rng(0)
     stamps: list[float] = []
 
     def on_tokens(tokens, emitted):
@@ -452,17 +452,32 @@ def _run_prefill(model, point, backend, batch, on_step) -> dict:
     generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk, max_len=max_len)
     # Warm-up on other prompts of the same length: compiles the prefill chunks, the decode step and
     # every host-side program the first steps after a prefill use (eviction gathers of a whole chunk,
-    # hgca's re-evaluation), so the timed run measures none of them.
-    warm = np.random.default_rng(1).integers(0, model.config.vocab_size, (batch, bench.context))
+    # hgca's re-evaluation), so the timed runs measure none of them.
+    warm = rng.integers(0, model.config.vocab_size, (batch, bench.context))
     generator.generate(warm.tolist(), max_new_tokens=min(4, bench.decode_tokens))
-    stamps.clear()
-    result = generator.generate(prompts.tolist(), max_new_tokens=bench.decode_tokens, on_tokens=on_tokens)
-    gaps = list(np.diff(stamps)) if len(stamps) > 1 else []
-    row = {**_times(gaps, batch), "ttft_s": round(result.prefill_seconds, 4),
-           "prefill_tok_s": round(result.prefill_tokens_per_second, 1),
-           "compile_s": round(result.compile_seconds, 2), "fill_s": None}
-    row["decode_tok_s"] = round(result.decode_tokens_per_second, 2)
-    row.update(_memory_now(getattr(backend, "manager", None)))
+    ttft, gaps, decode_s, decode_tokens, compile_s = [], [], 0.0, 0, 0.0
+    for _ in range(bench.prefill_repeats):  # fresh prompts each time: no run reuses another's KV
+        prompts = rng.integers(0, model.config.vocab_size, (batch, bench.context))
+        stamps.clear()
+        result = generator.generate(prompts.tolist(), max_new_tokens=bench.decode_tokens, on_tokens=on_tokens)
+        ttft.append(result.prefill_seconds)
+        gaps += list(np.diff(stamps))
+        decode_s += result.decode_seconds
+        decode_tokens += sum(max(len(t) - 1, 0) for t in result.tokens)  # as decode_tokens_per_second
+        compile_s += result.compile_seconds
+    row = {**_times(gaps, batch), "ttft_s": round(float(np.median(ttft)), 4),
+           "ttft_runs_s": [round(t, 4) for t in ttft],
+           "prefill_tok_s": round(batch * bench.context / float(np.median(ttft)), 1),
+           "compile_s": round(compile_s, 2), "fill_s": None}
+    row["decode_tok_s"] = round(decode_tokens / decode_s, 2) if decode_s > 0 else None
+    manager = getattr(backend, "manager", None)
+    if manager is not None:  # which path the chunks took over the offloaded prompt (device copies or CPU)
+        counters = manager.counters()
+        row.update(prefill_offloaded=point.offload.prefill_offloaded,
+                   prefill_device_chunks=counters.get("n_prefill_device_chunks"),
+                   prefill_extends=counters.get("n_prefill_extends"),
+                   prefill_host_chunks=counters.get("n_prefill_host_chunks"))
+    row.update(_memory_now(manager))
     return row
 
 

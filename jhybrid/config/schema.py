@@ -18,7 +18,7 @@ import dataclasses
 import typing
 
 from jhybrid.bench.texts import TEXT_FILES
-from jhybrid.hybrid.config import EXCHANGES, MODES
+from jhybrid.hybrid.config import EXCHANGES, MODES, PREFILL_OFFLOADED
 
 TASKS = ("perplexity", "niah", "throughput")
 FILLS = ("prefill", "synthetic")
@@ -62,7 +62,10 @@ class OffloadSpec:
     host_threads: Numba threads of the host worker (None: all cores but one).
     scout_exact_layers: scout: layers that use their exact query instead of the layer-ahead
         prediction: a list of layer indices or an int N = layers 0..N-1 (layer 0 always is);
-        HybridConfig.scout_exact_layers. In a sweep, a list of sets is a list of lists: [[], [1, 2]]."""
+        HybridConfig.scout_exact_layers. In a sweep, a list of sets is a list of lists: [[], [1, 2]].
+    prefill_offloaded: where a prefill chunk attends to the already offloaded part of its prompt:
+        "device" (copied up per chunk), "host" (CPU attention), "auto" (device on a GPU);
+        HybridConfig.prefill_offloaded."""
 
     mode: str = dataclasses.field(default="full", metadata=_choices(*MODES))
     window_tokens: int | None = None
@@ -77,6 +80,7 @@ class OffloadSpec:
     predict_query: bool = True
     scout_exact_layers: int | list = ()
     exchange: str = dataclasses.field(default="split", metadata=_choices(*EXCHANGES))
+    prefill_offloaded: str = dataclasses.field(default="auto", metadata=_choices(*PREFILL_OFFLOADED))
     host_threads: int | None = None
 
 
@@ -94,6 +98,8 @@ class BenchmarkSpec:
           'synthetic' = the context is written directly as random KV into the GPU window / cache and
           the host store (no prefill: long contexts in seconds; no time to first token).
       warmup_steps: untimed decode steps before the `decode_tokens` timed ones (synthetic fill).
+      prefill_repeats: prefill fill: timed generations (fresh random prompts each) after the untimed
+          warm-up; time to first token is their median, decode times are pooled over them.
       hgca_keep: synthetic fill: share of offloaded tokens marked salient for hgca (random weights
           have no attention pattern of their own, so the CPU's share is set, and reported).
       run_over_capacity: run points predicted not to fit instead of skipping them (to observe the
@@ -121,6 +127,7 @@ class BenchmarkSpec:
     output_dir: str = "benchmarks/results"
     fill: str = dataclasses.field(default="prefill", metadata=_choices(*FILLS))
     warmup_steps: int = 2
+    prefill_repeats: int = 3
     hgca_keep: float = 0.1
     run_over_capacity: bool = False
     device_memory_gib: float | None = None
@@ -145,7 +152,7 @@ class RunConfig:
 
 SECTIONS = {"model": ModelSpec, "offload": OffloadSpec, "benchmark": BenchmarkSpec}
 POSITIVE = {"tokens", "scored_tokens", "niah_length", "answer_tokens", "batch", "context",
-            "decode_tokens", "prefill_chunk", "block_size", "window_tokens", "budget",
+            "decode_tokens", "prefill_chunk", "prefill_repeats", "block_size", "window_tokens", "budget",
             "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s"}
 NON_NEGATIVE = {"warmup_steps", "device_reserve_gib", "host_reserve_gib"}
 
