@@ -17,6 +17,12 @@ probabilities (so a token that any head of the group relies on stays), and at re
 mean over the Tq new queries. The bridge must hand `KVStore.append_blocks` MAW combined the same
 way (sum over the group's query heads of each head's moving-average weight).
 
+Spans (`keep_after`, not in HGCA; default 0 = the paper's rule): a kept token also keeps the
+`keep_after` tokens that follow it (same head, token order). Copying a salient span — a number, a
+name, an id — needs its continuation, which the queries that found the span's start rarely score
+above the threshold (SnapKV pools its selection over neighbours for the same reason). At eviction the
+span stays within the blocks evicted together.
+
 Renormalisation: the kept tokens' scores are stored raw; `ContextCache.kept(...)["weight_normalised"]`
 gives them renormalised to sum to 1 per head, as HGCA's context cache holds them.
 
@@ -43,6 +49,20 @@ def salience_threshold(beta: float, a_size: int) -> float:
     return float(beta) / float(a_size)
 
 
+def extend_spans(keep: np.ndarray, keep_after: int) -> np.ndarray:
+    """keep [Hkv, n_blocks, block_size] bool -> the same with the `keep_after` tokens that follow each
+    kept token (in token order across the blocks) kept too."""
+    if isinstance(keep_after, bool) or not isinstance(keep_after, (int, np.integer)) or keep_after < 0:
+        raise ValueError(f"keep_after={keep_after!r}; expected an int >= 0")
+    if keep_after == 0 or keep.size == 0:
+        return keep
+    flat = keep.reshape(keep.shape[0], -1)
+    out = flat.copy()
+    for shift in range(1, min(int(keep_after), flat.shape[1] - 1) + 1):
+        out[:, shift:] |= flat[:, :-shift]
+    return out.reshape(keep.shape)
+
+
 def _gather_kept_locked(store, layer: int, seq_id, block_numbers: np.ndarray, keep: np.ndarray,
                         scores: np.ndarray):
     """Rows of kept tokens, head-major then in token order.
@@ -57,7 +77,8 @@ def _gather_kept_locked(store, layer: int, seq_id, block_numbers: np.ndarray, ke
     return heads.astype(np.int64), k_rows, v_rows, scores[heads, bi, rows].astype(np.float32), positions, token_index
 
 
-def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, window_tokens: int) -> np.ndarray:
+def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, window_tokens: int,
+                     keep_after: int = 0) -> np.ndarray:
     """Select the salient tokens of newly evicted blocks into the context cache.
 
     seq_ids: sequence ids; block_numbers: for each sequence, an int array of its block numbers to
@@ -80,14 +101,15 @@ def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, win
                 raise ValueError(f"block numbers {blocks.tolist()} for seq_id={s!r}; expected [0, {n_have})")
             slots = store.block_slots(layer, s)[blocks]
             maw = store.layers[layer].arrays["maw"][slots].transpose(1, 0, 2)  # [Hkv, n, bs]
-            keep = maw > threshold
+            keep = extend_spans(maw > threshold, keep_after)
             rows = _gather_kept_locked(store, layer, s, blocks, keep, maw)
             store.context.append_locked(layer, s, *rows)
             added[i] = keep.sum(axis=(1, 2))
     return added
 
 
-def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, scale: float | None = None) -> np.ndarray:
+def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, scale: float | None = None,
+               keep_after: int = 0) -> np.ndarray:
     """Rescore every stored token with the new queries [B, Tq, Hq, D] float32 and rebuild each
     head's context cache. Blocks appended after the scoring snapshot keep their current selection.
     Returns kept-token counts int64 [B, Hkv] after the rebuild.
@@ -113,7 +135,7 @@ def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, sca
                 continue
             n_tok = nb * bs
             scores = probs[i, :, :n_tok].reshape(hkv, nb, bs)
-            keep = scores > salience_threshold(beta, n_tok)
+            keep = extend_spans(scores > salience_threshold(beta, n_tok), keep_after)
             fresh = _gather_kept_locked(store, layer, s, np.arange(nb, dtype=np.int64), keep, scores)
             # Tokens of blocks evicted after the snapshot: keep what eviction-time sparsify chose.
             newer = [store.context.kept(layer, s, h) for h in range(hkv)]

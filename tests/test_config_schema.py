@@ -43,6 +43,9 @@ def test_unknown_keys_are_errors_that_list_allowed_keys(tmp_path, text, names):
     ("name: x\noffload: {sink: many}\n", ["offload.sink", "int"]),
     ("name: x\noffload: {gpu_ratio: 1.5}\n", ["offload.gpu_ratio", "(0, 1]"]),
     ("name: x\noffload: {gpu_ratio: 0.5, window_tokens: 64}\n", ["window_tokens", "gpu_ratio", "exclusive"]),
+    ("name: x\noffload: {keep_after: -2}\n", ["offload.keep_after", ">= 0"]),
+    ("name: x\noffload: {prefill_offloaded: gpu}\n", ["offload.prefill_offloaded", "'gpu'", "device", "host"]),
+    ("name: x\nbenchmark: {prefill_repeats: 0}\n", ["benchmark.prefill_repeats", "positive"]),
     ("name: x\nbenchmark: {task: speed}\n", ["benchmark.task", "perplexity", "niah", "throughput"]),
     ("name: x\nbenchmark: {tokens: -4}\n", ["benchmark.tokens", "positive"]),
     ("name: x\nsweep: [{offload.beta: [0.5, -1]}]\n", ["offload.beta", "-1"]),  # a bad sweep value

@@ -134,3 +134,47 @@ def test_reevaluation_keeps_selection_of_blocks_evicted_later(rng):
     for h in range(HKV):
         ti = store.context.kept(0, 0, h)["token_index"]
         assert np.sum(ti >= 2 * BS) == BS   # the whole new block (MAW 1 > 1/16) survived the rebuild
+
+
+def test_extend_spans_keeps_the_tokens_after_each_kept_one_across_blocks():
+    from host.sparsify import extend_spans
+
+    keep = np.zeros((2, 3, 4), bool)  # [Hkv, blocks, block_size]: tokens 0..11 per head
+    keep[0, 0, 3] = True              # token 3: spans into block 1 (tokens 4, 5)
+    keep[0, 2, 2] = True              # token 10: the span stops at the last token (11)
+    keep[1, 1, 0] = True              # token 4 of head 1 only
+    got = extend_spans(keep, 2).reshape(2, -1)
+    assert np.flatnonzero(got[0]).tolist() == [3, 4, 5, 10, 11]
+    assert np.flatnonzero(got[1]).tolist() == [4, 5, 6]
+    assert extend_spans(keep, 0) is keep
+    assert np.array_equal(extend_spans(keep, 50).reshape(2, -1)[1], np.arange(12) >= 4)
+    with pytest.raises(ValueError, match="keep_after=-1"):
+        extend_spans(keep, -1)
+
+
+@pytest.mark.parametrize("where", ["evicted", "reevaluate"])
+def test_keep_after_adds_the_continuation_of_each_kept_token(rng, where):
+    """Same store and scores with keep_after 0 and 3: the second selection is the first plus the
+    3 tokens after each of its tokens (within the stored tokens), per head."""
+    n_blocks = 4
+    maw = np.full((n_blocks, BS, HKV), 1e-6, np.float32)
+    maw[1, 6, :] = 1.0   # salient at eviction: spans into block 2
+    maw[3, 7, 0] = 1.0   # the last stored token of head 0: nothing after it
+    seed = int(rng.integers(1 << 30))
+    kept = {}
+    for after in (0, 3):
+        store, numbers, _ = new_store(np.random.default_rng(seed), n_blocks, maw)
+        if where == "evicted":
+            sparsify_evicted(store, 0, [0], [numbers], beta=1.0, window_tokens=32, keep_after=after)
+        else:
+            stored_k, _ = stored_tokens(store, 0, 0)
+            q = np.zeros((1, 2, HKV * 2, D), np.float32)
+            for h in range(HKV):
+                q[0, :, h * 2:(h + 1) * 2] = 8.0 * stored_k[h][1 * BS + 6]
+            reevaluate(store, 0, [0], q, beta=1.0, keep_after=after)
+        kept[after] = [store.context.kept(0, 0, h)["token_index"].tolist() for h in range(HKV)]
+    n_tok = n_blocks * BS
+    for h in range(HKV):
+        assert 1 * BS + 6 in kept[0][h] and len(kept[0][h]) < n_tok // 2
+        want = sorted({j + s for j in kept[0][h] for s in range(4) if j + s < n_tok})
+        assert kept[3][h] == want

@@ -37,6 +37,8 @@ def model():
     (dict(beta=0.0), "beta"),
     (dict(topk_blocks=0), "topk_blocks"),
     (dict(exchange="async"), "exchange"),
+    (dict(keep_after=-1), r"keep_after=-1 \(expected an int >= 0\)"),
+    (dict(keep_after=2.5), r"keep_after=2.5 \(expected an int >= 0\)"),
     (dict(mode="scout", scout_exact_layers="auto"), r"scout_exact_layers='auto' \(expected a tuple"),
     (dict(mode="scout", scout_exact_layers=True), r"scout_exact_layers=True \(expected"),
     (dict(mode="scout", scout_exact_layers=-2), r"scout_exact_layers=-2 \(expected an int N >= 0"),

@@ -57,7 +57,8 @@ def backend_for(offload, context: int):
                               recall_threshold=offload.recall_threshold,
                               predict_query=offload.predict_query, exchange=offload.exchange,
                               scout_exact_layers=offload.scout_exact_layers if offload.mode == "scout" else (),
-                              prefill_offloaded=offload.prefill_offloaded, n_threads=offload.host_threads)
+                              prefill_offloaded=offload.prefill_offloaded, keep_after=offload.keep_after,
+                              n_threads=offload.host_threads)
     except ValueError as error:
         raise PointSkipped(str(error)) from None
     return make_backend(config), window

@@ -33,6 +33,7 @@ def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> lis
     return [{"task": "perplexity", "mode": offload.mode, "text": text, "tokens": bench.tokens,
              "gpu_ratio": offload.gpu_ratio if window else None, "window": window,
              "beta": offload.beta if offload.mode == "hgca" else None,
+             **({"keep_after": offload.keep_after} if offload.mode == "hgca" and offload.keep_after else {}),
              "budget": offload.budget if offload.mode in ("scout", "topk") else None,
              "predict_query": offload.predict_query if offload.mode == "scout" else None,
              "scout_exact_layers": exact_layers_of(offload),

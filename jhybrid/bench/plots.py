@@ -43,10 +43,13 @@ def plot_perplexity(rows: list[dict], path: str) -> str | None:
         by_ratio = defaultdict(list)
         for r in sel:
             if r["mode"] == "hgca" and r["beta"] is not None and r["beta"] >= 1e-6:
-                by_ratio[r["gpu_ratio"] if r["gpu_ratio"] is not None else f"w{r['window']}"].append(r)
-        for ratio, group in sorted(by_ratio.items(), key=lambda kv: str(kv[0])):
+                ratio = r["gpu_ratio"] if r["gpu_ratio"] is not None else f"w{r['window']}"
+                by_ratio[(ratio, r.get("keep_after") or 0)].append(r)
+        for (ratio, after), group in sorted(by_ratio.items(), key=lambda kv: str(kv[0])):
             group.sort(key=lambda r: r["beta"])
-            ax.plot([r["beta"] for r in group], [r["ppl"] for r in group], "o-", label=f"hgca ratio {ratio}")
+            spans = f" keep_after {after}" if after else ""
+            ax.plot([r["beta"] for r in group], [r["ppl"] for r in group], "o-" if not after else "^:",
+                    label=f"hgca ratio {ratio}{spans}")
         keep_all = [r for r in sel if r["mode"] == "hgca" and r["beta"] is not None and r["beta"] < 1e-6]
         others = keep_all + [r for r in sel if r["mode"] not in ("full", "hgca")]
         for i, r in enumerate(others):
@@ -71,6 +74,8 @@ def _tag(r):
         tag += f" r{r['gpu_ratio']}"
     if r.get("beta") is not None:
         tag += f" b{r['beta']:g}"
+    if r.get("keep_after"):
+        tag += f" span{r['keep_after']}"
     if r.get("budget"):
         tag += f" k{r['budget']}"
     if "predict_query=False" in r.get("point", ""):

@@ -79,7 +79,7 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 
 SUMMARY_KEYS = {
-    "perplexity": ["mode", "text", "tokens", "window", "gpu_ratio", "beta", "budget", "kept_share", "ppl"],
+    "perplexity": ["mode", "text", "tokens", "window", "gpu_ratio", "beta", "keep_after", "budget", "kept_share", "ppl"],
     "niah": ["mode", "length", "depth", "window", "retrieved", "answer"],
     "throughput": ["model", "layers", "mode", "fill", "context", "batch", "window", "decode_tok_s", "tbt_p50_ms",
                    "tbt_p99_ms", "ttft_s", "between_steps_ms", "callback_ms", "compute_ms",

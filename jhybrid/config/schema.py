@@ -65,7 +65,9 @@ class OffloadSpec:
         HybridConfig.scout_exact_layers. In a sweep, a list of sets is a list of lists: [[], [1, 2]].
     prefill_offloaded: where a prefill chunk attends to the already offloaded part of its prompt:
         "device" (copied up per chunk), "host" (CPU attention), "auto" (device on a GPU);
-        HybridConfig.prefill_offloaded."""
+        HybridConfig.prefill_offloaded.
+    keep_after: hgca: a kept token also keeps the keep_after tokens after it (0 = HGCA's rule);
+        HybridConfig.keep_after."""
 
     mode: str = dataclasses.field(default="full", metadata=_choices(*MODES))
     window_tokens: int | None = None
@@ -81,6 +83,7 @@ class OffloadSpec:
     scout_exact_layers: int | list = ()
     exchange: str = dataclasses.field(default="split", metadata=_choices(*EXCHANGES))
     prefill_offloaded: str = dataclasses.field(default="auto", metadata=_choices(*PREFILL_OFFLOADED))
+    keep_after: int = 0
     host_threads: int | None = None
 
 
@@ -154,7 +157,7 @@ SECTIONS = {"model": ModelSpec, "offload": OffloadSpec, "benchmark": BenchmarkSp
 POSITIVE = {"tokens", "scored_tokens", "niah_length", "answer_tokens", "batch", "context",
             "decode_tokens", "prefill_chunk", "prefill_repeats", "block_size", "window_tokens", "budget",
             "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s"}
-NON_NEGATIVE = {"warmup_steps", "device_reserve_gib", "host_reserve_gib"}
+NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib"}
 
 
 def allowed_keys() -> list[str]:

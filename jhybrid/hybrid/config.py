@@ -57,6 +57,8 @@ class HybridConfig:
     n_threads: Numba threads of the host worker (None: all cores but one).
     host_memory_cap_bytes: cap of the host store; a context that cannot fit is a ValueError.
     reevaluate_queries: hgca: how many of a new turn's last queries re-score the offloaded tokens.
+    keep_after: hgca: each kept token also keeps the keep_after tokens after it (spans for copying;
+        not in HGCA, whose rule is keep_after = 0; `host.sparsify.extend_spans`).
     prefill_offloaded: where a prefill / append chunk attends to the part of its sequence that is
         already offloaded: "device" = copy those blocks to the device before the chunk and attend
         there (`jhybrid.hybrid.prefill_upload`), "host" = CPU attention over the host store (every
@@ -82,6 +84,7 @@ class HybridConfig:
     n_threads: int | None = None
     host_memory_cap_bytes: int | None = None
     reevaluate_queries: int = 16
+    keep_after: int = 0
     prefill_offloaded: str = "auto"
     prefill_upload_max_bytes: int | None = 8 * 2**30
 
@@ -112,6 +115,8 @@ class HybridConfig:
             bad.append(f"recall_blocks={self.recall_blocks!r} (expected an int >= 0)")
         if not 0.0 <= self.recall_threshold <= 1.0:
             bad.append(f"recall_threshold={self.recall_threshold!r} (expected a fraction in [0, 1])")
+        if isinstance(self.keep_after, bool) or not isinstance(self.keep_after, int) or self.keep_after < 0:
+            bad.append(f"keep_after={self.keep_after!r} (expected an int >= 0)")
         if self.prefill_offloaded not in PREFILL_OFFLOADED:
             bad.append(f"prefill_offloaded={self.prefill_offloaded!r} (expected one of {PREFILL_OFFLOADED})")
         if self.prefill_upload_max_bytes is not None and (

@@ -191,7 +191,8 @@ class HybridCacheWriter:
                          "stays empty until the next turn's re-evaluation", without, self.evicted)
             scale = self.model.config.attention_scale
             for layer, q in sorted(self.last_queries.items()):
-                manager.executor.submit_reevaluate(layer, [0], np.asarray(q, np.float32), cfg.beta, scale)
+                manager.executor.submit_reevaluate(layer, [0], np.asarray(q, np.float32), cfg.beta, scale,
+                                                   cfg.keep_after)
         cache = self.cache.replace(layers=tuple(self.layers),
                                    lengths=jnp.full((1,), self.num_tokens, jnp.int32))
         self.cache = None

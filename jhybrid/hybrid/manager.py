@@ -312,7 +312,8 @@ class KVManager:
                         self.mirror["k"][layer, b, :, lo:lo + bs] = k[layer, i].transpose(1, 0, 2)
                         self.mirror["v"][layer, b, :, lo:lo + bs] = v[layer, i].transpose(1, 0, 2)
             if self.cfg.mode == "hgca":
-                self.executor.submit_sparsify(layer, list(by_seq), numbers, self.cfg.beta, self.cfg.window_tokens)
+                self.executor.submit_sparsify(layer, list(by_seq), numbers, self.cfg.beta, self.cfg.window_tokens,
+                                              self.cfg.keep_after)
         self._c["n_evicted_blocks"] += n * self.n_layers
         self._c["evict_s"] += time.perf_counter() - start
         return cache.replace(layers=layers)
@@ -358,7 +359,7 @@ class KVManager:
             q = self._prefill_queries[layer]
             if q is not None:
                 self.executor.submit_reevaluate(layer, range(self.batch), q, self.cfg.beta,
-                                                self.model_config.attention_scale)
+                                                self.model_config.attention_scale, self.cfg.keep_after)
                 self._c["n_reevaluations"] += 1
         self._prefill_queries = [None] * self.n_layers
 
