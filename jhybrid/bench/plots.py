@@ -45,7 +45,7 @@ def plot_perplexity(rows: list[dict], path: str) -> str | None:
             if r["mode"] == "hgca" and r["beta"] is not None and r["beta"] >= 1e-6:
                 ratio = r["gpu_ratio"] if r["gpu_ratio"] is not None else f"w{r['window']}"
                 by_ratio[(ratio, r.get("keep_after") or 0)].append(r)
-        for (ratio, after), group in sorted(by_ratio.items(), key=lambda kv: str(kv[0])):
+        for (ratio, after), group in sorted(by_ratio.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
             group.sort(key=lambda r: r["beta"])
             spans = f" keep_after {after}" if after else ""
             ax.plot([r["beta"] for r in group], [r["ppl"] for r in group], "o-" if not after else "^:",
