@@ -56,7 +56,7 @@ from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
 from jhybrid.hybrid.config import HybridConfig, evicted_blocks
 from jhybrid.hybrid.prefill_upload import offloaded_prompt, offloaded_prompt_bytes
-from jhybrid.hybrid.recall import RecallPlan, plan_recall, pool_spec, stage_recall
+from jhybrid.hybrid.recall import RecallPlan, _next_pow2, plan_recall, pool_spec, stage_recall
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,6 @@ def to_host(x: jax.Array) -> np.ndarray:
                  "(no pinned_host memory kind)", device.platform)
         _logged_cpu_copy = True
     return np.asarray(x)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def required_host_bytes(cfg: HybridConfig, n_layers: int, batch: int, max_len: int, n_kv_heads: int,
@@ -411,14 +407,10 @@ class KVManager:
             log.debug("prefill copies hold %s blocks + %s evicted != %s stored: rebuilt from the store",
                       self._pf_blocks.tolist(), added.tolist(), blocks.tolist())
             return None
-        p = _next_pow2(int(blocks.max())) * self.cfg.block_size
-        if evicted is None and p == prev[0][0].shape[2]:
+        if evicted is None:  # nothing evicted since: same blocks, same padding
             return prev
-        if evicted is None:  # only a larger padding: scatter nothing
-            k = jnp.zeros((self.n_layers, 0, self.cfg.block_size, self.hkv, self.d), self.dtype)
-            evicted = (k, k, jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32))
         self._c["n_prefill_extends"] += 1
-        return _extend_prompt(prev, *evicted[:4], p)
+        return _extend_prompt(prev, *evicted[:4], _next_pow2(int(blocks.max())) * self.cfg.block_size)
 
     # ---- recall mode: everything back, every step --------------------------------------------
     def _upload_offloaded(self, cache):
@@ -540,12 +532,13 @@ def _commit(cache):
 
 
 def _extend_prompt(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, blk: jax.Array, p: int):
-    """`_extend_into` with prev donated when its padding stays (the scatter then writes in place)."""
-    fn = _extend_in_place if prev[0][0].shape[2] == p else _extend_into
+    """`_scatter_evicted`, jitted, with prev donated when its padding stays (the scatter then writes
+    in place; a larger padding is a new array, which a donated input could not become)."""
+    fn = _scatter_evicted_in_place if prev[0][0].shape[2] == p else _scatter_evicted_padded
     return fn(prev, k, v, seq, blk, p)
 
 
-def _extend_into(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, blk: jax.Array, p: int):
+def _scatter_evicted(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, blk: jax.Array, p: int):
     """prev[l] = (pf_k, pf_v) [B, Hkv, P0, D], padded to p tokens, with the evicted blocks k, v
     [L, N, bs, Hkv, D] (sequence seq[n], offloaded block number blk[n]) written at their offsets.
     Padding rows (seq = B) are dropped."""
@@ -561,8 +554,8 @@ def _extend_into(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, blk: j
     return tuple(out)
 
 
-_extend_in_place = jax.jit(_extend_into, static_argnums=(5,), donate_argnums=(0,))
-_extend_into = jax.jit(_extend_into, static_argnums=(5,))
+_scatter_evicted_in_place = jax.jit(_scatter_evicted, static_argnums=(5,), donate_argnums=(0,))
+_scatter_evicted_padded = jax.jit(_scatter_evicted, static_argnums=(5,))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))

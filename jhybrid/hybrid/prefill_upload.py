@@ -26,13 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhybrid.hybrid.recall import _to_model_dtype, upload
+from jhybrid.hybrid.recall import _next_pow2, _to_model_dtype, upload
 
 log = logging.getLogger(__name__)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def offloaded_prompt_bytes(store, batch: int, itemsize: int) -> int:
