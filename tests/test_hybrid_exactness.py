@@ -39,7 +39,10 @@ def tokens():
 def run_forced(model, backend, prompt, continuation, turns=()):
     """Teacher-forced: prefill `prompt` in chunks, then one token per step; each (at_step, tokens
     [B, T]) of `turns` is appended as a new chunk before that decode step. Returns logits of every
-    decode step [B, steps, V], the backend and the final cache."""
+    decode step [B, steps, V], the backend and the final cache.
+
+    Background recalls (scout) are waited for before each step start, so a recall triggered at one
+    step start is applied at the next: the run, and whether recalls happened, never depend on timing."""
     step, params = make_step(model, backend)
     cache = model.init_cache(prompt.shape[0], MAX_LEN, backend)
     hook = getattr(backend, "before_step", None)
@@ -64,6 +67,8 @@ def run_forced(model, backend, prompt, continuation, turns=()):
         if i in turns:
             cache, held = chunk_in(cache, turns[i], held)
         pos = np.full((prompt.shape[0], 1), held, np.int32)
+        if getattr(backend, "manager", None) is not None:
+            backend.manager.wait_recalls()
         if hook:
             cache = hook(cache, pos)
         logits, cache = step(params, continuation[:, i:i + 1], pos, cache)
