@@ -1,6 +1,6 @@
 """Where a hybrid prefill's time goes: per-phase wall time of `Generator.generate` prefills.
 
-Wraps the KV manager's per-step work (eviction to the host store, attaching the device copies of the
+Wraps the host runtime's per-step work (eviction to the host store, attaching the device copies of the
 offloaded prompt) and the jitted steps (synchronised) with timers, then runs three 8K-token prefills
 per mode (the first one compiles; the last two are the warm figures):
 
@@ -20,11 +20,11 @@ import time
 import jax
 import numpy as np
 
-import jhybrid.hybrid.manager as manager_module
-from jhybrid.attention.hybrid import make_backend
 from jhybrid.bench.shapes import model_config_for
 from jhybrid.generation import Generator
-from jhybrid.hybrid.config import HybridConfig
+from jhybrid.hybrid import OffloadConfig, make_backend
+from jhybrid.hybrid.prefill import PrefillCopies
+from jhybrid.hybrid.runtime import HostRuntime
 from jhybrid.models import create_model
 
 SECONDS: dict[str, float] = collections.defaultdict(float)
@@ -49,16 +49,17 @@ def timed(owner, name: str, label: str, sync: bool = False) -> None:
 
 def main(modes: list[str]) -> None:
     context, chunk = int(os.environ.get("CTX", 8192)), int(os.environ.get("CHUNK", 1024))
-    timed(manager_module.KVManager, "before_step", "manager before_step (all)")
-    timed(manager_module.KVManager, "_evict", "  eviction to the host store")
-    timed(manager_module.KVManager, "_attach_offloaded_prompt", "  attach offloaded-prompt copies")
+    timed(HostRuntime, "before_step", "runtime before_step (all)")
+    timed(HostRuntime, "_evict", "  eviction to the host store")
+    timed(PrefillCopies, "attach", "  attach offloaded-prompt copies")
     timed(Generator, "_run", "jitted steps (synchronised)", sync=True)
     config = model_config_for(os.environ.get("SHAPE", "llama3-8b")).replace(num_layers=4)
     model = create_model(config, seed=0)
     rng = np.random.default_rng(0)
     for mode in modes:
-        hybrid = HybridConfig(mode=mode, window_tokens=context // 4, block_size=16, sink=16, beta=1.0,
-                              topk_blocks=128 if mode in ("scout", "topk") else None)
+        hybrid = OffloadConfig(mode=mode, window_tokens=context // 4, block_size=16, sink=16,
+                               beta=1.0 if mode == "hgca" else OffloadConfig.beta,
+                               budget=2048 if mode in ("scout", "topk") else None)
         generator = Generator(model, make_backend(hybrid), prefill_chunk=chunk, max_len=context + 64)
         for run in range(3):
             SECONDS.clear()

@@ -1,6 +1,6 @@
 """CPU attention over offloaded KV (Numba, parallel, nogil), returning partial states `(o, lse)`.
 
-Contract (DESIGN.md): queries `[B, Tq, Hq, D]` float32; query head `hq` attends KV head
+Contract (docs/design.md, "Partial states"): queries `[B, Tq, Hq, D]` float32; query head `hq` attends KV head
 `hq // (Hq // Hkv)`. Returns `o [B, Tq, Hq, D]` float32 normalised over the attended tokens and
 `lse [B, Tq, Hq]` float32 = natural log of sum_j exp(s_j), with s_j = scale * q . k_j
 (scale = 1/sqrt(D) unless given). An empty token set gives o = 0, lse = -inf. No causal mask: all

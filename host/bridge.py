@@ -1,6 +1,6 @@
 """Host side of the JAX host-callback exchange: what a callback inside the jitted decode step calls.
 
-The device side (`jhybrid.hybrid.bridge`) wraps these methods in `jax.pure_callback`. Operands are
+The device side (`jhybrid.hybrid.exchange`) wraps these methods in `jax.pure_callback`. Operands are
 small NumPy arrays only (queries, block ids, tickets, LSE); KV never crosses a callback. Work runs
 in the `HostExecutor` worker (Numba, `nogil`) *between* callbacks:
 
@@ -160,7 +160,7 @@ class HostBridge:
         return self._guard(run)
 
     def cb_record_tail(self, layer: int, tail, valid):
-        """Keep a prefill chunk's last queries (see jhybrid.hybrid.bridge.record_tail) -> int32 0."""
+        """Keep a prefill chunk's last queries (see jhybrid.hybrid.exchange.CallbackExchange.record_tail) -> int32 0."""
         def run():
             self.turn_tails[layer] = (np.array(tail, np.float32), np.array(valid, np.int64))
             return np.int32(0)

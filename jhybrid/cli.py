@@ -20,17 +20,81 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill step")
-    p.add_argument("--attention", default="full", help="attention backend (default full)")
-    p.add_argument("--mode", default=None,
-                   help="attention mode: full, recall, hgca, scout, streaming or topk (overrides "
-                        "--attention; the --window ... options below configure it)")
-    p.add_argument("--window", type=int, default=1024, help="GPU window tokens, sinks included")
-    p.add_argument("--block-size", type=int, default=16, help="eviction / selection block tokens")
-    p.add_argument("--sink", type=int, default=16, help="attention-sink tokens kept on the GPU")
-    p.add_argument("--beta", type=float, default=1.0, help="hgca salience threshold factor")
-    p.add_argument("--topk-blocks", type=int, default=None, help="scout/topk block budget (default all)")
     p.add_argument("--dtype", default=None, help="parameter/activation dtype, e.g. bfloat16")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _add_offload_flags(p)
+
+
+def _offload_fields():
+    import dataclasses
+
+    from jhybrid.hybrid import OffloadConfig
+
+    return [f for f in dataclasses.fields(OffloadConfig)]
+
+
+def _field_help() -> dict[str, str]:
+    """OffloadConfig's docstring, one entry per field: {name: its description}."""
+    import re
+
+    from jhybrid.hybrid import OffloadConfig
+
+    helps, name = {}, None
+    for line in (OffloadConfig.__doc__ or "").splitlines():
+        match = re.match(r"    (\w+): (.*)", line)
+        if match:
+            name, text = match.groups()
+            helps[name] = text
+        elif name and line.startswith("        "):
+            helps[name] += " " + line.strip()
+    return {k: v.replace("%", "%%") for k, v in helps.items()}
+
+
+def _exact_layers(text: str):
+    """'3' -> 3 (layers 0..2); '1,2' -> (1, 2); '' -> ()."""
+    text = text.strip()
+    if not text:
+        return ()
+    try:
+        return int(text) if "," not in text else tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N (layers 0..N-1) or a list like 1,2") from None
+
+
+def _add_offload_flags(p) -> None:
+    """One flag per OffloadConfig field (the same settings as the YAML `offload:` section)."""
+    from jhybrid.hybrid import mode_names
+
+    group = p.add_argument_group("attention mode (jhybrid.hybrid.OffloadConfig: the same settings as a "
+                                 "config's offload section; unset = its default; a setting the mode "
+                                 "does not use is an error)")
+    helps = _field_help()
+    for field in _offload_fields():
+        flag = "--" + field.name.replace("_", "-")
+        annotation, text = str(field.type), helps.get(field.name)
+        if field.name == "mode":
+            group.add_argument(flag, default=None, choices=mode_names(), help="attention mode (default full)")
+        elif annotation.startswith("bool"):
+            group.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=text)
+        elif field.name == "scout_exact_layers":
+            group.add_argument(flag, default=None, type=_exact_layers, metavar="N|I,J", help=text)
+        else:
+            kind = int if annotation.startswith("int") else float if annotation.startswith("float") else str
+            group.add_argument(flag, default=None, type=kind, metavar=kind.__name__.upper(), help=text)
+
+
+def offload_from_args(args):
+    """The OffloadConfig of the flags given (ValueError naming a flag the mode does not use)."""
+    from jhybrid.hybrid import OffloadConfig
+
+    given = {f.name: getattr(args, f.name) for f in _offload_fields() if getattr(args, f.name) is not None}
+    config = OffloadConfig(**given)
+    ignored = config.ignored_settings()
+    if ignored:
+        flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
+        verb = "does" if len(ignored) == 1 else "do"
+        raise ValueError(f"{flags} {verb} not apply to --mode {config.mode} (its settings: jhybrid generate --help)")
+    return config
 
 
 def _add_convert(sub) -> None:
@@ -59,18 +123,12 @@ def _generate(args) -> int:
 
     import jax
 
-    from jhybrid.attention import get_backend
     from jhybrid.generation import Generator, SamplingParams
+    from jhybrid.hybrid import make_backend
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed)  # validates before the slow load
-    if args.mode is not None:
-        from jhybrid.hybrid import make_backend
-
-        backend = make_backend(args.mode, window_tokens=args.window, block_size=args.block_size,
-                               sink=args.sink, beta=args.beta, topk_blocks=args.topk_blocks)
-    else:
-        backend = get_backend(args.attention)
+    offload = offload_from_args(args)
     start = time.perf_counter()
     pretrained = _load_with_progress(args.model, args.dtype)
     if pretrained.tokenizer is None:
@@ -79,6 +137,7 @@ def _generate(args) -> int:
     load_seconds = time.perf_counter() - start
     text = args.prompt if args.raw else pretrained.chat_prompt(args.prompt)
     prompt_ids = pretrained.encode(text)
+    backend = make_backend(offload, context=len(prompt_ids) + args.max_tokens)
     device = jax.devices()[0]
     print(f"[{pretrained.source} loaded in {load_seconds:.1f} s on {device.platform}: "
           f"{len(prompt_ids)} prompt tokens]", file=sys.stderr)

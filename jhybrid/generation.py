@@ -87,7 +87,9 @@ def make_step(model: CausalLM, backend: AttentionBackend | None = None):
 
     `logits, cache = step(params, tokens, positions, cache)` with tokens/positions [B, T] int32
     (position -1 = padding), cache from `model.init_cache(B, max_len, backend)` (donated: do not
-    reuse the old one), logits [B, T, vocab] float32.
+    reuse the old one), logits [B, T, vocab] float32. With an offloading backend, open its host side
+    first (`backend.open(model.config, B, max_len)`) and call `cache = backend.before_step(cache,
+    positions)` before each step (jhybrid.attention.base shows the whole loop).
     """
     backend = backend or FullAttention()
     graphdef, params = nnx.split(model)
@@ -144,7 +146,7 @@ class Generator:
         self.config = model.config
         self.backend = backend or FullAttention()
         # An offloading backend may bound the chunk (its GPU ring must hold one chunk).
-        self.prefill_chunk = min(prefill_chunk, getattr(self.backend, "max_prefill_chunk", prefill_chunk))
+        self.prefill_chunk = min(prefill_chunk, self.backend.max_prefill_chunk or prefill_chunk)
         self.max_len = max_len
         self.graphdef, self.params = nnx.split(model)
         self._executables: dict = {}
@@ -283,10 +285,12 @@ class Generator:
             compile_seconds=self.compile_seconds)
 
     def _before_step(self, cache: KVCache, positions: np.ndarray) -> KVCache:
-        """Offloading backends do their between-step bookkeeping (eviction, recall) here."""
-        hook = getattr(self.backend, "before_step", None)
-        return cache if hook is None else hook(cache, positions)
+        """The backend's per-step host work (eviction, recall; nothing for full)."""
+        return self.backend.before_step(cache, positions)
 
     def _init_cache(self, batch: int, max_len: int) -> KVCache:
+        """Opens the backend's host side for this batch (left open for its counters afterwards;
+        the next generate or backend.close() ends it) and builds the device cache."""
+        self.backend.open(self.config, batch, max_len)
         model = nnx.merge(self.graphdef, self.params)
         return model.init_cache(batch, max_len, self.backend)

@@ -1,4 +1,4 @@
-"""Exact merge of partial attention states (the partial-attention contract of shared/DESIGN.md).
+"""Exact merge of partial attention states (docs/design.md, "Partial states").
 
 A partial state over a token set S is ``(o, lse)``:
   o    [..., D]  attention output normalised within S (any float dtype)

@@ -12,7 +12,7 @@ Layout (per layer):
 Causality for Tq > 1: the chunk's own K/V are already the newest Tq ring tokens, so query t sees
 logical tokens j <= length - Tq + t. Tq = 1 sees the whole valid ring.
 
-Result: the partial state of shared/DESIGN.md over sinks + valid ring tokens:
+Result: the partial state of docs/design.md ("Partial states") over sinks + valid ring tokens:
   o   [B, Tq, Hq, D] in q.dtype (0 for an empty window), lse [B, Tq, Hq] float32 natural log
   (-inf for an empty window), and with ``return_probs`` probs [B, Hkv, W] float32: per physical ring
   slot, the attention probability (normalised over this call's token set) summed over the query

@@ -11,13 +11,13 @@ import pytest
 
 from jhybrid.bench import runner, synthetic
 from jhybrid.bench.budget import kv_bytes_per_token, point_memory, weight_bytes
-from jhybrid.bench.offload import PointSkipped, backend_for, topk_blocks_for
+from jhybrid.bench.offload import PointSkipped, backend_for
 from jhybrid.bench.shapes import SHAPES, load_model
 from jhybrid.bench.throughput import max_len_for, run_throughput
 from jhybrid.config import ConfigError, expand_sweep
 from jhybrid.config.loading import config_from_dict
 from jhybrid.config.schema import ModelSpec
-from jhybrid.hybrid.config import evicted_blocks
+from jhybrid.hybrid.window import evicted_blocks
 
 GIB = 2**30
 OFFLOAD = {"gpu_ratio": 0.25, "sink": 16, "block_size": 16, "budget": 32, "recall_blocks": 2,
@@ -46,10 +46,8 @@ def test_predicted_device_bytes_equal_the_real_cache(tiny, mode):
     cache = tiny.init_cache(3, max_len, backend)
     real = sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(cache))
     pred = point_memory(tiny.config, mode, 3, 256, max_len, window, sink=16, block_size=16,
-                        recall_blocks=2, topk_blocks=topk_blocks_for(p.offload))
+                        recall_blocks=2, topk_blocks=p.offload.topk_blocks if mode in ("scout", "topk") else None)
     assert pred.device_cache_per_seq * 3 == real
-    if getattr(backend, "manager", None) is not None:
-        backend.manager.close()
 
 
 def test_predicted_host_store_bytes_equal_the_filled_store(tiny):
@@ -265,10 +263,12 @@ def test_synthetic_hybrid_fill_frees_each_zero_array_it_replaces(tiny):
     e = int(evicted_blocks(np.int64(256), backend.config))
     host = synthetic.HostContext(synthetic.host_shape(tiny.config, 16), sink=16, keep=0.1)
     host.prepare(2, e, slack_blocks=4)
+    backend.open(tiny.config, 2, max_len)
     zero = tiny.init_cache(2, max_len, backend)
-    replaced = [zero.layers[0][name] for name in ("k_ring", "v_ring", "sink_k", "maw", "kmin")]
+    w = zero.layers[0].window
+    replaced = [w.k_ring, w.v_ring, w.sink_k, w.maw, zero.layers[0].digests.kmin]
     filled = synthetic.load_hybrid_cache(zero, backend, host, 2, 256)
     assert all(x.is_deleted() for x in replaced)
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(filled))
-    assert float(np.abs(np.asarray(filled.layers[0]["k_ring"], np.float32)).max()) > 0
-    backend.manager.close()
+    assert float(np.abs(np.asarray(filled.layers[0].window.k_ring, np.float32)).max()) > 0
+    backend.close()

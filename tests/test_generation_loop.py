@@ -90,25 +90,33 @@ def test_hidden_state_capture_and_kv_from_hidden(model, rng):
 
 
 class RecordingBackend(FullAttention):
-    """A backend that records what the interface hands it (layer index, hooks)."""
+    """A backend that records what the interface hands it: the layer index, the next layer's
+    predicted query (asked for layers 0 and 1) and the carry the previous layer handed on."""
 
     def __init__(self):
         self.calls = []
 
+    def wants_next_query(self, layer_idx, num_layers):
+        return layer_idx in (0, 1)
+
     def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache, context):
-        self.calls.append((layer_idx, context.next_layer, context.layer_input.shape, q.shape, k.shape))
-        return super().attend(layer_idx, q, k, v, positions, lengths, layer_cache, context)
+        nq = None if context.next_query is None else context.next_query.shape
+        self.calls.append((layer_idx, context.carry, nq, q.shape, context.num_layers, k.shape))
+        out, layer_cache, _ = super().attend(layer_idx, q, k, v, positions, lengths, layer_cache, context)
+        return out, layer_cache, f"from layer {layer_idx}"
 
 
-def test_backend_receives_layer_index_and_next_layer(model):
+def test_backend_receives_layer_index_next_query_and_carry(model):
     backend = RecordingBackend()
     tokens = jnp.zeros((1, 4), jnp.int32)
     positions = jnp.arange(4, dtype=jnp.int32)[None]
     model(tokens, positions, model.init_cache(1, 8, backend), backend)
     assert [c[0] for c in backend.calls] == [0, 1, 2]
-    assert backend.calls[0][1] is model.layers[1] and backend.calls[2][1] is None
-    assert backend.calls[0][2] == (1, 4, CONFIG.d_model)
-    assert backend.calls[0][3] == (1, 4, 4, 8) and backend.calls[0][4] == (1, 4, 2, 8)
+    assert [c[1] for c in backend.calls] == [None, "from layer 0", "from layer 1"]
+    q_shape = backend.calls[0][3]
+    assert [c[2] for c in backend.calls] == [q_shape, q_shape, None]  # asked for 0 and 1; 2 is last
+    assert all(c[4] == CONFIG.num_layers for c in backend.calls)
+    assert backend.calls[0][3] == (1, 4, 4, 8) and backend.calls[0][5] == (1, 4, 2, 8)
     # the next layer's query projection is usable as a prediction hook (ScoutAttention)
     predicted = model.layers[1].attention.project_q(
         model.layers[1].attention_input(jnp.ones((1, 4, CONFIG.d_model))), positions)

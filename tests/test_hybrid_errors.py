@@ -12,15 +12,10 @@ import pytest
 from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
 from host.reference import reference_attention, stored_tokens
-from jhybrid.attention import get_backend
-from jhybrid.attention.hybrid import make_backend
 from jhybrid.generation import Generator, make_step
-from jhybrid.hybrid import HybridConfig
+from jhybrid.hybrid import OffloadConfig, make_backend
 from jhybrid.models import ModelConfig, create_model
-
-CONFIG = ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=64, mlp_dim=128, max_position_embeddings=256)
-SMALL = dict(window_tokens=40, block_size=16, sink=8, n_threads=1)
+from tests.hybrid_support import TINY as CONFIG, WINDOW as SMALL
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +24,16 @@ def model():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(mode="warp"), "unknown attention mode 'warp'"),
+    (dict(mode="warp"), r"mode='warp' \(expected one of full, recall, hgca"),
     (dict(window_tokens=20, sink=8, block_size=16), "too small for one block"),
     (dict(window_tokens=40, sink=40, block_size=16), "too small for one block"),
     (dict(window_tokens=41, sink=8, block_size=16), "not a multiple of block_size"),
+    (dict(window_tokens=64, gpu_ratio=0.25), "are exclusive"),
     (dict(alpha=0.0), "alpha"),
     (dict(beta=0.0), "beta"),
-    (dict(topk_blocks=0), "topk_blocks"),
+    (dict(budget=0), r"budget=0 \(expected None or a positive int\)"),
+    (dict(window_tokens=64, gpu_ratio=0.25), "are exclusive"),
+    (dict(gpu_ratio=1.5), r"gpu_ratio=1.5 \(expected a fraction"),
     (dict(exchange="async"), "exchange"),
     (dict(keep_after=-1), r"keep_after=-1 \(expected an int >= 0\)"),
     (dict(keep_after=2.5), r"keep_after=2.5 \(expected an int >= 0\)"),
@@ -43,30 +41,46 @@ def model():
     (dict(mode="scout", scout_exact_layers=True), r"scout_exact_layers=True \(expected"),
     (dict(mode="scout", scout_exact_layers=-2), r"scout_exact_layers=-2 \(expected an int N >= 0"),
     (dict(mode="scout", scout_exact_layers=(1, "2")), r"'2' not a layer index"),
-    (dict(mode="scout", scout_exact_layers=[3, 3]), r"scout_exact_layers=\(3, 3\) names a layer twice"),
+    (dict(mode="scout", scout_exact_layers=[3, 3]), r"scout_exact_layers=\(3, 3\) \(names a layer twice\)"),
     (dict(mode="scout", predict_query=False, scout_exact_layers=(1,)), "already uses its exact query"),
 ])
 def test_bad_config(options, message):
     with pytest.raises(ValueError, match=message):
-        HybridConfig(**options)
+        OffloadConfig(**options)
 
 
 def test_scout_exact_layers_forms():
-    assert HybridConfig(mode="scout", scout_exact_layers=[2, 1]).exact_layer_set() == {0, 1, 2}
-    assert HybridConfig(mode="scout", scout_exact_layers=[2, 1]).scout_exact_layers == (2, 1)  # hashable
-    assert HybridConfig(mode="scout", scout_exact_layers=3).exact_layer_set() == {0, 1, 2}
-    assert HybridConfig(mode="scout").exact_layer_set() == {0}
-    assert HybridConfig(mode="scout", scout_exact_layers=0).exact_layer_set() == {0}
-    cfg = HybridConfig(mode="scout", scout_exact_layers=(2,))
-    assert [cfg.exact_query(i) for i in range(4)] == [True, False, True, False]
-    assert all(HybridConfig(mode="topk").exact_query(i) for i in range(4))
+    from jhybrid.hybrid.modes import Scout, TopK
+
+    def scout(**kw):
+        return Scout(OffloadConfig(mode="scout", **kw))
+
+    assert scout(scout_exact_layers=[2, 1]).exact_layers() == {0, 1, 2}
+    assert OffloadConfig(mode="scout", scout_exact_layers=[2, 1]).scout_exact_layers == (2, 1)  # hashable
+    assert scout(scout_exact_layers=3).exact_layers() == {0, 1, 2}
+    assert scout().exact_layers() == {0}
+    assert scout(scout_exact_layers=0).exact_layers() == {0}
+    assert [scout(scout_exact_layers=(2,)).selects_exactly(i) for i in range(4)] == [True, False, True, False]
+    assert all(TopK(OffloadConfig(mode="topk")).selects_exactly(i) for i in range(4))
+
+
+def test_gpu_ratio_resolves_in_one_place():
+    cfg = OffloadConfig(mode="hgca", gpu_ratio=0.25, sink=16, block_size=16)
+    assert cfg.resolved(1000).window_tokens == 16 + (250 - 16) // 16 * 16
+    assert OffloadConfig(mode="hgca").resolved().window_tokens == 1024  # neither set: the default
+    with pytest.raises(ValueError, match="gpu_ratio=0.25 needs the context length"):
+        cfg.resolved()
+    assert OffloadConfig(mode="topk", budget=33, block_size=16).topk_blocks == 3
+    assert OffloadConfig(mode="scout", beta=0.5).ignored_settings() == ["beta"]
+    assert OffloadConfig(mode="hgca", beta=0.5).ignored_settings() == []
+    assert OffloadConfig(mode="full", window_tokens=64).ignored_settings() == ["window_tokens"]
 
 
 @pytest.mark.parametrize("value, message", [
-    ("auto", "expected a list of layer indices or an int N >= 0"),
-    (-1, "expected a list of layer indices or an int N >= 0"),
-    ([1, "x"], "expected layer indices"),
-    ([1, -1], "expected layer indices"),
+    ("auto", r"expected a tuple of layer indices or an int N"),
+    (-1, r"expected an int N >= 0"),
+    ([1, "x"], r"not a layer index"),
+    ([1, -1], r"not a layer index"),
 ])
 def test_bad_scout_exact_layers_in_run_config(value, message):
     from jhybrid.config.loading import config_from_dict
@@ -79,22 +93,22 @@ def test_bad_scout_exact_layers_in_run_config(value, message):
     assert ok.offload.scout_exact_layers == (1, 2)
 
 
-def test_unknown_mode_through_get_backend():
-    with pytest.raises(ValueError, match="available"):
-        get_backend("warp")
-    assert get_backend("scout").name == "scout" and get_backend("full").name == "full"
+def test_unknown_mode_through_make_backend():
+    with pytest.raises(ValueError, match=r"mode='warp' \(expected one of full, recall"):
+        make_backend("warp")
+    assert make_backend("scout").name == "scout" and make_backend("full").name == "full"
 
 
 def test_budget_larger_than_context(model):
-    backend = make_backend("topk", topk_blocks=64, **SMALL)
+    backend = make_backend("topk", budget=64 * 16, **SMALL)
     with pytest.raises(ValueError, match="larger than the context"):
-        model.init_cache(2, 128, backend)
+        backend.open(model.config, 2, 128)
 
 
 def test_host_cap_too_small(model):
     backend = make_backend("hgca", host_memory_cap_bytes=10_000, **SMALL)
     with pytest.raises(ValueError, match="cannot hold"):
-        model.init_cache(2, 128, backend)
+        backend.open(model.config, 2, 128)
     generator = Generator(model, backend)
     with pytest.raises(ValueError, match="cannot hold"):
         generator.generate([[1, 2, 3]], max_new_tokens=4)
@@ -105,11 +119,11 @@ def test_unsupported_head_dim():
     tiny = ModelConfig(family="llama", vocab_size=31, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=32, max_position_embeddings=64)
     with pytest.raises(ValueError, match="head_dim"):
-        create_model(tiny).init_cache(1, 32, make_backend("hgca", **SMALL))
+        make_backend("hgca", **SMALL).open(tiny, 1, 32)
 
 
 def test_prefill_chunk_larger_than_ring(model):
-    backend = make_backend("hgca", **SMALL)
+    backend = make_backend("hgca", **SMALL).open(model.config, 1, 128)
     cache = model.init_cache(1, 128, backend)
     positions = np.arange(32, dtype=np.int32)[None]
     with pytest.raises(ValueError, match="prefill chunk"):
@@ -121,12 +135,13 @@ def test_prefill_chunk_larger_than_ring(model):
 def test_host_exception_in_callback_surfaces(model, monkeypatch):
     backend = make_backend("hgca", **SMALL)
     step, params = make_step(model, backend)
+    backend.open(model.config, 1, 128)
     cache = model.init_cache(1, 128, backend)
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("host attention exploded")
 
-    monkeypatch.setattr(backend.manager.bridge, "_timed_attention", broken)
+    monkeypatch.setattr(backend.runtime.bridge, "_timed_attention", broken)
     positions = np.arange(16, dtype=np.int32)[None]
     cache = backend.before_step(cache, positions)
     start = time.perf_counter()
@@ -170,15 +185,18 @@ def test_bridge_submit_collect_matches_reference(rng):
 def test_cli_unknown_mode_is_reported(capsys):
     from jhybrid.cli import main
 
-    assert main(["generate", "--mode", "warp", "hello"]) == 2
-    assert "unknown attention mode 'warp'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(["generate", "--mode", "warp", "hello"])
+    assert "invalid choice: 'warp'" in capsys.readouterr().err
+    assert main(["generate", "--window-tokens", "64", "hello"]) == 2  # without a mode: not ignored
+    assert "--window-tokens does not apply to --mode full" in capsys.readouterr().err
 
 
 def test_cli_generate_in_a_hybrid_mode(capsys):
     pytest.importorskip("gguf")
     from jhybrid.cli import main
 
-    assert main(["generate", "--mode", "scout", "--window", "48", "--sink", "16", "--max-tokens", "6",
+    assert main(["generate", "--mode", "scout", "--window-tokens", "48", "--sink", "16", "--max-tokens", "6",
                  "What is the capital of France?"]) == 0
     captured = capsys.readouterr()
     assert "decode" in captured.err and "tok/s" in captured.err

@@ -14,24 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jhybrid.attention.hybrid import make_backend
 from jhybrid.generation import make_step
 from jhybrid.hcache import HCacheEngine, HostMemorySource, LayerKernels, restore_kv
-from jhybrid.hybrid import HybridConfig
+from jhybrid.hybrid import OffloadConfig, make_backend
 from jhybrid.hybrid.ingest import HybridCacheWriter
-from jhybrid.hybrid.ring import slot_positions
-from jhybrid.models import ModelConfig, create_model
+from jhybrid.hybrid.window import slot_positions
+from jhybrid.models import create_model
+from tests.hybrid_support import KEEP_ALL, SCOUT_RECALLS, TINY
 
-CONFIG = ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=64, mlp_dim=128, max_position_embeddings=512)
+CONFIG = TINY.replace(max_position_embeddings=512)
 # Window 40 = 8 sinks + 2 blocks of 16 (max prefill chunk 16): a 70-token history evicts 2 blocks.
-KEEP_ALL = dict(window_tokens=40, block_size=16, sink=8, beta=1e-30, n_threads=1)
 MODES = {
     "recall": dict(mode="recall"),
     "hgca": dict(mode="hgca"),
     "topk": dict(mode="topk"),
-    "scout-exact-query": dict(mode="scout", predict_query=False, recall_blocks=2, recall_min_interval=2,
-                              recall_threshold=0.0),
+    "scout-exact-query": dict(mode="scout", predict_query=False, **SCOUT_RECALLS),
     "streaming": dict(mode="streaming"),
 }
 MAX_LEN, STEPS, TOL = 256, 6, 2e-4
@@ -72,11 +69,10 @@ def full_reference(model, prompts, tmp_path_factory):
 def test_restored_hybrid_session_continues_exactly(model, prompts, full_reference, tmp_path, mode):
     options = {**KEEP_ALL, **MODES[mode]}
     plan = ("hidden", "kv") if mode == "topk" else ("recompute", "hidden") if mode == "recall" else "hidden"
-    backend = make_backend(HybridConfig(**options))  # one backend, used in turn: one compilation
+    backend = make_backend(OffloadConfig(**options))  # one backend, used in turn: one compilation
     kept, _ = two_turns(model, tmp_path / "kept", backend, prompts, plan, evict=False)
     restored, session = two_turns(model, tmp_path / "restored", backend, prompts, plan, evict=True)
-    manager = session.engine.backend.manager
-    assert manager.counters()["n_evicted_blocks"] > 0, "turn 2 should evict more blocks"
+    assert session.engine.backend.counters()["n_evicted_blocks"] > 0, "turn 2 should evict more blocks"
     for turn in range(2):
         assert restored[turn][0] == kept[turn][0], f"turn {turn}: greedy tokens differ"
         np.testing.assert_allclose(restored[turn][1], kept[turn][1], atol=TOL, rtol=0)
@@ -89,7 +85,7 @@ def test_restored_hybrid_session_continues_exactly(model, prompts, full_referenc
 
 def test_one_open_session_per_hybrid_engine(model, prompts, tmp_path):
     engine = HCacheEngine(model, str(tmp_path), max_len=MAX_LEN, chunk_tokens=16, prefix_reuse=False,
-                          backend=HybridConfig(mode="hgca", **KEEP_ALL))
+                          backend=OffloadConfig(mode="hgca", **KEEP_ALL))
     assert engine.prefill_chunk == 16  # bounded by the ring's max_prefill_chunk
     first = engine.new_session()
     first.generate(prompts[0], 2)
@@ -110,6 +106,7 @@ def test_one_open_session_per_hybrid_engine(model, prompts, tmp_path):
 def plain_prefill(model, backend, tokens, chunk=16):
     """A hybrid prefill of tokens [n] in chunks through the model -> (cache, backend)."""
     step, params = make_step(model, backend)
+    backend.open(model.config, 1, MAX_LEN)
     cache = model.init_cache(1, MAX_LEN, backend)
     for begin in range(0, len(tokens), chunk):
         part = tokens[begin:begin + chunk]
@@ -134,70 +131,72 @@ def restore_into(model, backend, tokens, methods):
     return writer.finish(), writer
 
 
-def window_tokens(cfg, state, lengths):
+def window_tokens(cfg, state, cache):
     """{position: (k, v)} of every valid sink and ring slot, [Hkv, D] each."""
-    sink_pos, ring_pos = (np.asarray(a)[0] for a in slot_positions(cfg, lengths))
+    sink_pos, ring_pos = (np.asarray(a)[0] for a in slot_positions(cfg, cache.lengths, cache.meta.offloaded_blocks))
+    w = state.window
     out = {}
     for slot, p in enumerate(sink_pos):
         if p >= 0:
-            out[int(p)] = (np.asarray(state["sink_k"][0, :, slot]), np.asarray(state["sink_v"][0, :, slot]))
+            out[int(p)] = (np.asarray(w.sink_k[0, :, slot]), np.asarray(w.sink_v[0, :, slot]))
     for slot, p in enumerate(ring_pos):
         if p >= 0:
-            out[int(p)] = (np.asarray(state["k_ring"][0, :, slot]), np.asarray(state["v_ring"][0, :, slot]))
+            out[int(p)] = (np.asarray(w.k_ring[0, :, slot]), np.asarray(w.v_ring[0, :, slot]))
     return out
 
 
 @pytest.mark.parametrize("options", [
     dict(mode="hgca", beta=1.0),
-    dict(mode="scout", topk_blocks=1, recall_blocks=1),  # layer-ahead digests (next_kmin / next_kmax)
+    dict(mode="scout", budget=16, recall_blocks=1),  # layer-ahead digests (next_digests)
     dict(mode="recall"),
     dict(mode="streaming", sink=0, window_tokens=48),
 ])
 def test_restored_state_equals_a_plain_prefill(model, rng, options):
-    cfg = HybridConfig(**{**KEEP_ALL, "n_threads": 1, **options})
+    cfg = OffloadConfig(**{**KEEP_ALL, **options})
     n = int(rng.integers(60, 120))
     tokens = rng.integers(0, CONFIG.vocab_size, n).astype(np.int32)
     backend = make_backend(cfg)
     plain_backend = make_backend(cfg)
     want = plain_prefill(model, plain_backend, tokens)
-    want_manager = plain_backend.manager
+    want_runtime = plain_backend.runtime
     got, writer = restore_into(model, backend, tokens, ("hidden", "kv"))
-    manager = backend.manager
+    runtime = backend.runtime
     assert int(got.lengths[0]) == int(want.lengths[0]) == n
-    assert manager.n_tokens.tolist() == want_manager.n_tokens.tolist() == [n]
+    assert runtime.n_tokens.tolist() == want_runtime.n_tokens.tolist() == [n]
     e = (n - cfg.sink - cfg.ring_tokens + cfg.block_size - 1) // cfg.block_size
     assert writer.n_blocks == e * CONFIG.num_layers and e > 0
     atol = 2e-5
     for layer in range(CONFIG.num_layers):
         # host store: the same blocks, positions, K and V
-        assert manager.store.n_blocks(layer, 0) == want_manager.store.n_blocks(layer, 0) == e
-        a, b = manager.store.read_blocks(layer, 0), want_manager.store.read_blocks(layer, 0)
+        assert runtime.store.n_blocks(layer, 0) == want_runtime.store.n_blocks(layer, 0) == e
+        a, b = runtime.store.read_blocks(layer, 0), want_runtime.store.read_blocks(layer, 0)
         np.testing.assert_array_equal(a["positions"], b["positions"])
         for name in ("k", "v"):
             np.testing.assert_allclose(np.asarray(a[name], np.float32), np.asarray(b[name], np.float32),
                                        atol=atol)
         # GPU window: the same positions hold the same K, V
-        mine, theirs = (window_tokens(cfg, c.layers[layer], c.lengths) for c in (got, want))
+        mine, theirs = (window_tokens(cfg, c.layers[layer], c) for c in (got, want))
         assert sorted(mine) == sorted(theirs) and len(mine) == n - e * cfg.block_size
         for p in mine:
             for x, y in zip(mine[p], theirs[p]):
                 np.testing.assert_allclose(x, y, atol=atol)
         # scout / topk digests of the evicted blocks (and scout's copy one layer ahead)
-        for name in ("kmin", "kmax", "next_kmin", "next_kmax"):
-            if name in want.layers[layer]:
-                np.testing.assert_allclose(np.asarray(got.layers[layer][name]),
-                                           np.asarray(want.layers[layer][name]), atol=atol)
+        for name in ("digests", "next_digests"):
+            if getattr(want.layers[layer], name) is not None:
+                for x, y in zip(getattr(got.layers[layer], name).__dict__.values(),
+                                getattr(want.layers[layer], name).__dict__.values()):
+                    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol)
         if cfg.mode == "recall":
-            for name in ("k", "v"):
-                np.testing.assert_allclose(manager.mirror[name][layer], want_manager.mirror[name][layer],
-                                           atol=atol)
-        np.testing.assert_array_equal(np.asarray(got.layers[layer]["maw"]), 0.0)  # documented choice
+            for name in ("mirror_k", "mirror_v"):
+                np.testing.assert_allclose(getattr(runtime.mode_host, name)[layer],
+                                           getattr(want_runtime.mode_host, name)[layer], atol=atol)
+        np.testing.assert_array_equal(np.asarray(got.layers[layer].window.maw), 0.0)  # documented choice
 
 
 def test_hgca_reevaluates_restored_blocks_with_the_history_queries(model, rng):
     # beta 2: a token is kept iff its probability (summed over the 2 query heads of its group)
     # beats 2 / stored tokens, the mean: some are kept, some not.
-    cfg = HybridConfig(**{**KEEP_ALL, "mode": "hgca", "beta": 2.0})
+    cfg = OffloadConfig(**{**KEEP_ALL, "mode": "hgca", "beta": 2.0})
     n = int(rng.integers(70, 120))
     tokens = rng.integers(0, CONFIG.vocab_size, n).astype(np.int32)
     plain_backend = make_backend(cfg)
@@ -207,10 +206,10 @@ def test_hgca_reevaluates_restored_blocks_with_the_history_queries(model, rng):
     r = cfg.reevaluate_queries
     backend = make_backend(cfg)
     _, writer = restore_into(model, backend, tokens, ("hidden", "hidden"))
-    store = backend.manager.store
-    backend.manager.executor.close(wait=True)  # the queued re-evaluations have run
+    store = backend.runtime.store
+    backend.runtime.executor.close(wait=True)  # the queued re-evaluations have run
     for layer in range(CONFIG.num_layers):
-        q_plain = plain_backend.manager.bridge.last_queries[layer][:, :valid][:, -r:]
+        q_plain = plain_backend.runtime.bridge.last_queries[layer][:, :valid][:, -r:]
         q_restored = np.asarray(writer.last_queries[layer], np.float32)
         if valid >= r:
             np.testing.assert_allclose(q_restored, q_plain, atol=2e-5)
@@ -222,18 +221,18 @@ def test_hgca_reevaluates_restored_blocks_with_the_history_queries(model, rng):
 
 
 def test_hgca_without_hidden_states_keeps_no_context_and_says_so(model, rng, caplog):
-    cfg = HybridConfig(**{**KEEP_ALL, "mode": "hgca", "beta": 1.0})
+    cfg = OffloadConfig(**{**KEEP_ALL, "mode": "hgca", "beta": 1.0})
     tokens = rng.integers(0, CONFIG.vocab_size, 90).astype(np.int32)
     backend = make_backend(cfg)
     with caplog.at_level("INFO", logger="jhybrid.hybrid.ingest"):
         restore_into(model, backend, tokens, ("kv", "kv"))
-    backend.manager.executor.close(wait=True)
+    backend.runtime.executor.close(wait=True)
     assert "not restored from hidden states" in caplog.text
-    assert backend.manager.store.context.kept_counts(0, 0).sum() == 0
+    assert backend.runtime.store.context.kept_counts(0, 0).sum() == 0
 
 
 def test_writer_rejects_bad_input(model):
-    cfg = HybridConfig(**{**KEEP_ALL, "mode": "hgca"})
+    cfg = OffloadConfig(**{**KEEP_ALL, "mode": "hgca"})
     with pytest.raises(ValueError, match="300 tokens into a hybrid cache of max_len=256"):
         HybridCacheWriter(model, make_backend(cfg), MAX_LEN, 300)
     writer = HybridCacheWriter(model, make_backend(cfg), MAX_LEN, 50)

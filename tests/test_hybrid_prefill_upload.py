@@ -1,4 +1,4 @@
-"""Prefill over the offloaded prompt on the device (`HybridConfig.prefill_offloaded="device"`).
+"""Prefill over the offloaded prompt on the device (`OffloadConfig.prefill_offloaded="device"`).
 
 The attention over the uploaded copies against a float64 NumPy reference (ragged lengths, GQA, an
 empty sequence); the upload against the host store; whole runs (prefill + an appended turn +
@@ -17,14 +17,11 @@ import numpy as np
 import pytest
 
 from host import KVStore, StoreConfig
-from jhybrid.attention.hybrid import make_backend
-from jhybrid.hybrid.config import HybridConfig
-from jhybrid.hybrid.prefill_upload import offloaded_attention, offloaded_prompt, offloaded_prompt_bytes
 from jhybrid.generation import make_step
+from jhybrid.hybrid import OffloadConfig, make_backend
+from jhybrid.hybrid.prefill import offloaded_attention, offloaded_prompt, offloaded_prompt_bytes
 from jhybrid.models import create_model
-from tests.test_hybrid_exactness import CONFIG, TOL, run_forced
-
-WINDOW = dict(window_tokens=40, block_size=16, sink=8, n_threads=1)
+from tests.hybrid_support import MAX_LEN, TINY as CONFIG, TOL, WINDOW, run_forced
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -125,20 +122,25 @@ def full_logits(model):
 @pytest.mark.parametrize("mode,extra", [("hgca", dict(beta=1e-30)), ("topk", {}), ("recall", {}),
                                         ("scout", dict(predict_query=False))])
 def test_device_prefill_keep_all_equals_full(model, full_logits, mode, extra):
-    backend = make_backend(HybridConfig(mode=mode, prefill_offloaded="device", **WINDOW, **extra))
+    backend = make_backend(OffloadConfig(mode=mode, prefill_offloaded="device", **WINDOW, **extra))
     logits, backend, cache, _ = forced(model, backend)
     np.testing.assert_allclose(logits, full_logits, atol=TOL, rtol=TOL)
     counters = backend.counters()
     assert counters["n_prefill_device_chunks"] >= 2 and counters["n_prefill_host_chunks"] == 0
     assert counters["n_prefill_extends"] >= 1  # a chunk after another extended its copies on the device
-    assert not any(name.startswith("pf_") for name in cache.layers[0])  # dropped after the prefill
+    copy = cache.layers[0].offloaded  # the prefill copies were dropped after the prefill ...
+    if mode == "recall":  # ... recall's decode steps upload the whole offloaded KV instead
+        assert copy.k.shape[2] == backend.runtime.nb_max * 16
+        np.testing.assert_array_equal(np.asarray(copy.n_valid), backend.runtime.offloaded_blocks() * 16)
+    else:
+        assert copy is None
 
 
 def test_device_and_host_prefill_agree_for_hgca_with_a_threshold(model):
     """beta = 1 drops tokens: the two paths agree only if the re-evaluation gets the same queries."""
     runs = {}
     for where in ("host", "device"):
-        backend = make_backend(HybridConfig(mode="hgca", beta=1.0, prefill_offloaded=where, **WINDOW))
+        backend = make_backend(OffloadConfig(mode="hgca", beta=1.0, prefill_offloaded=where, **WINDOW))
         logits, backend, _, _ = forced(model, backend)
         runs[where] = (logits, backend.counters())
     np.testing.assert_allclose(runs["device"][0], runs["host"][0], atol=1e-5, rtol=1e-5)
@@ -150,27 +152,23 @@ def run_ragged(model, backend, lengths=(70, 37), steps=6, chunk=16, seed=7):
     """Ragged prompts (padding positions -1) in chunks, then `steps` decode steps per row at its own
     position: a sequence whose prompt ended keeps being padded while the other's chunks continue.
     Returns decode logits [B, steps, V]."""
-    from tests.test_hybrid_exactness import MAX_LEN
-
     step, params = make_step(model, backend)
     rng = np.random.default_rng(seed)
     batch, longest = len(lengths), max(lengths)
     prompt = rng.integers(0, 97, (batch, longest)).astype(np.int32)
     cont = rng.integers(0, 97, (batch, steps)).astype(np.int32)
+    backend.open(model.config, batch, MAX_LEN)
     cache = model.init_cache(batch, MAX_LEN, backend)
-    hook = getattr(backend, "before_step", None)
     for s in range(0, longest, chunk):
         pos = s + np.arange(chunk)[None].repeat(batch, 0)
         pos = np.where(pos < np.array(lengths)[:, None], pos, -1).astype(np.int32)
         part = np.pad(prompt[:, s:s + chunk], ((0, 0), (0, chunk - prompt[:, s:s + chunk].shape[1])))
-        if hook:
-            cache = hook(cache, pos)
+        cache = backend.before_step(cache, pos)
         _, cache = step(params, part, pos, cache)
     out = []
     for i in range(steps):
         pos = (np.array(lengths) + i)[:, None].astype(np.int32)
-        if hook:
-            cache = hook(cache, pos)
+        cache = backend.before_step(cache, pos)
         logits, cache = step(params, cont[:, i:i + 1], pos, cache)
         out.append(np.asarray(logits[:, 0]))
     return np.stack(out, 1), backend
@@ -179,19 +177,19 @@ def run_ragged(model, backend, lengths=(70, 37), steps=6, chunk=16, seed=7):
 def test_device_prefill_ragged_lengths_equal_full_and_host(model):
     """Ragged prompts: the shorter one stops evicting while the longer one's copies keep growing."""
     full, _ = run_ragged(model, make_backend("full"))
-    keep_all, backend = run_ragged(model, make_backend(HybridConfig(mode="hgca", beta=1e-30,
+    keep_all, backend = run_ragged(model, make_backend(OffloadConfig(mode="hgca", beta=1e-30,
                                                                     prefill_offloaded="device", **WINDOW)))
     np.testing.assert_allclose(keep_all, full, atol=TOL, rtol=TOL)
     assert backend.counters()["n_prefill_extends"] >= 1
-    runs = {where: run_ragged(model, make_backend(HybridConfig(mode="topk", topk_blocks=1, prefill_offloaded=where,
+    runs = {where: run_ragged(model, make_backend(OffloadConfig(mode="topk", budget=16, prefill_offloaded=where,
                                                                **WINDOW)))[0] for where in ("host", "device")}
     np.testing.assert_allclose(runs["device"], runs["host"], atol=1e-5, rtol=1e-5)
 
 
 def test_upload_over_the_limit_uses_the_host_path_and_says_so(model, full_logits, caplog):
-    backend = make_backend(HybridConfig(mode="hgca", beta=1e-30, prefill_offloaded="device",
+    backend = make_backend(OffloadConfig(mode="hgca", beta=1e-30, prefill_offloaded="device",
                                         prefill_upload_max_bytes=1, **WINDOW))
-    with caplog.at_level(logging.WARNING, logger="jhybrid.hybrid.manager"):
+    with caplog.at_level(logging.WARNING, logger="jhybrid.hybrid.prefill"):
         logits, backend, _, _ = forced(model, backend)
     np.testing.assert_allclose(logits, full_logits, atol=TOL, rtol=TOL)
     counters = backend.counters()
@@ -200,11 +198,11 @@ def test_upload_over_the_limit_uses_the_host_path_and_says_so(model, full_logits
 
 
 def test_auto_is_device_on_a_gpu_host_elsewhere_and_bad_values_are_named(model):
-    backend = make_backend(HybridConfig(mode="hgca", beta=1e-30, **WINDOW))  # "auto"
+    backend = make_backend(OffloadConfig(mode="hgca", beta=1e-30, **WINDOW))  # "auto"
     _, backend, _, _ = forced(model, backend)
     on_gpu = jax.devices()[0].platform == "gpu"
     assert (backend.counters()["n_prefill_device_chunks"] > 0) == on_gpu
     with pytest.raises(ValueError, match="prefill_offloaded='gpu'"):
-        HybridConfig(prefill_offloaded="gpu")
+        OffloadConfig(prefill_offloaded="gpu")
     with pytest.raises(ValueError, match="prefill_upload_max_bytes=-1"):
-        HybridConfig(prefill_upload_max_bytes=-1)
+        OffloadConfig(prefill_upload_max_bytes=-1)

@@ -1,4 +1,4 @@
-"""scout's asynchronous, incremental recall into the GPU pool (jhybrid.hybrid.recall) on CPU.
+"""scout's asynchronous, incremental recall into the GPU pool (jhybrid.hybrid.modes.scout) on CPU.
 
 At keep-all (every block selected) any pool content is exact, so the logits must equal `full`
 whatever the recalls do; on top of that the pool must hold byte-exact copies of the host blocks
@@ -13,18 +13,15 @@ import threading
 import numpy as np
 import pytest
 
-from jhybrid.attention.hybrid import make_backend
 from jhybrid.generation import make_step
-from jhybrid.hybrid.recall import plan_recall
-from jhybrid.models import ModelConfig, create_model
+from jhybrid.hybrid import make_backend
+from jhybrid.hybrid.modes.scout_recall import plan_recall
+from jhybrid.models import create_model
+from tests.hybrid_support import CHUNK, MAX_LEN, SCOUT_RECALLS, TINY as CONFIG, TOL, WINDOW
 
-CONFIG = ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=64, mlp_dim=128, max_position_embeddings=256)
 # Window 40 = 8 sinks + 2 blocks of 16; 40 prompt + 40 decode tokens offload up to 3 blocks.
-KEEP_ALL = dict(window_tokens=40, block_size=16, sink=8, beta=1e-30, n_threads=1, recall_blocks=2,
-                recall_min_interval=2, recall_threshold=0.0)
-B, PROMPT, STEPS, CHUNK, MAX_LEN = 2, 40, 40, 16, 128
-TOL = 2e-4
+KEEP_ALL = dict(WINDOW, **SCOUT_RECALLS)
+B, PROMPT, STEPS = 2, 40, 40
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +39,20 @@ _STEPS: dict = {}
 
 
 class Run:
-    """Teacher-forced run, one decode step per `next()`; `before(i, manager)` runs before step i.
-    Runs on one backend share its compiled step (each run is a new cache, so a new host runtime)."""
+    """Teacher-forced run, one decode step per `next()`; `before(i, scout)` runs before step i
+    (scout: the runtime's ScoutHost). Runs on one backend share its compiled step (each run opens
+    the backend anew: a new host runtime)."""
 
     def __init__(self, model, backend, prompt, continuation):
         if id(backend) not in _STEPS:
             _STEPS[id(backend)] = (backend, make_step(model, backend))
         self.step, self.params = _STEPS[id(backend)][1]
         self.backend, self.continuation = backend, continuation
+        backend.open(model.config, B, MAX_LEN)
         self.cache = model.init_cache(B, MAX_LEN, backend)
-        self.manager = getattr(backend, "manager", None)
-        self.hook = getattr(backend, "before_step", lambda cache, pos: cache)
+        self.runtime = getattr(backend, "runtime", None)  # None for full
+        self.scout = None if self.runtime is None else self.runtime.mode_host
+        self.hook = backend.before_step
         for s in range(0, prompt.shape[1], CHUNK):
             part = prompt[:, s:s + CHUNK]
             pos = (s + np.arange(part.shape[1]))[None].repeat(B, 0).astype(np.int32)
@@ -71,7 +71,7 @@ class Run:
     def run(self, n, before=None):
         for _ in range(n):
             if before is not None:
-                before(self.i, self.manager)
+                before(self.i, self.scout)
             self.next()
         return np.stack(self.logits, 1)
 
@@ -82,25 +82,25 @@ def reference(model, tokens):
     return run.run(STEPS)
 
 
-def wait_all(_i, manager):
+def wait_all(_i, scout):
     """Make the run deterministic: every recall is staged before the next step start applies it."""
-    manager.wait_recalls()
+    scout.wait()
 
 
 def assert_pool_matches_store(run):
-    """Every pool slot named by pool_blocks holds the host block's rows of its KV head, bit for bit;
-    the manager's host copy of the table and scout's layer-ahead copy agree with the device's."""
-    manager, cfg = run.manager, run.backend.config
-    r = cfg.pool_blocks()
+    """Every pool slot named by the pool table holds the host block's rows of its KV head, bit for bit;
+    the runtime's host copy of the table and scout's layer-ahead copy agree with the device's."""
+    runtime, cfg = run.runtime, run.backend.config
+    r = cfg.recall_blocks
     checked = 0
     for layer, state in enumerate(run.cache.layers):
-        table = np.asarray(state["pool_blocks"])  # [B, Hkv, R]
-        np.testing.assert_array_equal(table, manager._pool_ids[layer])
-        if layer > 0 and "next_pool_blocks" in run.cache.layers[layer - 1]:
-            np.testing.assert_array_equal(np.asarray(run.cache.layers[layer - 1]["next_pool_blocks"]), table)
-        pool_k, pool_v = np.asarray(state["pool_k"]), np.asarray(state["pool_v"])
+        table = np.asarray(state.pool.blocks)  # [B, Hkv, R]
+        np.testing.assert_array_equal(table, run.scout.pool_ids[layer])
+        if layer > 0 and run.cache.layers[layer - 1].next_pool_blocks is not None:
+            np.testing.assert_array_equal(np.asarray(run.cache.layers[layer - 1].next_pool_blocks), table)
+        pool_k, pool_v = np.asarray(state.pool.k), np.asarray(state.pool.v)
         for b, h, slot in zip(*np.nonzero(table >= 0)):
-            block = manager.store.read_blocks(layer, int(b), [int(table[b, h, slot])])  # [1, bs, Hkv, D] fp32
+            block = runtime.store.read_blocks(layer, int(b), [int(table[b, h, slot])])  # [1, bs, Hkv, D] fp32
             for name, pool in (("k", block["k"]), ("v", block["v"])):
                 want = pool[0, :, h].view(np.uint32)
                 got = (pool_k if name == "k" else pool_v)[b * r + slot, h].view(np.uint32)
@@ -120,12 +120,12 @@ def test_async_recall_applied_later_exact_and_byte_equal(model, tokens, referenc
     backend = exact_scout if not predict else make_backend("scout", predict_query=True, **KEEP_ALL)
     run = Run(model, backend, *tokens)
     logits = run.run(STEPS, before=wait_all)
-    log = run.manager.recall_log
+    log = run.scout.recall_log
     assert log and all(entry["apply_step"] > entry["trigger_step"] for entry in log)
     assert {entry["layer"] for entry in log if entry["warm"]} == {0, 1}  # warm start of every layer
     assert all(entry["trigger_step"] == 1 for entry in log if entry["warm"])
     assert assert_pool_matches_store(run) > 0
-    counters = run.manager.counters()
+    counters = run.runtime.counters()
     assert counters["n_recalls"] == len(log) and counters["recall_bg_s"] > 0
     if not predict:  # exact query: keep-all parity with full, with recalls landing mid-run
         np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
@@ -144,17 +144,17 @@ def test_recall_racing_with_eviction_stays_consistent(model, tokens, reference, 
         entered.set()
         assert gate.wait(60), "test gate never opened"
 
-    run.manager.recall_hook = hold
+    run.scout.recall_hook = hold
     run.run(2)  # step 1 starts the warm recall
-    assert entered.wait(30) and run.manager._pending
-    evicted = run.manager.counters()["n_evicted_blocks"]
+    assert entered.wait(30) and run.scout.pending
+    evicted = run.runtime.counters()["n_evicted_blocks"]
     run.run(20)  # 20 steps cross a block boundary: the ring evicts while the job is held
-    assert run.manager.counters()["n_evicted_blocks"] > evicted
-    assert run.manager._pending and run.manager.counters()["n_recalls"] == 0  # never waited for
-    run.manager.recall_hook = None
+    assert run.runtime.counters()["n_evicted_blocks"] > evicted
+    assert run.scout.pending and run.runtime.counters()["n_recalls"] == 0  # never waited for
+    run.scout.recall_hook = None
     gate.set()
     logits = run.run(STEPS - 22, before=wait_all)
-    assert run.manager.counters()["n_recalls"] > 0
+    assert run.runtime.counters()["n_recalls"] > 0
     np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
     assert assert_pool_matches_store(run) > 0
 
@@ -164,17 +164,17 @@ def test_no_recall_applied_after_new_batch(model, tokens, reference, exact_scout
     backend = exact_scout
     gate = threading.Event()
     first = Run(model, backend, *tokens)
-    old = first.manager
-    old.recall_hook = lambda: gate.wait(60)
+    old = first.runtime
+    old.mode_host.recall_hook = lambda: gate.wait(60)
     first.run(2)
-    assert old._pending
-    second = Run(model, backend, *tokens)  # init_cache: a new manager, the old one closed
-    assert backend.manager is not old and not old._pending
+    assert old.mode_host.pending
+    second = Run(model, backend, *tokens)  # open: a new runtime, the old one closed
+    assert backend.runtime is not old and not old.mode_host.pending
     gate.set()
     logits = second.run(STEPS, before=wait_all)
     assert old.counters()["n_recalls"] == 0
     np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
-    assert second.manager.counters()["n_recalls"] > 0
+    assert second.runtime.counters()["n_recalls"] > 0
     assert assert_pool_matches_store(second) > 0
 
 

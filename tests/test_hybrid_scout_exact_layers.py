@@ -17,19 +17,15 @@ import numpy as np
 import pytest
 
 from host.bridge import HostBridge
-from jhybrid.attention.hybrid import make_backend
-from jhybrid.generation import make_step
-from jhybrid.hybrid import HybridConfig
-from jhybrid.models import ModelConfig, create_model
+from jhybrid.hybrid import OffloadConfig, make_backend
+from jhybrid.models import create_model
+from tests.hybrid_support import CHUNK, SCOUT_RECALLS, TINY, TOL, WINDOW, run_forced as run_forced_full
 
 L = 4
-CONFIG = ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=L, num_heads=4, num_kv_heads=2,
-                     head_dim=64, mlp_dim=128, max_position_embeddings=256)
+CONFIG = TINY.replace(num_layers=L)
 # Window 40 = 8 sinks + 2 blocks of 16; 64 prompt + 24 decode tokens evict 2-3 blocks per layer.
-KEEP_ALL = dict(mode="scout", window_tokens=40, block_size=16, sink=8, n_threads=1, recall_blocks=2,
-                recall_min_interval=2, recall_threshold=0.0)
-B, PROMPT, STEPS, CHUNK, MAX_LEN = 2, 64, 24, 16, 128
-TOL = 2e-4
+KEEP_ALL = dict(mode="scout", **WINDOW, **SCOUT_RECALLS)
+B, PROMPT, STEPS = 2, 64, 24
 PREFILL_CALLBACKS = 2 * L * (PROMPT // CHUNK)  # submit + collect per layer and chunk
 
 
@@ -72,23 +68,8 @@ def submissions(monkeypatch):
 
 def run_forced(model, backend, prompt, continuation):
     """Teacher-forced: prefill in chunks, then one token per step -> (logits [B, steps, V], cache)."""
-    step, params = make_step(model, backend)
-    cache = model.init_cache(prompt.shape[0], MAX_LEN, backend)
-    hook = getattr(backend, "before_step", None)
-    for s in range(0, prompt.shape[1], CHUNK):
-        pos = (s + np.arange(CHUNK))[None].repeat(B, 0).astype(np.int32)
-        if hook:
-            cache = hook(cache, pos)
-        _, cache = step(params, prompt[:, s:s + CHUNK], pos, cache)
-    out = []
-    for i in range(continuation.shape[1]):
-        pos = np.full((B, 1), PROMPT + i, np.int32)
-        if hook:
-            backend.manager.wait_recalls()  # deterministic: every triggered recall is applied next
-            cache = hook(cache, pos)
-        logits, cache = step(params, continuation[:, i:i + 1], pos, cache)
-        out.append(np.asarray(logits[:, 0]))
-    return np.stack(out, 1), cache
+    logits, _, cache, _ = run_forced_full(model, backend, prompt, continuation)
+    return logits, cache
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +82,7 @@ def per_layer(layers):
 
 
 def test_exact_layers_make_keep_all_scout_equal_full(model, tokens, reference, submissions):
-    backend = make_backend(HybridConfig(scout_exact_layers=(3,), **KEEP_ALL))
+    backend = make_backend(OffloadConfig(scout_exact_layers=(3,), **KEEP_ALL))
     logits, cache = run_forced(model, backend, *tokens)
     np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
     assert (logits.argmax(-1) == reference.argmax(-1)).all()
@@ -109,41 +90,42 @@ def test_exact_layers_make_keep_all_scout_equal_full(model, tokens, reference, s
     # by their predecessor; nothing is submitted ahead for layer 3.
     assert per_layer(submissions["exact"]) == {0: STEPS, 3: STEPS}
     assert per_layer(submissions["ahead"]) == {1: STEPS, 2: STEPS}
-    counters = backend.manager.counters()
+    counters = backend.counters()
     assert counters["n_callbacks"] == PREFILL_CALLBACKS + STEPS * (L + 2)  # L + |{0, 3}| per step
     assert counters["n_evicted_blocks"] > 0
     # Recalled blocks were attended from the GPU pool in every layer, whichever path it takes (a
     # recall into layer 2 also updates layer 1's copy of its pool table; layer 3 has no such copy).
-    assert {r["layer"] for r in backend.manager.recall_log} == set(range(L))
+    assert {r["layer"] for r in backend.runtime.mode_host.recall_log} == set(range(L))
     # Each layer's digests live where its selection runs: its own (exact) or its predecessor's.
-    keys = [set(state) & {"kmin", "next_kmin", "next_pool_blocks"} for state in cache.layers]
-    assert keys == [{"kmin", "next_kmin", "next_pool_blocks"}, {"next_kmin", "next_pool_blocks"}, set(),
-                    {"kmin"}]
+    keys = [{name for name in ("digests", "next_digests", "next_pool_blocks") if getattr(state, name) is not None}
+            for state in cache.layers]
+    assert keys == [{"digests", "next_digests", "next_pool_blocks"}, {"next_digests", "next_pool_blocks"}, set(),
+                    {"digests"}]
 
 
 def test_predicted_layer_3_is_not_exact(model, tokens, reference, submissions):
     """Control: the default (layer 0 exact only) predicts layer 3 from the wrong input."""
-    backend = make_backend(HybridConfig(**KEEP_ALL))
+    backend = make_backend(OffloadConfig(**KEEP_ALL))
     logits, _ = run_forced(model, backend, *tokens)
     assert np.abs(logits - reference).max() > 1e-2
     assert per_layer(submissions["exact"]) == {0: STEPS}
     assert per_layer(submissions["ahead"]) == {1: STEPS, 2: STEPS, 3: STEPS}
-    assert backend.manager.counters()["n_callbacks"] == PREFILL_CALLBACKS + STEPS * (L + 1)
+    assert backend.counters()["n_callbacks"] == PREFILL_CALLBACKS + STEPS * (L + 1)
 
 
 def test_int_means_leading_layers(model, tokens, reference, submissions):
     """scout_exact_layers=N: layers 0..N-1 exact; N = L runs every layer like predict_query=False."""
-    backend = make_backend(HybridConfig(scout_exact_layers=L, **KEEP_ALL))
+    backend = make_backend(OffloadConfig(scout_exact_layers=L, **KEEP_ALL))
     logits, cache = run_forced(model, backend, tokens[0], tokens[1][:, :8])
     np.testing.assert_allclose(logits, reference[:, :8], atol=TOL, rtol=0)
     assert per_layer(submissions["exact"]) == {layer: 8 for layer in range(L)}
     assert submissions["ahead"] == []
-    assert all("next_kmin" not in state and "kmin" in state for state in cache.layers)
+    assert all(state.next_digests is None and state.digests is not None for state in cache.layers)
 
 
 def test_exact_layer_out_of_range(model):
-    backend = make_backend(HybridConfig(scout_exact_layers=(1, 7), **KEEP_ALL))
+    backend = make_backend(OffloadConfig(scout_exact_layers=(1, 7), **KEEP_ALL))
     with pytest.raises(ValueError, match=r"scout_exact_layers=\(1, 7\): layer\(s\) 7 out of range .* 4 layers"):
-        model.init_cache(B, MAX_LEN, backend)
+        backend.open(model.config, B, 128)
     with pytest.raises(ValueError, match="layer.* 4 out of range"):
-        model.init_cache(B, MAX_LEN, make_backend(HybridConfig(scout_exact_layers=5, **KEEP_ALL)))
+        make_backend(OffloadConfig(scout_exact_layers=5, **KEEP_ALL)).open(model.config, B, 128)

@@ -3,8 +3,15 @@
 Every attention layer of every model calls `backend.attend(...)` with its already projected and
 rotated q and the new k, v of this step; the backend stores k, v in its own per-layer cache state
 (an explicit pytree passed in and returned, so the whole step stays a pure, jittable function) and
-returns the attention output. `full` (all KV on the device) is `jhybrid.attention.full`; offloading
-and hybrid backends (recall, hgca, scout, streaming, top-k) implement the same two methods.
+returns the attention output. `full` (all KV on the device) is `jhybrid.attention.full`; the
+offloading modes are `jhybrid.hybrid.HybridAttention`. Callers use exactly what this class declares:
+
+    backend.open(model_config, batch, max_len)     # host side for this batch (no-op for full)
+    cache = model.init_cache(batch, max_len, backend)       # device side: pure, nothing else
+    for each step:
+        cache = backend.before_step(cache, positions)       # per-step host work (eviction, ...)
+        logits, cache = step(params, tokens, positions, cache)  # each layer calls attend(...)
+    backend.counters(); backend.close()
 
 Position convention (all backends): `positions [B, T]` int32 holds each token's absolute position
 in its sequence; a padding slot has position -1 and must be neither stored nor attended. Valid
@@ -16,11 +23,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the models import the attention package, not the other way round
     from jhybrid.models.config import ModelConfig
@@ -30,34 +35,71 @@ LayerCache = Any  # a backend-defined pytree of arrays with static shapes
 
 @dataclasses.dataclass(frozen=True)
 class LayerContext:
-    """What a backend may want besides q/k/v (most backends ignore it).
+    """What a backend may want besides q/k/v (most backends ignore most of it).
 
-    layer_input: [B, T, d_model] the layer's input hidden state (before its norm) — ScoutAttention
-        applies the NEXT layer's W_q to it to predict that layer's query one layer ahead.
-    next_layer: the next `DecoderLayer` module (None for the last layer); its
-        `attention.project_q(normed, positions)` gives that prediction.
-    scale: the score scale (1/sqrt(head_dim) for every supported family).
+    scale: the score scale (the model's attention_scale).
+    num_layers: decoder layers of the model (the layer index comes with `attend`).
     sliding_window: attend only to keys with q_pos - key_pos < sliding_window (None: no window).
+    meta: the backend's per-step metadata (`KVCache.meta`, built by `before_step`; None for full).
+    carry: what the previous layer's `attend` handed on within this step (None for the first
+        layer and for backends that hand nothing on).
+    next_query: [B, T, Hq, D] the NEXT layer's query predicted from this layer's input (its norm,
+        W_q and RoPE applied to this layer's input), computed by the decoder only when
+        `backend.wants_next_query(layer, num_layers)`; else None.
     """
 
-    layer_input: jax.Array
-    next_layer: Any
     scale: float
+    num_layers: int = 1
     sliding_window: int | None = None
+    meta: Any = None
+    carry: Any = None
+    next_query: jax.Array | None = None
 
 
 class AttentionBackend(abc.ABC):
-    """Interface every attention mode implements. Instances must be hashable (they are jit statics)."""
+    """Interface every attention mode implements. Instances are jit statics (hashable); the
+    traced computation depends only on their configuration."""
 
     name: str = "abstract"
     # True for offloading modes that can hold more context than the device cache: generation then
-    # lets prompts exceed `max_len` instead of raising.
+    # lets prompts exceed the model's cache instead of raising.
     handles_long_context: bool = False
+
+    # ---- host side: lifetime and per-step work (no-ops unless a backend needs them) ----------------
+    def open(self, config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> "AttentionBackend":
+        """Prepare the host side for `batch_size` sequences of up to `max_len` tokens (replacing any
+        earlier batch); returns self. Call before running steps on a cache of that shape."""
+        return self
+
+    def close(self) -> None:
+        """Release the host side (threads, host memory)."""
+
+    def before_step(self, cache, positions):
+        """Per-step host work before the step with positions [B, T] (NumPy int32); returns the cache."""
+        return cache
+
+    @property
+    def max_prefill_chunk(self) -> int | None:
+        """Longest prefill chunk the backend accepts (None: any)."""
+        return None
+
+    def counters(self) -> dict:
+        """Cumulative instrumentation of the open batch (seconds, counts); {} when there is none."""
+        return {}
+
+    def wants_next_query(self, layer_idx: int, num_layers: int) -> bool:
+        """Should the decoder compute the next layer's predicted query for this layer?"""
+        return False
+
+    # ---- device side -------------------------------------------------------------------------------
+    def init_meta(self, batch_size: int, max_len: int) -> Any:
+        """The per-step metadata of an empty cache (`KVCache.meta`); None when the backend has none."""
+        return None
 
     @abc.abstractmethod
     def init_layer_cache(self, config: ModelConfig, layer_idx: int, batch_size: int, max_len: int,
                          dtype) -> LayerCache:
-        """An empty cache state for one layer."""
+        """An empty cache state for one layer (device arrays only; no side effects)."""
 
     @abc.abstractmethod
     def attend(
@@ -70,11 +112,12 @@ class AttentionBackend(abc.ABC):
         lengths: jax.Array,
         layer_cache: LayerCache,
         context: LayerContext,
-    ) -> tuple[jax.Array, LayerCache]:
+    ) -> tuple[jax.Array, LayerCache, Any]:
         """Stores this step's k, v and attends q causally over everything the sequence holds.
 
         q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (RoPE already applied to q and k).
         positions: [B, T] int32, -1 for padding. lengths: [B] int32, each sequence's number of
         tokens INCLUDING this step's (so the keys are positions 0 .. lengths-1).
-        Returns o [B, T, Hq, D] in q's dtype (padding rows are zero) and the new layer cache.
+        Returns o [B, T, Hq, D] in q's dtype (padding rows are zero), the new layer cache and the
+        carry handed to the next layer's attend (None when there is nothing to hand on).
         """

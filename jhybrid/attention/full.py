@@ -80,7 +80,7 @@ def masked_attention(
 
     Key j is visible to a query at position p when j <= p, j < lengths[b] and (with a window)
     p - j < sliding_window. Returns o [B, T, Hq, D] in q's dtype (zero for padding queries) and
-    lse [B, T, Hq] float32 in natural log (the partial-attention contract of shared/DESIGN.md).
+    lse [B, T, Hq] float32 in natural log (docs/design.md, "Partial states").
     """
     batch, steps, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -135,4 +135,4 @@ class FullAttention(AttentionBackend):
         v_cache = store_kv(layer_cache["v"], v, positions)
         out, _ = masked_attention(q, k_cache, v_cache, positions, lengths, context.scale,
                                   context.sliding_window)
-        return out, {"k": k_cache, "v": v_cache}
+        return out, {"k": k_cache, "v": v_cache}, None

@@ -276,8 +276,8 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
             raise ValueError(f"mode {mode}: a window is needed")
         ring = window - sink
         per_layer = 2 * window * hkv * d * it + ring * hkv * 4
-        if mode == "recall":
-            per_layer += 2 * nb * bs * hkv * d * it
+        if mode == "recall":  # the device copy of the offloaded KV, and its int32 valid-token count
+            per_layer += 2 * nb * bs * hkv * d * it + 4
             upload = n_layers * 2 * nb * bs * hkv * d * it  # the next upload before the last is freed
         if mode in ("scout", "topk"):  # digests, and the int32 [Hkv, k] selected block ids
             per_layer += 2 * hkv * nb * d * it + hkv * min(topk_blocks or nb, nb) * 4
@@ -298,7 +298,8 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
             host_layer += 2 * nb * bs * hkv * d * it
     weights = weight_bytes(config) if weights is None else weights
     return PointMemory(mode=mode, batch=batch, context=context, max_len=max_len, window=window,
-                       weight_bytes=weights, device_cache_per_seq=n_layers * per_layer + extra + 4,
+                       # + int32 lengths, and the offloading modes' StepMeta.offloaded_blocks
+                       weight_bytes=weights, device_cache_per_seq=n_layers * per_layer + extra + 4 + 4 * (mode != "full"),
                        device_activations_per_seq=activations + upload,
                        device_fixed=weights + device_reserve, device_limit=device_limit,
                        host_per_seq=n_layers * host_layer, host_fixed=host_reserve, host_limit=host_limit)

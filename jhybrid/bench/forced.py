@@ -3,8 +3,8 @@
 The text goes in as a prefill of `context` tokens (chunks of `chunk` tokens, the last one padded
 with position -1), then one token per decode step, exactly as generation would run it. Only the
 decode steps are scored: they are the steps where the hybrid modes differ from full attention
-(prefill is exact in every mode). `backend.before_step` is called before each step, as the
-`Generator` does.
+(prefill is exact in every mode). The backend is opened for the text and `backend.before_step` is called before each step, as
+the `Generator` does.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def forced_nll(model, backend, tokens: np.ndarray, context: int, chunk: int = 25
     n = len(tokens)
     if not 0 < context < n - 1:
         raise ValueError(f"context={context} must be in (0, {n - 1}) for {n} tokens")
-    chunk = min(chunk, getattr(backend, "max_prefill_chunk", chunk))
+    chunk = min(chunk, backend.max_prefill_chunk or chunk)
     step, params = make_step(model, backend)
+    backend.open(model.config, 1, n)
     cache = model.init_cache(1, n, backend)
-    before_step = getattr(backend, "before_step", None)
 
     for begin in range(0, context, chunk):
         part = tokens[begin:min(begin + chunk, context)]
@@ -47,15 +47,13 @@ def forced_nll(model, backend, tokens: np.ndarray, context: int, chunk: int = 25
         ids = np.pad(part, (0, pad))[None]
         pos = np.pad(np.arange(begin, begin + len(part), dtype=np.int32), (0, pad),
                      constant_values=-1)[None]
-        if before_step is not None:
-            cache = before_step(cache, pos)
+        cache = backend.before_step(cache, pos)
         _, cache = step(params, jnp.asarray(ids), jnp.asarray(pos), cache)
 
     nll = np.empty(n - context - 1)
     for i, position in enumerate(range(context, n - 1)):
         pos = np.full((1, 1), position, np.int32)
-        if before_step is not None:
-            cache = before_step(cache, pos)
+        cache = backend.before_step(cache, pos)
         logits, cache = step(params, jnp.asarray(tokens[None, position:position + 1]),
                              jnp.asarray(pos), cache)
         nll[i] = -_token_log_prob(logits[0, 0], int(tokens[position + 1]))

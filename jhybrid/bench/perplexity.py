@@ -45,13 +45,13 @@ def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> lis
 def hgca_kept_share(backend) -> float | None:
     """Kept (CPU-attended) tokens / offloaded tokens of an hgca backend's host store, summed over
     its layers, sequences and KV heads (None before anything was offloaded)."""
-    manager = backend.manager
-    executor = manager.executor  # one FIFO worker: a no-op task returns after the queued sparsify /
+    runtime = backend.runtime
+    executor = runtime.executor  # one FIFO worker: a no-op task returns after the queued sparsify /
     executor.collect(executor.submit_task(lambda: None, what="drain"))  # re-evaluation tasks
-    store, hkv = manager.store, manager.hkv
+    store, hkv = runtime.store, runtime.hkv
     kept = offloaded = 0
-    for layer in range(manager.n_layers):
-        for seq in range(manager.batch):
+    for layer in range(runtime.n_layers):
+        for seq in range(runtime.batch):
             kept += int(store.context.kept_counts(layer, seq).sum())
             offloaded += store.n_tokens(layer, seq) * hkv
     return round(kept / offloaded, 4) if offloaded else None

@@ -1,4 +1,4 @@
-"""Results files (shared/DESIGN.md format): JSON {name, device, date, versions, command, config,
+"""Results files (docs/design.md, "Benchmark results"): JSON {name, device, date, versions, command, config,
 rows} + a CSV of the rows, and a printed summary table. Written after every point, atomically, so
 an interrupted sweep keeps what it measured and a rerun can resume from the JSON."""
 

@@ -11,7 +11,7 @@ throughput point with `fill: synthetic` builds the state a prefill of `context` 
                 scout/topk key digests on the device = the digests of those blocks; recall's host
                 mirror holds the same blocks; hgca's sparse context cache = the tokens whose MAW
                 (1.0 for a `keep` share of the pool's tokens, else 0) passes beta / window. The
-                backend's KVManager then adopts the store (`KVManager.use_store`) and the lengths.
+                backend's open runtime then adopts the store and the lengths (`HostRuntime.adopt`).
 
 The host store of one (model shape, context, window) is kept and reused by the next points of the
 same shape with a batch no larger (blocks appended by a point's decode steps are dropped first), so
@@ -34,8 +34,9 @@ import numpy as np
 from host import KVStore, StoreConfig
 from host.kv_store import from_storage, to_storage
 from host.sparsify import sparsify_evicted
-from jhybrid.hybrid.config import evicted_blocks
-from jhybrid.hybrid.manager import KV_DTYPE_OF
+from jhybrid.hybrid.runtime import KV_DTYPE_OF
+from jhybrid.hybrid.state import StepMeta
+from jhybrid.hybrid.window import evicted_blocks
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class HostContext:
     # ---- recall's mirror ----------------------------------------------------------------------
     def mirror(self, template: dict, batch: int, e: int) -> dict:
         """recall's host mirror ({"k", "v"} [L, B, Hkv, N, D], model dtype) with blocks 0..e-1 written
-        into `template` (a new manager's empty mirror), or the one written for an earlier point of
+        into `template` (a new runtime's empty mirror), or the one written for an earlier point of
         the same shape (then `template` is dropped untouched)."""
         key = (template["k"].shape, str(template["k"].dtype), e)
         if self._mirror is not None and self._mirror[0] == key:
@@ -214,7 +215,7 @@ class HostContext:
         dtype = template["k"].dtype
         out = {}
         for name in ("k", "v"):
-            arr = template[name]  # the manager's own (lazily zeroed) mirror: written, then kept
+            arr = template[name]  # the runtime's own (lazily zeroed) mirror: written, then kept
             pool = getattr(self, "pool_" + name)  # storage bits = the model dtype's bits
             if pool.dtype.itemsize != arr.dtype.itemsize:
                 raise ValueError(f"recall mirror dtype {arr.dtype} does not match the store's {s.kv_dtype}")
@@ -276,41 +277,51 @@ def host_shape(model_config, block_size: int) -> HostShape:
 
 
 def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: int, seed: int = 1):
-    """Writes the synthetic context into a fresh hybrid cache (from model.init_cache(.., backend))
-    and hands the host store (and recall's mirror) to the backend's manager. Returns the cache.
+    """Writes the synthetic context into a fresh hybrid cache (from model.init_cache(.., backend),
+    the backend opened for `batch` sequences) and has the backend's runtime adopt the host store
+    (and recall's mirror). Returns the cache.
 
     Consumes `cache`: each device array it replaces is deleted as soon as its random replacement
     exists, so the fill never holds the zero window and the random one at once (at the device's
     largest batch that would need the window's memory twice)."""
-    cfg, manager = backend.config, backend.manager
+    cfg, runtime = backend.config, backend.runtime
     e = int(evicted_blocks(np.int64(context), cfg))
-    nb = cfg.host_blocks(manager.max_len)
+    nb = cfg.host_blocks(runtime.max_len)
     if cfg.mode == "hgca":
         host.rebuild_context_cache(batch, e, cfg.beta, cfg.window_tokens)
     key = jax.random.key(seed)
-    layers = []
-    def replace(state: dict, name: str, new: jax.Array) -> None:
-        old, state[name] = state[name], new
+
+    def fresh(old: jax.Array, new: jax.Array) -> jax.Array:
         new.block_until_ready()  # the old buffer is free to go only once the new one is written
         old.delete()
+        return new
 
+    def random_like(x: jax.Array) -> jax.Array:
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return fresh(x, tiled_normal(sub, tuple(x.shape), x.dtype, 2))  # [B, Hkv, T, D]
+
+    def digests_of(d, source: int):
+        kmin, kmax = host.digests(source, batch, e, nb, d.kmin.dtype)
+        return d.replace(kmin=fresh(d.kmin, kmin), kmax=fresh(d.kmax, kmax))
+
+    layers = []
     for layer, state in enumerate(cache.layers):
-        state = dict(state)
-        for name in ("sink_k", "sink_v", "k_ring", "v_ring"):
-            if name in state and state[name].size:
-                key, sub = jax.random.split(key)
-                x = state[name]
-                replace(state, name, tiled_normal(sub, tuple(x.shape), x.dtype, 2))  # [B, Hkv, T, D]
-        if "maw" in state:
-            replace(state, "maw", jnp.full_like(state["maw"], 1.0 / cfg.window_tokens))
-        for prefix, source in (("", layer), ("next_", layer + 1)):
-            if prefix + "kmin" in state:
-                dtype = state[prefix + "kmin"].dtype
-                kmin, kmax = host.digests(source, batch, e, nb, dtype)
-                replace(state, prefix + "kmin", kmin)
-                replace(state, prefix + "kmax", kmax)
+        w = state.window
+        window = w.replace(k_ring=random_like(w.k_ring), v_ring=random_like(w.v_ring),
+                           maw=fresh(w.maw, jnp.full_like(w.maw, 1.0 / cfg.window_tokens)))
+        if w.sink_k.size:
+            window = window.replace(sink_k=random_like(w.sink_k), sink_v=random_like(w.sink_v))
+        state = state.replace(window=window)
+        if state.digests is not None:
+            state = state.replace(digests=digests_of(state.digests, layer))
+        if state.next_digests is not None:
+            state = state.replace(next_digests=digests_of(state.next_digests, layer + 1))
         layers.append(state)
-    if manager.mirror is not None:
-        manager.mirror = host.mirror(manager.mirror, batch, e)
-    manager.use_store(host.store, np.full(batch, context))
-    return cache.replace(layers=tuple(layers), lengths=jnp.full((batch,), context, jnp.int32))
+    mode_host = runtime.mode_host
+    if hasattr(mode_host, "mirror_k"):  # recall: its host mirror of the offloaded KV
+        mirror = host.mirror({"k": mode_host.mirror_k, "v": mode_host.mirror_v}, batch, e)
+        mode_host.mirror_k, mode_host.mirror_v = mirror["k"], mirror["v"]
+    runtime.adopt(np.full(batch, context), store=host.store)
+    return cache.replace(layers=tuple(layers), lengths=jnp.full((batch,), context, jnp.int32),
+                         meta=StepMeta(offloaded_blocks=jnp.full((batch,), e, jnp.int32)))

@@ -21,10 +21,10 @@ Row keys: task, model, layers, mode, fill, batch, batch_spec, context, window, d
 tbt_p50_ms, tbt_p99_ms, tbt_mean_ms, steps, ttft_s, compile_s, fill_s, device_in_use_bytes
 (after the last step, cache alive), device_peak_bytes (peak of the whole process so far: JAX has
 no per-point reset), host_rss_bytes (after the last step), host_rss_peak_bytes (process peak so far),
-host_kv_bytes, the per-step breakdown (between_steps_ms: the manager's work before each step,
+host_kv_bytes, the per-step breakdown (between_steps_ms: the runtime's work before each step,
 eviction / recall uploads / scout's block recall; callback_ms: time inside host callbacks, the GPU
 stalled; compute_ms: the rest of the step = GPU compute + dispatch; plus cpu_attn_ms, wait_ms,
-evict_ms, recall_ms, transfer_ms from the manager's counters) and the prediction (pred_*,
+evict_ms, recall_ms, transfer_ms from the runtime's counters) and the prediction (pred_*,
 predict_s: its seconds, compiles for XLA's account included). Times exclude compilation (compile_s
 apart: the compile of the timed step, wherever it was made).
 """
@@ -44,7 +44,7 @@ import numpy as np
 
 from jhybrid.bench import synthetic
 from jhybrid.bench.budget import PointMemory, human_bytes, point_memory
-from jhybrid.bench.offload import PointSkipped, backend_for, topk_blocks_for
+from jhybrid.bench.offload import PointSkipped, backend_for, resolve
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,8 @@ def predict(model, point, batch: int, window: int | None, weights: int) -> Point
                         device_limit=None if limit is None else int(limit), host_limit=int(host),
                         device_reserve=int(bench.device_reserve_gib * GIB),
                         host_reserve=int(bench.host_reserve_gib * GIB),
-                        predict_query=offload.predict_query, topk_blocks=topk_blocks_for(offload))
+                        predict_query=offload.predict_query,
+                        topk_blocks=offload.topk_blocks if offload.mode in ("scout", "topk") else None)
 
 
 def resolve_batch(model, point, window, weights, backend=None) -> tuple[int, object]:
@@ -256,13 +257,12 @@ def predict_throughput(point) -> list[dict]:
     import types
 
     from jhybrid.bench.budget import weight_bytes
-    from jhybrid.bench.offload import window_for
     from jhybrid.bench.shapes import spec_config
 
     bench, offload = point.benchmark, point.offload
     config = spec_config(point.model)
     model = types.SimpleNamespace(config=config)
-    window = window_for(offload, bench.context)
+    window = None if offload.mode == "full" else resolve(offload, bench.context).window_tokens
     weights = weight_bytes(config)
     batch, memory = resolve_batch(model, point, window, weights)
     verdict = memory.over_capacity() or "predicted to fit"
@@ -312,19 +312,16 @@ def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> lis
 
 
 def _release(backend) -> None:
-    """Drop the point's host runtime (threads, recall mirror) now: compiled steps may outlive it."""
-    manager = getattr(backend, "manager", None)
-    if manager is not None:
-        manager.executor.close(wait=True)
-        manager.mirror = None
+    """Close the point's host side (threads, recall mirror) now: compiled steps may outlive it."""
+    backend.close()
     gc.collect()
 
 
-def _memory_now(manager=None) -> dict:
+def _memory_now(runtime=None) -> dict:
     stats = device_memory()
     return {"device_in_use_bytes": stats.get("bytes_in_use"), "device_peak_bytes": stats.get("peak_bytes_in_use"),
             "host_rss_bytes": host_rss_bytes(), "host_rss_peak_bytes": host_rss_peak_bytes(),
-            "host_kv_bytes": None if manager is None else int(manager.host_kv_bytes())}
+            "host_kv_bytes": None if runtime is None else int(runtime.host_kv_bytes())}
 
 
 def _times(seconds: list[float], batch: int) -> dict:
@@ -348,14 +345,14 @@ def _host_context(model_config, offload, keep: float):
 
 
 def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memory) -> dict:
-    from jhybrid.hybrid.config import evicted_blocks
+    from jhybrid.hybrid.window import evicted_blocks
 
     bench, offload = point.benchmark, point.offload
     max_len = max_len_for(bench)
     fill_start = time.perf_counter()
     if offload.mode == "full":
         cache = synthetic.fill_full_cache(model, batch, max_len, bench.context)
-        manager = None
+        runtime = None
     else:
         host = _host_context(model.config, offload, bench.hgca_keep)
         e = int(evicted_blocks(np.int64(bench.context), backend.config))
@@ -369,9 +366,10 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
                                    f"{max(left, 0):.0f} s left")
         slack = -(-(max_len - bench.context) // offload.block_size) + 1
         host.prepare(batch, e, slack)
+        backend.open(model.config, batch, max_len)
         cache = model.init_cache(batch, max_len, backend)
         cache = synthetic.load_hybrid_cache(cache, backend, host, batch, bench.context)
-        manager = backend.manager
+        runtime = backend.runtime
     jax.block_until_ready(cache)
     fill_s = time.perf_counter() - fill_start
 
@@ -385,22 +383,20 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
         compile_s = time.perf_counter() - start
     else:
         compile_s = memory.compile_seconds
-    hook = getattr(backend, "before_step", None)
     step_s, hook_s = [], []
     planned = bench.warmup_steps + bench.decode_tokens
     i = 0
     while i < planned:
         if i == bench.warmup_steps:
-            if manager is not None:
-                manager.reset_counters()
+            if runtime is not None:
+                runtime.reset_counters()
             step_s, hook_s = [], []
             if deadline is not None and i > 0:  # fewer timed steps where the budget is short
                 last = max(time.perf_counter() - t0, 1e-6)
                 fit = int((deadline - time.perf_counter()) / last)
                 planned = i + max(3, min(bench.decode_tokens, fit))
         t0 = time.perf_counter()
-        if hook is not None:
-            cache = hook(cache, held[:, None])
+        cache = backend.before_step(cache, held[:, None])
         t1 = time.perf_counter()
         tokens, cache = step(params, tokens, held, cache)
         tokens = np.asarray(tokens)  # waits for the step: the produced tokens are ready
@@ -414,17 +410,17 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     row = {**_times(step_s, batch), "ttft_s": None, "compile_s": round(compile_s, 2), "fill_s": round(fill_s, 2)}
     if len(step_s) < bench.decode_tokens:
         row["steps_note"] = f"time budget: {len(step_s)} of {bench.decode_tokens} timed steps"
-    row.update(_memory_now(manager))
-    row.update(_breakdown(step_s, hook_s, manager))
+    row.update(_memory_now(runtime))
+    row.update(_breakdown(step_s, hook_s, runtime))
     del cache
     return row
 
 
-def _breakdown(step_s, hook_s, manager) -> dict:
+def _breakdown(step_s, hook_s, runtime) -> dict:
     n = max(len(step_s), 1)
     step_ms = 1e3 * sum(step_s) / n
     between = 1e3 * sum(hook_s) / n
-    c = manager.counters() if manager is not None else {}
+    c = runtime.counters() if runtime is not None else {}
     per = lambda key: round(1e3 * c.get(key, 0.0) / n, 3)  # noqa: E731
     callback = per("callback_s")
     return {"step_ms": round(step_ms, 3), "between_steps_ms": round(between, 3), "callback_ms": callback,
@@ -470,14 +466,14 @@ def _run_prefill(model, point, backend, batch, on_step) -> dict:
            "prefill_tok_s": round(batch * bench.context / float(np.median(ttft)), 1),
            "compile_s": round(compile_s, 2), "fill_s": None}
     row["decode_tok_s"] = round(decode_tokens / decode_s, 2) if decode_s > 0 else None
-    manager = getattr(backend, "manager", None)
-    if manager is not None:  # which path the chunks took over the offloaded prompt (device copies or CPU)
-        counters = manager.counters()
+    runtime = getattr(backend, "runtime", None)
+    if runtime is not None:  # which path the chunks took over the offloaded prompt (device copies or CPU)
+        counters = runtime.counters()
         row.update(prefill_offloaded=point.offload.prefill_offloaded,
                    prefill_device_chunks=counters.get("n_prefill_device_chunks"),
                    prefill_extends=counters.get("n_prefill_extends"),
                    prefill_host_chunks=counters.get("n_prefill_host_chunks"))
-    row.update(_memory_now(manager))
+    row.update(_memory_now(runtime))
     return row
 
 

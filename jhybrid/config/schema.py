@@ -2,7 +2,7 @@
 
     name: accuracy-smollm2-cpu          # results go to <output_dir>/<name>.json|csv|-*.png
     model:     {name: smollm2, dtype: float32}
-    offload:   {mode: hgca, gpu_ratio: 0.25, beta: 0.5, ...}     # OffloadSpec
+    offload:   {mode: hgca, gpu_ratio: 0.25, beta: 0.5, ...}     # jhybrid.hybrid.OffloadConfig
     benchmark: {task: perplexity, text: paul_graham, ...}         # BenchmarkSpec
     sweep:                                # a list of groups; each group is the cartesian product
       - {offload.mode: full}              # of its lists; the groups run one after the other
@@ -10,6 +10,8 @@
 
 Every field is checked against its annotation (int, float, str, bool, optional, list) and, where
 `choices` is given, against the allowed values. Unknown keys are errors that list the allowed keys.
+The `offload` section IS `jhybrid.hybrid.OffloadConfig` (the Python API's and `jhybrid generate`'s
+config): every one of its fields can be set and swept, and it validates itself.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 import typing
 
 from jhybrid.bench.texts import TEXT_FILES
-from jhybrid.hybrid.config import EXCHANGES, MODES, PREFILL_OFFLOADED
+from jhybrid.hybrid.config import InvalidOffloadConfig, OffloadConfig
 
 TASKS = ("perplexity", "niah", "throughput")
 FILLS = ("prefill", "synthetic")
@@ -50,41 +52,6 @@ class ModelSpec:
     seed: int = 0
     weights: str | None = dataclasses.field(default=None, metadata=_choices(None, "real", "random"))
     num_layers: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadSpec:
-    """The attention mode and its GPU window / host policy (maps onto jhybrid.hybrid.HybridConfig).
-
-    window_tokens or gpu_ratio (not both): GPU tokens per layer and sequence, sinks included, or
-    that share of the point's context (rounded down to sink + whole blocks).
-    budget: scout/topk offloaded tokens attended per step (rounded up to blocks; None = all).
-    host_threads: Numba threads of the host worker (None: all cores but one).
-    scout_exact_layers: scout: layers that use their exact query instead of the layer-ahead
-        prediction: a list of layer indices or an int N = layers 0..N-1 (layer 0 always is);
-        HybridConfig.scout_exact_layers. In a sweep, a list of sets is a list of lists: [[], [1, 2]].
-    prefill_offloaded: where a prefill chunk attends to the already offloaded part of its prompt:
-        "device" (copied up per chunk), "host" (CPU attention), "auto" (device on a GPU);
-        HybridConfig.prefill_offloaded.
-    keep_after: hgca: a kept token also keeps the keep_after tokens after it (0 = HGCA's rule);
-        HybridConfig.keep_after."""
-
-    mode: str = dataclasses.field(default="full", metadata=_choices(*MODES))
-    window_tokens: int | None = None
-    gpu_ratio: float | None = None
-    sink: int = 16
-    block_size: int = 16
-    alpha: float = 0.1
-    beta: float = 1.0
-    budget: int | None = None
-    recall_blocks: int = 8
-    recall_threshold: float = 0.12
-    predict_query: bool = True
-    scout_exact_layers: int | list = ()
-    exchange: str = dataclasses.field(default="split", metadata=_choices(*EXCHANGES))
-    prefill_offloaded: str = dataclasses.field(default="auto", metadata=_choices(*PREFILL_OFFLOADED))
-    keep_after: int = 0
-    host_threads: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +114,13 @@ class RunConfig:
 
     name: str
     model: ModelSpec = ModelSpec()
-    offload: OffloadSpec = OffloadSpec()
+    offload: OffloadConfig = OffloadConfig()
     benchmark: BenchmarkSpec = BenchmarkSpec()
     sweep: tuple = ()
     description: str = ""
 
 
-SECTIONS = {"model": ModelSpec, "offload": OffloadSpec, "benchmark": BenchmarkSpec}
+SECTIONS = {"model": ModelSpec, "offload": OffloadConfig, "benchmark": BenchmarkSpec}
 POSITIVE = {"tokens", "scored_tokens", "niah_length", "answer_tokens", "batch", "context",
             "decode_tokens", "prefill_chunk", "prefill_repeats", "block_size", "window_tokens", "budget",
             "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s"}
@@ -211,35 +178,17 @@ def build_section(section: str, values) -> typing.Any:
         if key == "batch" and isinstance(value, str) and value not in BATCH_WORDS:
             raise ConfigError(f"'{section}.{key}' = {value!r}: expected a positive int or one of "
                               f"{', '.join(repr(w) for w in BATCH_WORDS)}")
-    spec = cls(**{k: float(v) if fields[k].type.startswith("float") and v is not None else v
-                  for k, v in values.items()})
+    try:
+        spec = cls(**{k: float(v) if fields[k].type.startswith("float") and v is not None else v
+                      for k, v in values.items()})
+    except InvalidOffloadConfig as error:  # OffloadConfig validates itself and names the field
+        raise ConfigError("; ".join(f"'{section}.{field}' = {value!r}: {expected}"
+                                    for field, value, expected in error.problems)) from None
     _check_ranges(section, spec)
     return spec
 
 
 def _check_ranges(section: str, spec) -> None:
-    if section == "offload":
-        if spec.window_tokens is not None and spec.gpu_ratio is not None:
-            raise ConfigError("'offload.window_tokens' and 'offload.gpu_ratio' are exclusive: set one "
-                              "(the other to null)")
-        if spec.gpu_ratio is not None and not 0.0 < spec.gpu_ratio <= 1.0:
-            raise ConfigError(f"'offload.gpu_ratio' = {spec.gpu_ratio}: expected a fraction in (0, 1]")
-        if not 0.0 < spec.alpha <= 1.0:
-            raise ConfigError(f"'offload.alpha' = {spec.alpha}: expected a float in (0, 1]")
-        if not spec.beta > 0.0:
-            raise ConfigError(f"'offload.beta' = {spec.beta}: expected a float > 0")
-        exact = spec.scout_exact_layers
-        if isinstance(exact, (list, tuple)):
-            if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in exact):
-                raise ConfigError(f"'offload.scout_exact_layers' = {list(exact)!r}: expected layer indices "
-                                  "(ints >= 0)")
-            object.__setattr__(spec, "scout_exact_layers", tuple(exact))  # hashable, like HybridConfig's
-        elif isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
-            raise ConfigError(f"'offload.scout_exact_layers' = {exact!r}: expected a list of layer indices "
-                              "or an int N >= 0 (layers 0..N-1)")
-        if not 0.0 <= spec.recall_threshold <= 1.0:
-            raise ConfigError(f"'offload.recall_threshold' = {spec.recall_threshold}: expected a "
-                              "fraction in [0, 1]")
     if section == "benchmark" and not 0.0 <= spec.niah_depth <= 1.0:
         raise ConfigError(f"'benchmark.niah_depth' = {spec.niah_depth}: expected a fraction in [0, 1]")
     if section == "benchmark" and not 0.0 <= spec.hgca_keep <= 1.0:

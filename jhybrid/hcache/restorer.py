@@ -210,7 +210,8 @@ _RESTORE_PROGRAMS = {
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(5,))
 def _run_layer(graphdef, state, x, positions, lengths, layer_cache):
     layer = nnx.merge(graphdef, state)
-    return layer(x, positions, lengths, layer_cache, FullAttention(), None)
+    x, layer_cache, _ = layer(x, positions, lengths, layer_cache, FullAttention(), None)
+    return x, layer_cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -12,10 +12,10 @@
 A session's history is every token fed to the model; the last sampled token (also a stop token)
 is "pending": it is fed at the start of the next `generate`. The device KV lives in a `full`
 backend cache of `max_len` slots (restorer.FullCacheWriter), or, with
-`HCacheEngine(..., backend=HybridConfig(mode="hgca", ...))`, in that hybrid mode's GPU window +
+`HCacheEngine(..., backend=OffloadConfig(mode="hgca", ...))`, in that hybrid mode's GPU window +
 host store: every step runs through the hybrid backend, and `engine.restore(session_id)` places
 the restored KV into window + store (jhybrid.hybrid.ingest.HybridCacheWriter) so the session
-continues in that mode. A hybrid backend serves one open session at a time (its KVManager holds
+continues in that mode. A hybrid backend serves one open session at a time (its host runtime holds
 one batch): close the open one before opening or restoring another.
 
 Prefix reuse: at save, every full chunk of the history is indexed by a hash chained over its
@@ -63,7 +63,7 @@ class HCacheEngine:
     stripe_dirs: directories to stripe chunks over round-robin (default: root/data).
     max_len: device cache slots per session (default min(model context, 4096)).
     prefill_chunk: tokens per prefill forward call (at most the hybrid ring's max_prefill_chunk).
-    backend: None (`full`), a HybridConfig (its mode's backend is built here) or an attention
+    backend: None (`full`), an OffloadConfig (its mode's backend is built here) or an attention
         backend instance (FullAttention / HybridAttention, not shared with other users).
     """
 
@@ -71,17 +71,17 @@ class HCacheEngine:
                  stripe_dirs: Sequence[str] | None = None, max_len: int | None = None,
                  prefill_chunk: int = 64, plan_tokens: int = 1024, prefix_reuse: bool = True,
                  backend=None):
+        from jhybrid.attention.base import AttentionBackend
         from jhybrid.attention.full import FullAttention
-        from jhybrid.attention.hybrid import make_backend
-        from jhybrid.hybrid.config import HybridConfig
+        from jhybrid.hybrid import OffloadConfig, make_backend
 
         self.model, self.config = model, model.config
         if backend is None:
             backend = FullAttention()
-        elif isinstance(backend, HybridConfig):
-            backend = make_backend(backend)
-        elif not hasattr(backend, "attend"):
-            raise TypeError(f"backend={backend!r}: expected None, a HybridConfig or an attention backend")
+        elif isinstance(backend, OffloadConfig):
+            backend = make_backend(backend, context=max_len or min(model.config.max_position_embeddings, 4096))
+        elif not isinstance(backend, AttentionBackend):
+            raise TypeError(f"backend={backend!r}: expected None, an OffloadConfig or an attention backend")
         self.backend = backend
         self.hybrid = not isinstance(backend, FullAttention)
         self.open_hybrid_session: "Session | None" = None
@@ -90,7 +90,7 @@ class HCacheEngine:
         dirs = tuple(os.path.abspath(d) for d in (stripe_dirs or [os.path.join(self.root, "data")]))
         self.layout = ChunkLayout(stripe_dirs=dirs, chunk_tokens=chunk_tokens)
         self.max_len = max_len or min(self.config.max_position_embeddings, 4096)
-        self.prefill_chunk = min(prefill_chunk, getattr(backend, "max_prefill_chunk", prefill_chunk))
+        self.prefill_chunk = min(prefill_chunk, backend.max_prefill_chunk or prefill_chunk)
         if self.prefill_chunk < prefill_chunk:
             log.info("hcache: prefill chunk %d -> %d (the %s ring's max_prefill_chunk)", prefill_chunk,
                      self.prefill_chunk, backend.name)
@@ -115,13 +115,12 @@ class HCacheEngine:
     # -- device work --
 
     def _forward(self, hidden_layers, params, tokens, positions, cache, kv_layers=()):
-        if self.hybrid:
-            cache = self.backend.before_step(cache, positions)
+        cache = self.backend.before_step(cache, positions)
         return _forward(self.graphdef, self.backend, hidden_layers, kv_layers, params, tokens,
                         positions, cache)
 
     def _claim(self, session: "Session") -> None:
-        """A hybrid backend's KVManager holds one batch: one open session at a time."""
+        """A hybrid backend's host side holds one batch: one open session at a time."""
         if not self.hybrid:
             return
         other = self.open_hybrid_session
@@ -131,7 +130,8 @@ class HCacheEngine:
         self.open_hybrid_session = session
 
     def new_cache(self):
-        """An empty device cache of one sequence for this engine's backend."""
+        """An empty device cache of one sequence for this engine's backend (its host side opened)."""
+        self.backend.open(self.config, 1, self.max_len)
         return self.model.init_cache(1, self.max_len, self.backend)
 
     def restore_sink(self, num_tokens: int):

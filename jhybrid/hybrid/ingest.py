@@ -1,4 +1,4 @@
-"""Placing restored KV into a hybrid backend's cache: GPU window (sinks + ring) + host store.
+"""Placing a restored history into an open hybrid batch: GPU window (sinks + ring) + host store.
 
 HCache (`jhybrid.hcache.restorer.restore_kv`) rebuilds every layer's K, V [1, n, Hkv, D] of a
 history of n tokens on the device. `HybridCacheWriter` is the restore sink for the hybrid modes
@@ -6,15 +6,16 @@ history of n tokens on the device. `HybridCacheWriter` is the restore sink for t
 chunked prefill of the same n tokens would have left it, WITHOUT running attention:
 
   * GPU window: positions [0, sink) into the sinks, positions [sink + e * block_size, n) into the
-    ring (slot (p - sink) % ring_tokens), with e = `config.evicted_blocks(n)` — the eviction
+    ring (slot (p - sink) % ring_tokens), with e = `window.evicted_blocks(n)` — the eviction
     policy is a function of the length alone, so the placement equals a prefill's for any chunking;
   * host store: blocks 0..e-1 (positions sink + b * block_size + [0, block_size)) appended with
-    `KVStore.append_blocks`, after one bulk device -> host copy per layer (`manager.to_host`,
-    pinned_host on GPU); recall mode also fills its mirror of the offloaded KV;
+    `HostRuntime.append_blocks` (so the mode hears of them: recall fills its mirror), after one bulk
+    device -> host copy per layer (`transfer.to_host`, pinned_host on GPU);
   * scout / topk: the key digests (per block min / max of K over its tokens) of blocks 0..e-1, in
-    the layer's own `kmin`/`kmax` and in the previous layer's `next_kmin`/`next_kmax` (scout's
-    layer-ahead copy), as `manager._gather_blocks` writes them at eviction;
-  * the manager's token count and the cache's `lengths` = n.
+    the layer's own `digests` and in the previous layer's `next_digests` (scout's layer-ahead
+    copy), as the runtime's eviction writes them;
+  * the runtime adopts the history (`HostRuntime.adopt`: token and block counts) and the cache's
+    `lengths` = n.
 
 Only one layer's restored K, V has to live on the device at a time (plus the window), so a
 history longer than the device could hold all at once still restores.
@@ -25,7 +26,7 @@ ring (the next turn's prefill and decode steps update it as usual, `ring.update_
 host store. hgca keeps an offloaded token for CPU attention iff MAW > beta / window, so with MAW
 0 eviction-time sparsification would drop every restored token; it is therefore not run.
 Instead the offloaded tokens are re-scored the way hgca re-scores them after every new turn
-(`host.sparsify.reevaluate`, what `KVManager._reevaluate` submits): with the queries of the last
+(`host.sparsify.reevaluate`, what hgca's host work submits after each new turn): with the queries of the last
 `cfg.reevaluate_queries` positions of the history, per layer. Those are computed from the saved
 hidden states in the same jitted projection as K/V (norm + W_q + RoPE of the last rows;
 `restore_kv` hands them over through `sink.queries`), so the host context cache after a restore
@@ -36,7 +37,7 @@ re-evaluation, which the next `generate` always triggers (its prefill is exact: 
 stored token, so nothing is lost before then). scout / topk select blocks by digests and recall
 attends everything, so they need no MAW.
 
-    writer = HybridCacheWriter(model, backend, max_len, n)   # backend: HybridAttention
+    writer = HybridCacheWriter(model, backend, max_len, n)   # opens backend (HybridAttention) for 1 sequence
     restore_kv(kernels, methods, tokens, fetch, writer)
     cache = writer.finish()                                  # KVCache for backend, lengths [n]
 """
@@ -51,17 +52,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhybrid.hybrid.config import evicted_blocks
-from jhybrid.hybrid.manager import to_host
-from jhybrid.hybrid.ring import write_tokens
+from jhybrid.hybrid.state import StepMeta
+from jhybrid.hybrid.transfer import to_host
+from jhybrid.hybrid.window import evicted_blocks, write_tokens
 
 log = logging.getLogger(__name__)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(1,))
-def _place_window(cfg, state: dict, k: jax.Array, v: jax.Array, n: int, evicted: int) -> dict:
+def _place_window(cfg, window, k: jax.Array, v: jax.Array, n: int, evicted: int):
     """Writes the window part of k, v [1, n, Hkv, D] (sinks and the un-evicted ring tokens) into
-    a layer's window state (its MAW slots reset to 0 by write_tokens)."""
+    a layer's `Window` (its MAW slots reset to 0 by write_tokens)."""
     s, bs, w = cfg.sink, cfg.block_size, cfg.ring_tokens
     begin = s + evicted * bs  # first ring token
     count = n - begin  # <= ring_tokens
@@ -76,7 +77,7 @@ def _place_window(cfg, state: dict, k: jax.Array, v: jax.Array, n: int, evicted:
     else:
         k_part, v_part = k[:, :sinks], v[:, :sinks]
     assert count <= w
-    return write_tokens(cfg, state, k_part, v_part, jnp.asarray(positions))
+    return write_tokens(cfg, window, k_part, v_part, jnp.asarray(positions))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -91,21 +92,22 @@ def _evicted_blocks_of(cfg, k: jax.Array, v: jax.Array, evicted: int):
     return kb, vb, kmin, kmax
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _set_digests(kmin_state, kmax_state, kmin, kmax):
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_digests(digests, kmin, kmax):
+    """The first e blocks of a `Digests` set to kmin, kmax [1, Hkv, e, D]."""
     e = kmin.shape[2]
-    return kmin_state.at[:, :, :e].set(kmin.astype(kmin_state.dtype)), \
-        kmax_state.at[:, :, :e].set(kmax.astype(kmax_state.dtype))
+    return digests.replace(kmin=digests.kmin.at[:, :, :e].set(kmin.astype(digests.kmin.dtype)),
+                           kmax=digests.kmax.at[:, :, :e].set(kmax.astype(digests.kmax.dtype)))
 
 
 class HybridCacheWriter:
     """Restore sink that places each restored layer into a hybrid backend's cache (see module
     docstring). Batch 1 (one session): store sequence 0.
 
-    model: the CausalLM; backend: a `jhybrid.attention.hybrid.HybridAttention` (its KVManager is
-    (re)built here by `model.init_cache(1, max_len, backend)`); num_tokens: n, the history length.
-    `num_queries` (hgca: cfg.reevaluate_queries, else 0) tells restore_kv to hand over the last
-    queries of hidden-restored layers.
+    model: the CausalLM; backend: a `jhybrid.hybrid.HybridAttention` (opened here for one sequence
+    of max_len tokens); num_tokens: n, the history length. `num_queries` (hgca:
+    config.reevaluate_queries, else 0) tells restore_kv to hand over the last queries of
+    hidden-restored layers.
     Counters after finish(): `seconds` (device->host copies + store appends), `bytes_to_host`,
     `n_blocks` (evicted blocks placed in the store, all layers).
     """
@@ -116,12 +118,8 @@ class HybridCacheWriter:
             raise ValueError(f"restoring {num_tokens} tokens into a hybrid cache of max_len={max_len}")
         self.model, self.backend, self.cfg = model, backend, cfg
         self.num_tokens = num_tokens
+        self.runtime = backend.open(model.config, 1, max_len).runtime
         self.cache = model.init_cache(1, max_len, backend)
-        self.manager = backend.manager
-        if self.manager is None or self.manager.batch != 1:
-            raise RuntimeError("HybridCacheWriter: the backend built no batch-1 KV manager")
-        if int(self.manager.n_tokens[0]) != 0:
-            raise RuntimeError("HybridCacheWriter needs a fresh, empty hybrid cache")
         self.layers = list(self.cache.layers)
         self.evicted = int(evicted_blocks(np.int64(num_tokens), cfg))
         self.num_queries = cfg.reevaluate_queries if cfg.mode == "hgca" else 0
@@ -141,60 +139,44 @@ class HybridCacheWriter:
             raise ValueError(f"layer {layer}: restored k {k.shape}, v {v.shape}; expected [1, {n}, Hkv, D]")
         if layer in self.placed:
             raise RuntimeError(f"layer {layer} restored twice")
-        state = self.layers[layer]
         e = self.evicted
         if e:
             kb, vb, kmin, kmax = _evicted_blocks_of(cfg, k, v, e)
-            for name, target in (("kmin", layer), ("next_kmin", layer - 1)):
-                if target >= 0 and name in self.layers[target]:
-                    held = dict(self.layers[target] if target != layer else state)
-                    held[name], held[name.replace("min", "max")] = _set_digests(
-                        held[name], held[name.replace("min", "max")], kmin, kmax)
-                    if target == layer:
-                        state = held
-                    else:
-                        self.layers[target] = held
+            if self.layers[layer].digests is not None:
+                self.layers[layer] = self.layers[layer].replace(
+                    digests=_set_digests(self.layers[layer].digests, kmin, kmax))
+            if layer > 0 and self.layers[layer - 1].next_digests is not None:
+                self.layers[layer - 1] = self.layers[layer - 1].replace(
+                    next_digests=_set_digests(self.layers[layer - 1].next_digests, kmin, kmax))
             start = time.perf_counter()
             kh, vh = to_host(kb), to_host(vb)
-            store = self.manager.store
-            bs = cfg.block_size
-            positions = cfg.sink + np.arange(e, dtype=np.int64)[:, None] * bs + np.arange(bs)[None, :]
-            maw = np.zeros((e, bs, k.shape[2]), np.float32)
-            got = store.append_blocks(layer, 0, kh, vh, maw, positions)
-            if not np.array_equal(got, np.arange(e)):
-                raise RuntimeError(f"host store numbered the restored blocks of layer {layer} "
-                                   f"{got.tolist()}, expected 0..{e - 1} (store not empty?)")
-            mirror = self.manager.mirror
-            if mirror is not None:  # recall mode: [L, B, Hkv, nb * bs, D]
-                mirror["k"][layer, 0, :, :e * bs] = kh.reshape(e * bs, *kh.shape[2:]).transpose(1, 0, 2)
-                mirror["v"][layer, 0, :, :e * bs] = vh.reshape(e * bs, *vh.shape[2:]).transpose(1, 0, 2)
+            maw = np.zeros((e, cfg.block_size, k.shape[2]), np.float32)
+            self.runtime.append_blocks(layer, 0, np.arange(e), kh, vh, maw)
             self.seconds += time.perf_counter() - start
             self.bytes_to_host += kh.nbytes + vh.nbytes
             self.n_blocks += e
-        self.layers[layer] = _place_window(cfg, state, k, v, n, e)
+        state = self.layers[layer]
+        self.layers[layer] = state.replace(window=_place_window(cfg, state.window, k, v, n, e))
         self.placed.add(layer)
 
     def finish(self):
-        """-> the KVCache (lengths [n]) after every layer was placed; sets the manager's token
-        count and, for hgca, queues the re-evaluation of the offloaded tokens."""
+        """-> the KVCache (lengths [n]) after every layer was placed; the runtime adopts the history
+        and, for hgca, queues the re-evaluation of the offloaded tokens."""
         num_layers = len(self.layers)
         missing = sorted(set(range(num_layers)) - self.placed)
         if missing:
             raise RuntimeError(f"HybridCacheWriter.finish: layers {missing} were never restored")
-        manager, cfg = self.manager, self.cfg
-        manager.n_tokens[:] = self.num_tokens
+        cfg, runtime = self.cfg, self.runtime
+        runtime.adopt(np.array([self.num_tokens]))
         if cfg.mode == "hgca" and self.evicted:
-            without = [l for l in range(num_layers) if l not in self.last_queries]
+            without = [layer for layer in range(num_layers) if layer not in self.last_queries]
             if without:
                 log.info("hybrid ingest: layers %s were not restored from hidden states, so no "
                          "history queries re-score their %d offloaded blocks: their CPU context "
                          "stays empty until the next turn's re-evaluation", without, self.evicted)
-            scale = self.model.config.attention_scale
-            for layer, q in sorted(self.last_queries.items()):
-                manager.executor.submit_reevaluate(layer, [0], np.asarray(q, np.float32), cfg.beta, scale,
-                                                   cfg.keep_after)
-        cache = self.cache.replace(layers=tuple(self.layers),
-                                   lengths=jnp.full((1,), self.num_tokens, jnp.int32))
+            runtime.mode_host.reevaluate_history(self.last_queries)
+        cache = self.cache.replace(layers=tuple(self.layers), lengths=jnp.full((1,), self.num_tokens, jnp.int32),
+                                   meta=StepMeta(offloaded_blocks=jnp.full((1,), self.evicted, jnp.int32)))
         self.cache = None
         log.info("hybrid ingest (%s): %d tokens, %d blocks per layer to the host store (%.1f MB, "
                  "%.1f ms host side)", cfg.mode, self.num_tokens, self.evicted,

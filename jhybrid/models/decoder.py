@@ -7,6 +7,8 @@ every call, so a whole step can be jitted with the cache buffers donated.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -21,12 +23,16 @@ from jhybrid.models.layers import MLP, Attention, make_norm
 class KVCache:
     """Generation state: one backend-defined cache per layer + tokens held per sequence.
 
-    layers: tuple (num_layers) of backend layer caches (for `full`: {"k", "v"} [B, max_len, Hkv, D]).
+    layers: tuple (num_layers) of backend layer caches (for `full`: {"k", "v"} [B, max_len, Hkv, D];
+        for the offloading modes: `jhybrid.hybrid.state.LayerState`).
     lengths: [B] int32, number of tokens each sequence has stored (= next position to write).
+    meta: the backend's per-step metadata shared by every layer (None for `full`; the offloading
+        modes' `StepMeta`), rebuilt by `backend.before_step`.
     """
 
     layers: tuple
     lengths: jax.Array
+    meta: Any = None
 
     @property
     def max_len(self) -> int:
@@ -55,26 +61,34 @@ class DecoderLayer(nnx.Module):
         """What the attention projections see: the normed input (or x itself for post-LN)."""
         return self.input_norm(x) if self.config.norm_before else x
 
-    def __call__(self, x, positions, lengths, layer_cache, backend: AttentionBackend, next_layer):
-        context = LayerContext(layer_input=x, next_layer=next_layer,
-                               scale=self.config.attention_scale,
-                               sliding_window=(self.config.sliding_window
-                                               if self.config.is_sliding_layer(self.layer_idx)
-                                               else None))
-        attn, layer_cache = self.attention(self.attention_input(x), positions, lengths, layer_cache,
-                                           backend, context)
-        if self.config.parallel_residual:
-            return x + attn + self.mlp(self.pre_mlp_norm(x)), layer_cache
-        if not self.config.norm_before:
+    def __call__(self, x, positions, lengths, layer_cache, backend: AttentionBackend, next_layer,
+                 meta=None, carry=None):
+        """-> (output [B, T, d_model], new layer cache, carry for the next layer's attend).
+
+        next_layer: the next DecoderLayer (None for the last): when the backend asks for it, its
+        query is predicted from this layer's input (its norm + W_q + RoPE applied to x)."""
+        config = self.config
+        next_query = None
+        if next_layer is not None and backend.wants_next_query(self.layer_idx, config.num_layers):
+            next_query = next_layer.attention.project_q(next_layer.attention_input(x), positions)
+        context = LayerContext(scale=config.attention_scale, num_layers=config.num_layers,
+                               sliding_window=(config.sliding_window if config.is_sliding_layer(self.layer_idx)
+                                               else None),
+                               meta=meta, carry=carry, next_query=next_query)
+        attn, layer_cache, carry = self.attention(self.attention_input(x), positions, lengths, layer_cache,
+                                                  backend, context)
+        if config.parallel_residual:
+            return x + attn + self.mlp(self.pre_mlp_norm(x)), layer_cache, carry
+        if not config.norm_before:
             h = self.input_norm(x + attn)
-            return self.pre_mlp_norm(h + self.mlp(h)), layer_cache
+            return self.pre_mlp_norm(h + self.mlp(h)), layer_cache, carry
         if self.attn_output_norm is not None:
             attn = self.attn_output_norm(attn)
         h = x + attn
         mlp = self.mlp(self.pre_mlp_norm(h))
         if self.mlp_output_norm is not None:
             mlp = self.mlp_output_norm(mlp)
-        return h + mlp, layer_cache
+        return h + mlp, layer_cache, carry
 
 
 def kv_from_hidden(layer: DecoderLayer, hidden: jax.Array, positions: jax.Array):
@@ -116,7 +130,8 @@ class CausalLM(nnx.Module):
         dtype = dtype or self.config.dtype
         layers = tuple(backend.init_layer_cache(self.config, i, batch_size, max_len, dtype)
                        for i in range(self.config.num_layers))
-        return KVCache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
+        return KVCache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32),
+                       meta=backend.init_meta(batch_size, max_len))
 
     def hidden_states(self, tokens, positions, cache: KVCache, backend: AttentionBackend | None = None,
                       *, return_hidden_states: bool = False):
@@ -135,15 +150,17 @@ class CausalLM(nnx.Module):
             x = x + self.position_embed(index)
         lengths = jnp.maximum(cache.lengths, jnp.max(positions, axis=1) + 1).astype(jnp.int32)
         new_layers, layer_inputs = [], []
+        carry = None  # what one layer's attend hands the next (scout's layer-ahead selection)
         for i, layer in enumerate(self.layers):
             layer_inputs.append(x)
             next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            x, layer_cache = layer(x, positions, lengths, cache.layers[i], backend, next_layer)
+            x, layer_cache, carry = layer(x, positions, lengths, cache.layers[i], backend, next_layer,
+                                          cache.meta, carry)
             new_layers.append(layer_cache)
         if self.final_norm is not None:
             x = self.final_norm(x)
         stacked = jnp.stack(layer_inputs) if return_hidden_states else None
-        return x, KVCache(layers=tuple(new_layers), lengths=lengths), stacked
+        return x, KVCache(layers=tuple(new_layers), lengths=lengths, meta=cache.meta), stacked
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., d_model] -> [..., vocab] float32 (soft-capped when the config says so)."""

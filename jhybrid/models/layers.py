@@ -75,9 +75,9 @@ class Attention(nnx.Module):
                  context: LayerContext):
         q = self.project_q(x, positions)
         k, v = self.project_kv(x, positions)
-        out, layer_cache = backend.attend(self.layer_idx, q, k, v, positions, lengths, layer_cache,
-                                          context)
-        return self.o_proj(out.reshape(*out.shape[:2], -1)), layer_cache
+        out, layer_cache, carry = backend.attend(self.layer_idx, q, k, v, positions, lengths, layer_cache,
+                                                 context)
+        return self.o_proj(out.reshape(*out.shape[:2], -1)), layer_cache, carry
 
 
 class MLP(nnx.Module):

@@ -1,6 +1,6 @@
 """scout's asynchronous, incremental recall of important offloaded blocks into the GPU pool (§3.4).
 
-Three pieces, used by `KVManager` (jhybrid.hybrid.manager):
+Three pieces, used by `ScoutHost` (jhybrid.hybrid.modes.scout):
 
   plan_recall   (host, NumPy)  which (sequence, KV head, slot) gets which host block: the blocks
                 the CPU attended at the last step, best-scored first, go into the least recently
@@ -9,17 +9,16 @@ Three pieces, used by `KVManager` (jhybrid.hybrid.manager):
                 into a staging buffer and starts their upload (host -> `pinned_host` -> device on a
                 GPU; a plain device_put elsewhere, logged once). Nothing already resident moves.
   apply_recall  (main thread, between steps)  one small jitted scatter, donating the pool buffers:
-                pool_k / pool_v rows, pool_blocks and pool_used of the layer, and next_pool_blocks
-                of the layer before it (scout's layer-ahead selection of this layer reads that
-                copy; the two tables are always written together so they never disagree).
+                the layer's `Pool` (rows, table, last use), and next_pool_blocks of the layer before
+                it (scout's layer-ahead selection of this layer reads that copy; the two tables are
+                always written together so they never disagree).
 
-The manager applies a staged recall at the first step start at which its upload has finished and
+The scout host applies a staged recall at the first step start at which its upload has finished and
 never waits for it. Exactness does not depend on timing: a block is attended by the GPU iff it is
 in pool_blocks when the step runs, and pool rows and table change in the same scatter.
 
 Shapes (R = slots per (sequence, KV head), N = recalled (block, head) rows, padded to Np):
-  pool_k, pool_v        [B * R, Hkv, bs, D] model dtype; slot r of sequence b is row b * R + r
-  pool_blocks, pool_used, next_pool_blocks  [B, Hkv, R] int32
+  Pool (jhybrid.hybrid.state), next_pool_blocks [B, Hkv, R] int32
   plan: b, h, r, block  int32 [N]
   staged k, v           [Np, bs, D] model dtype (rows past N: b = B, dropped by the scatter)
 """
@@ -28,20 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import threading
 import time
 from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
-from host.kv_store import from_storage
-
-log = logging.getLogger(__name__)
-_logged_path: set[str] = set()
+from jhybrid.hybrid.transfer import next_pow2, stored_as, to_device
 
 
 @dataclasses.dataclass
@@ -98,41 +92,13 @@ def plan_recall(cpu_ids: np.ndarray, pool_ids: np.ndarray, pool_used: np.ndarray
             cand[bi, hi, ji].astype(np.int32))
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _log_once(key: str, level: int, message: str, *args) -> None:
-    if key not in _logged_path:
-        _logged_path.add(key)
-        log.log(level, message, *args)
-
-
-def upload(x: np.ndarray, device) -> jax.Array:
-    """Host array -> device: through `pinned_host` memory on a GPU (logged once), else device_put."""
-    if device.platform == "gpu":
-        try:
-            pinned = jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
-            out = jax.device_put(pinned, jax.sharding.SingleDeviceSharding(device, memory_kind="device"))
-            _log_once("pinned", logging.INFO, "scout recall: staged blocks go host -> pinned_host -> device")
-            return out
-        except Exception as exc:  # noqa: BLE001 - logged, and the slower path is named
-            _log_once("pinned-failed", logging.WARNING,
-                      "scout recall: pinned_host staging failed (%s: %s); using a plain device_put "
-                      "(pageable, ~11 GB/s)", type(exc).__name__, exc)
-            return jax.device_put(x, device)
-    _log_once("plain", logging.INFO, "scout recall: device is %r, not a GPU: staged blocks are uploaded by a "
-              "plain device_put (no pinned_host memory kind)", device.platform)
-    return jax.device_put(x, device)
-
-
 def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, pool_specs=None):
     """Background: gather plan's (block, head) rows from the host store and upload them.
 
     Returns (staged, apply): staged = device arrays (b, h, r, block int32 [Np], k, v [Np, bs, D]
     dtype), Np = next power of two >= N (padding rows have b = batch, dropped by the scatter);
     apply = `apply_recall` compiled ahead of time for these shapes when pool_specs (the
-    ShapeDtypeStructs of the five pool arguments, None for an absent next_pool_blocks) are given,
+    ShapeDtypeStructs of the pool and of next_pool_blocks, None when absent) are given,
     so the step start that applies it never compiles. `hook()` (tests) runs first.
     """
     start = time.perf_counter()
@@ -140,7 +106,7 @@ def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, 
         hook()
     c = store.config
     n = plan.n
-    size = max(8, _next_pow2(n))
+    size = max(8, next_pow2(n))
     dtype = np.dtype(dtype)
     k_st = np.zeros((size, c.block_size, c.head_dim), store.layers[plan.layer].arrays["k"].dtype)
     v_st = np.zeros_like(k_st)
@@ -156,11 +122,11 @@ def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, 
         arrays = store.layers[plan.layer].arrays
         k_st[:n] = arrays["k"][arena_slot, plan.h]
         v_st[:n] = arrays["v"][arena_slot, plan.h]
-    k_host, v_host = _to_model_dtype(k_st, c.kv_dtype, dtype), _to_model_dtype(v_st, c.kv_dtype, dtype)
+    k_host, v_host = stored_as(k_st, c.kv_dtype, dtype), stored_as(v_st, c.kv_dtype, dtype)
     pad = size - n
     idx = [np.concatenate([x, np.full(pad, fill, np.int32)]) for x, fill in
            ((plan.b, batch), (plan.h, 0), (plan.r, 0), (plan.block, -1))]
-    out = tuple(jax.device_put(x, device) for x in idx) + (upload(k_host, device), upload(v_host, device))
+    out = tuple(jax.device_put(x, device) for x in idx) + (to_device(k_host, device), to_device(v_host, device))
     apply = None
     if pool_specs is not None:
         now = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
@@ -175,8 +141,8 @@ def _spec(x):
 
 
 def pool_spec(x):
-    """ShapeDtypeStruct (with sharding) of a pool argument, or None."""
-    return _spec(x)
+    """ShapeDtypeStructs (with shardings) of a pool argument (an array or a Pool), or None."""
+    return None if x is None else jax.tree_util.tree_map(_spec, x)
 
 
 _compiled: dict = {}
@@ -185,7 +151,8 @@ _compiled_lock = threading.Lock()
 
 def compiled_apply(specs: tuple):
     """`apply_recall` lowered and compiled for these argument specs (cached per shapes/shardings)."""
-    key = tuple(None if s is None else (s.shape, str(s.dtype), s.sharding) for s in specs)
+    key = tuple(None if s is None else (s.shape, str(s.dtype), s.sharding)
+                for s in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: x is None))
     with _compiled_lock:
         exe = _compiled.get(key)
     if exe is None:
@@ -195,29 +162,18 @@ def compiled_apply(specs: tuple):
     return exe
 
 
-def _to_model_dtype(x: np.ndarray, kv_dtype: str, dtype: np.dtype) -> np.ndarray:
-    """Storage bits -> model dtype (a view when they agree, else an exact widening / a cast)."""
-    if kv_dtype == "bf16" and dtype == np.dtype(ml_dtypes.bfloat16):
-        return x.view(ml_dtypes.bfloat16)
-    if kv_dtype == "fp16" and dtype == np.dtype(np.float16):
-        return x.view(np.float16)
-    if kv_dtype == "fp32" and dtype == np.dtype(np.float32):
-        return x
-    return from_storage(x, kv_dtype).astype(dtype)
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
-def apply_recall(pool_k, pool_v, pool_blocks, pool_used, next_pool_blocks, b, h, r, block, k, v, now):
-    """Scatter staged rows into one layer's pool (buffers donated). next_pool_blocks may be None.
-    now int32 [B]: the position written to pool_used of the new slots (recent, so the next plan
-    does not evict a block before it had a chance to be selected)."""
-    n_slots = pool_blocks.shape[2]
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def apply_recall(pool, next_pool_blocks, b, h, r, block, k, v, now):
+    """Scatter staged rows into one layer's `Pool` (buffers donated) -> (pool, next_pool_blocks).
+    next_pool_blocks may be None. now int32 [B]: the position written to `used` of the new slots
+    (recent, so the next plan does not evict a block before it had a chance to be selected)."""
+    n_slots = pool.blocks.shape[2]
     row = b * n_slots + r  # >= B * R for padding rows (b = B): dropped
-    pool_k = pool_k.at[row, h].set(k.astype(pool_k.dtype), mode="drop")
-    pool_v = pool_v.at[row, h].set(v.astype(pool_v.dtype), mode="drop")
-    pool_blocks = pool_blocks.at[b, h, r].set(block, mode="drop")
     stamp = now[jnp.minimum(b, now.shape[0] - 1)]
-    pool_used = pool_used.at[b, h, r].set(stamp, mode="drop")
+    pool = pool.replace(k=pool.k.at[row, h].set(k.astype(pool.k.dtype), mode="drop"),
+                        v=pool.v.at[row, h].set(v.astype(pool.v.dtype), mode="drop"),
+                        blocks=pool.blocks.at[b, h, r].set(block, mode="drop"),
+                        used=pool.used.at[b, h, r].set(stamp, mode="drop"))
     if next_pool_blocks is not None:
         next_pool_blocks = next_pool_blocks.at[b, h, r].set(block, mode="drop")
-    return pool_k, pool_v, pool_blocks, pool_used, next_pool_blocks
+    return pool, next_pool_blocks

@@ -1,0 +1,153 @@
+"""HybridAttention: the attention backend of every offloading mode (recall, hgca, scout, streaming,
+topk) over one shared core; `config.mode` picks the mode object (`jhybrid.hybrid.modes`).
+
+Per layer the device holds a `LayerState` (`jhybrid.hybrid.state`: the GPU window, and the mode's
+digests / pool / device copies); the host holds every evicted block (`jhybrid.hybrid.runtime`).
+Inside the jitted step each layer's `attend` does:
+
+  every step    write this step's k, v into the window (`window.write_tokens`)
+  prefill / append (T > 1), every mode, exact:
+                GPU: causal jnp attention over sinks + ring; the offloaded part either on the device
+                over the `DeviceCopy` the runtime attached (`prefill.offloaded_attention`) or on the
+                CPU over every offloaded token (submit before, collect after the GPU part)
+  decode (T = 1): the mode's `decode` (its producers' partial states)
+  then          MAW update from the window's probabilities; exact LSE merge of the partial states
+
+Every producer returns (o, lse) in natural-log float32 (docs/design.md, "Partial states").
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jhybrid.attention.base import AttentionBackend, LayerContext
+from jhybrid.hybrid.config import OffloadConfig
+from jhybrid.hybrid.exchange import CallbackExchange, HostSlot, after
+from jhybrid.hybrid.modes import MODES
+from jhybrid.hybrid.modes.base import DecodeStep
+from jhybrid.hybrid.prefill import offloaded_attention
+from jhybrid.hybrid.runtime import HostRuntime
+from jhybrid.hybrid.state import LayerState, StepMeta
+from jhybrid.hybrid.window import exact_window_attention, init_window, update_maw, write_tokens
+from jhybrid.merge import merge_partials
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the Pallas kernels' head dims
+
+
+class HybridAttention(AttentionBackend):
+    """One backend for every offloading mode. `config` must be resolved (a concrete window)."""
+
+    handles_long_context = True
+
+    def __init__(self, config: OffloadConfig):
+        if config.mode == "full":
+            raise ValueError("mode 'full' is FullAttention; use jhybrid.hybrid.make_backend(config)")
+        if config.window_tokens is None:
+            raise ValueError("HybridAttention needs a resolved config: make_backend(config, context=...)")
+        self.config = config
+        self.name = config.mode
+        self.mode = MODES[config.mode](config)
+        self._slot = HostSlot()  # where the traced step's host calls find the open runtime
+        self.exchange = CallbackExchange(self._slot)
+
+    # ---- host side --------------------------------------------------------------------------------
+    @property
+    def runtime(self) -> HostRuntime | None:
+        """The open batch's host side (store, workers, counters), or None."""
+        return self._slot.runtime
+
+    def open(self, config, batch_size, max_len, dtype=None):
+        if config.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"hybrid attention needs head_dim in {SUPPORTED_HEAD_DIMS} (the Pallas kernels); "
+                             f"the model has {config.head_dim}")
+        if any(config.is_sliding_layer(i) for i in range(config.num_layers)):
+            raise ValueError("hybrid attention does not support sliding-window layers (Gemma 3 local layers); "
+                             "use mode 'full'")
+        self.mode.check(config, max_len)
+        self.close()
+        self._slot.runtime = HostRuntime(self.config, self.mode, config, batch_size, max_len, dtype or config.dtype)
+        return self
+
+    def close(self):
+        if self._slot.runtime is not None:
+            self._slot.runtime.close()
+
+    def before_step(self, cache, positions):
+        if self.runtime is None:
+            raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) before stepping")
+        return self.runtime.before_step(cache, positions)
+
+    @property
+    def max_prefill_chunk(self) -> int:
+        return self.config.max_prefill_chunk
+
+    def counters(self) -> dict:
+        return {} if self.runtime is None else self.runtime.counters()
+
+    def wants_next_query(self, layer_idx, num_layers):
+        return self.mode.wants_next_query(layer_idx, num_layers)
+
+    # ---- device state -----------------------------------------------------------------------------
+    def init_meta(self, batch_size, max_len):
+        return StepMeta(offloaded_blocks=jnp.zeros((batch_size,), jnp.int32))
+
+    def init_layer_cache(self, config, layer_idx, batch_size, max_len, dtype):
+        window = init_window(self.config, batch_size, config.num_kv_heads, config.head_dim, dtype)
+        extra = self.mode.layer_state(layer_idx, config.num_layers, batch_size, config.num_kv_heads,
+                                      config.head_dim, max_len, dtype)
+        return LayerState(window=window, **extra)
+
+    # ---- attention --------------------------------------------------------------------------------
+    def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache: LayerState, context: LayerContext):
+        if context.sliding_window is not None:
+            raise ValueError("hybrid attention does not support sliding-window layers")
+        cfg, exchange = self.config, self.exchange
+        offloaded = context.meta.offloaded_blocks
+        state = layer_cache.replace(window=write_tokens(cfg, layer_cache.window, k, v, positions))
+        token, carry = None, None
+        if q.shape[1] > 1:  # prefill / append: exact
+            if state.offloaded is not None:  # the offloaded part on the device (prefill copies)
+                copy = state.offloaded
+                cpu = offloaded_attention(q, copy.k, copy.v, copy.n_valid, context.scale)
+                token = self.mode.prefill_token(layer_idx, q, positions, exchange)
+                gpu_q = q
+            else:  # ... or on the CPU, over every offloaded token
+                ticket = exchange.submit(layer_idx, "all", q)
+                gpu_q = after(q, ticket)
+            o_g, lse_g, probs = exact_window_attention(cfg, gpu_q, state.window, positions, lengths, offloaded,
+                                                       context.scale)
+            if state.offloaded is None:
+                cpu = exchange.collect(ticket, q.shape, lse_g)
+            parts = [(o_g, lse_g), cpu]
+        else:
+            step = DecodeStep(layer=layer_idx, num_layers=context.num_layers,
+                              q=q, positions=positions, lengths=lengths, offloaded=offloaded, scale=context.scale,
+                              carry=context.carry, next_q=context.next_query, exchange=exchange)
+            parts, probs, state, carry = self.mode.decode(step, state)
+        active = jnp.any(positions >= 0, axis=1)
+        maw = update_maw(cfg, state.window.maw, probs, active)
+        if token is not None:  # ties the host call to an output, so it runs and is done with the step
+            maw = maw + 0.0 * token.astype(jnp.float32)
+        state = state.replace(window=state.window.replace(maw=maw))
+        o, _ = merge_partials([p[0] for p in parts], [p[1] for p in parts], out_dtype=jnp.float32)
+        o = jnp.where((positions >= 0)[:, :, None, None], o, 0.0)
+        return o.astype(q.dtype), state, carry
+
+
+def make_backend(config: OffloadConfig | str = "full", context: int | None = None, **fields) -> AttentionBackend:
+    """The backend of a mode: an OffloadConfig, or a mode name plus OffloadConfig fields. `context`
+    (tokens per sequence) resolves a `gpu_ratio` into the GPU window."""
+    import dataclasses
+
+    from jhybrid.attention.full import FullAttention
+
+    if isinstance(config, str):
+        config = OffloadConfig(mode=config, **fields)
+    elif fields:
+        config = dataclasses.replace(config, **fields)
+    if config.mode == "full":
+        return FullAttention()
+    return HybridAttention(config.resolved(context))
+
+
+__all__ = ["HybridAttention", "make_backend"]

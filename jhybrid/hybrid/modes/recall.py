@@ -1,0 +1,79 @@
+"""`recall`: every offloaded token is copied back to the device before every decode step (the
+FlexGen / Hugging Face OffloadedCache baseline). Exact; pays the whole offloaded KV in transfers.
+
+Host side: a mirror of the offloaded KV in the model dtype, laid out as the device copy wants it
+(`mirror_k`, `mirror_v` [L, B, Hkv, NB * bs, D]), written when blocks reach the store and uploaded
+as each layer's `DeviceCopy` before each decode step. Device side: the window kernel over the GPU
+window plus the same kernel over the copy's first `offloaded * bs` tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from jhybrid.hybrid.modes.base import DecodeStep, ModeHost, OffloadMode
+from jhybrid.hybrid.state import DeviceCopy, LayerState
+from jhybrid.hybrid.transfer import to_device
+from jhybrid.hybrid.window import decode_attention
+from pallas_kernels.window_attention import window_attention
+
+
+class Recall(OffloadMode):
+    name = "recall"
+
+    def layer_state(self, layer, num_layers, batch, num_kv_heads, head_dim, max_len, dtype):
+        """The device copy's buffers exist from the start: device memory is what every decode step
+        holds (the step start uploads into new ones, the old ones go with the donated cache)."""
+        shape = (batch, num_kv_heads, self.config.host_blocks(max_len) * self.config.block_size, head_dim)
+        return {"offloaded": DeviceCopy(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                                        jnp.zeros((batch,), jnp.int32))}
+
+    def decode(self, step: DecodeStep, state: LayerState):
+        cfg, copy = self.config, state.offloaded
+        if copy is None:
+            raise RuntimeError("recall: no device copy of the offloaded KV (before_step uploads it)")
+        o_w, lse_w, probs = decode_attention(cfg, step.q, state.window, step.lengths, step.offloaded, step.scale)
+        o_o, lse_o = window_attention(step.q, copy.k, copy.v, copy.n_valid, 0 * copy.n_valid, scale=step.scale,
+                                      backend=cfg.kernel_backend)
+        return [(o_w, lse_w), (o_o, lse_o)], probs, state, None
+
+    def host(self, runtime) -> "RecallHost":
+        return RecallHost(runtime)
+
+
+class RecallHost(ModeHost):
+    def __init__(self, runtime):
+        self.runtime = runtime
+        shape = (runtime.n_layers, runtime.batch, runtime.hkv, runtime.nb_max * runtime.config.block_size, runtime.d)
+        self.mirror_k = np.zeros(shape, runtime.dtype)  # zero pages are only touched when written
+        self.mirror_v = np.zeros(shape, runtime.dtype)
+
+    def blocks_stored(self, layer, seq, numbers, k, v):
+        bs = self.runtime.config.block_size
+        for j, block in enumerate(numbers):
+            lo = int(block) * bs
+            self.mirror_k[layer, seq, :, lo:lo + bs] = np.asarray(k[j]).transpose(1, 0, 2).astype(self.mirror_k.dtype)
+            self.mirror_v[layer, seq, :, lo:lo + bs] = np.asarray(v[j]).transpose(1, 0, 2).astype(self.mirror_v.dtype)
+
+    def before_decode(self, cache, offloaded_before):
+        runtime = self.runtime
+        start = time.perf_counter()
+        device = runtime.device_of(cache)
+        n_valid = np.asarray(runtime.offloaded_blocks() * runtime.config.block_size, np.int32)
+        # one n_valid per layer: the step donates the cache, and a buffer cannot be donated twice
+        layers = tuple(state.replace(offloaded=DeviceCopy(to_device(self.mirror_k[layer], device),
+                                                          to_device(self.mirror_v[layer], device),
+                                                          to_device(n_valid, device)))
+                       for layer, state in enumerate(cache.layers))
+        runtime.count("transfer_s", time.perf_counter() - start)
+        runtime.count("bytes_to_device", self.mirror_k.nbytes + self.mirror_v.nbytes)
+        return cache.replace(layers=layers)
+
+    def mirror_bytes(self) -> int:
+        return self.mirror_k.nbytes + self.mirror_v.nbytes
+
+    def close(self):
+        self.mirror_k = self.mirror_v = None

@@ -1,0 +1,205 @@
+"""Prefill over the offloaded part of the prompt on the device (`OffloadConfig.prefill_offloaded`).
+
+A prefill chunk attends to every earlier token of its sequence. With a prompt longer than the GPU
+window, the chunk's earlier tokens are partly offloaded already; the host path attends to them on the
+CPU (`host.attention.attend_all`, built for a few decode queries, slow for a 1024-query chunk: 45x
+the full-attention time to first token at 8K on the H100). The device path instead copies, before
+each prefill chunk, the offloaded blocks of every layer to the device and attends to them there:
+
+  offloaded_prompt(store, ...)  host store -> per layer (k, v [B, Hkv, P, D] model dtype), n_valid [B]
+  offloaded_attention(q, ...)   exact attention of the chunk's queries over them -> (o, lse)
+
+  PrefillCopies                 the runtime's helper that attaches the copies to each layer's
+                                state (`LayerState.offloaded`) before a chunk, and EXTENDS the last
+                                chunk's copies on the device with the blocks evicted before this
+                                one (no host round trip) when chunks follow each other
+
+P is the largest sequence's offloaded token count rounded up to a power of two of blocks (few
+distinct shapes, so few compiles); keys at index >= n_valid[b] are masked. Every offloaded token
+precedes every query of the chunk, so there is no causal mask. The copies are transient: the
+step passes them through and the next step start drops them. Device memory: the batch's offloaded prompt KV
+of all layers at once (what full attention would hold), plus the scores of one layer
+[B, Hq, T, P] float32 — `OffloadConfig.prefill_upload_max_bytes` bounds the copy; above it the chunk
+uses the host path (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jhybrid.hybrid.state import DeviceCopy
+from jhybrid.hybrid.transfer import next_pow2, stored_as, to_device
+
+log = logging.getLogger(__name__)
+
+
+def offloaded_prompt_bytes(store, batch: int, itemsize: int) -> int:
+    """Device bytes `offloaded_prompt` would upload now (K and V of every layer, padded)."""
+    c = store.config
+    e = max(store.n_blocks(0, b) for b in range(batch))
+    if e == 0:
+        return 0
+    return 2 * c.n_layers * batch * c.n_kv_heads * next_pow2(e) * c.block_size * c.head_dim * itemsize
+
+
+def offloaded_prompt(store, batch: int, dtype, device):
+    """The offloaded tokens of sequences 0..batch-1, every layer, on `device`.
+
+    Returns (layers, n_valid) with layers[l] = (k, v), each [B, Hkv, P, D] in `dtype` on the device
+    (rows of sequence b beyond n_valid[b] are zeros), n_valid int32 [B] NumPy; None when nothing is
+    offloaded yet. Every layer holds the same blocks per sequence (eviction is per step, all layers).
+    """
+    c = store.config
+    bs, hkv, d = c.block_size, c.n_kv_heads, c.head_dim
+    dtype = np.dtype(dtype)
+    blocks = np.array([store.n_blocks(0, b) for b in range(batch)], np.int64)
+    if blocks.max() == 0:
+        return None
+    p = next_pow2(int(blocks.max())) * bs
+    layers = []
+    with store.lock:
+        for layer in range(c.n_layers):
+            arrays = store.layers[layer].arrays
+            pair = []
+            for name in ("k", "v"):
+                out = np.zeros((batch, hkv, p, d), dtype)
+                for b in range(batch):
+                    if blocks[b]:
+                        rows = arrays[name][store.block_slots(layer, b)]  # [e, Hkv, bs, D] storage
+                        rows = stored_as(rows, c.kv_dtype, dtype)
+                        out[b, :, :blocks[b] * bs] = rows.transpose(1, 0, 2, 3).reshape(hkv, -1, d)
+                pair.append(to_device(out, device))
+            layers.append(tuple(pair))
+    return layers, (blocks * bs).astype(np.int32)
+
+
+def offloaded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array, scale: float):
+    """Attention of q [B, T, Hq, D] over the first n_valid[b] keys of k, v [B, Hkv, P, D].
+
+    Returns (o [B, T, Hq, D] float32, lse [B, T, Hq] float32); a row with no valid key has o = 0 and
+    lse = -inf (it merges as nothing)."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = jnp.einsum("btkgd,bkpd->bkgtp", qg, k, preferred_element_type=jnp.float32) * scale
+    valid = jnp.arange(k.shape[2])[None, :] < n_valid[:, None]  # [B, P]
+    scores = jnp.where(valid[:, None, None, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m_safe)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bkgtp,bkpd->btkgd", p / jnp.where(denom > 0, denom, 1.0), v.astype(jnp.float32))
+    lse = jnp.where(denom > 0, jnp.log(jnp.where(denom > 0, denom, 1.0)) + m_safe, -jnp.inf)[..., 0]
+    return o.reshape(b, t, hq, d), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq)
+
+
+class PrefillCopies:
+    """The device path of `prefill_offloaded` for one runtime: before a prefill chunk whose
+    sequences already have offloaded blocks, every layer gets a `DeviceCopy` of them; a chunk that
+    follows another extends the previous copies with the blocks evicted since (on the device)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.attached_last_step = False  # did the last step get copies (hgca's tails went over)?
+        self._blocks: np.ndarray | None = None  # [B] blocks per sequence the last copies hold
+        self._previous: tuple | None = None  # the last chunk's copies, kept while chunks follow
+        self._evicted: tuple | None = None  # (k, v, seq, blk, added [B]) evicted before this step
+
+    def take_previous(self, cache, next_is_prefill: bool):
+        """At a step start: drop every layer's copies from the cache (kept aside when this step is a
+        prefill chunk that may extend them). Returns the cache without copies."""
+        self._previous = self._evicted = None
+        self.attached_last_step = False
+        if cache.layers[0].offloaded is None:
+            return cache
+        if next_is_prefill:
+            self._previous = tuple((s.offloaded.k, s.offloaded.v) for s in cache.layers)
+        return cache.replace(layers=tuple(s.replace(offloaded=None) for s in cache.layers))
+
+    def note_evicted(self, k, v, seq, blk, added: np.ndarray) -> None:
+        """This step start's evicted blocks, still on the device: k, v [L, N, bs, Hkv, D], seq, blk [N]."""
+        self._evicted = (k, v, seq, blk, added)
+
+    def attach(self, cache):
+        """Before a prefill chunk: the device path puts each layer's copies in its state; the host
+        path (or nothing offloaded yet) leaves the cache as it is."""
+        runtime, cfg = self.runtime, self.runtime.config
+        device = runtime.device_of(cache)
+        if cfg.prefill_offloaded == "host" or (cfg.prefill_offloaded == "auto" and device.platform != "gpu"):
+            return cache
+        nbytes = offloaded_prompt_bytes(runtime.store, runtime.batch, runtime.dtype.itemsize)
+        if nbytes == 0:
+            return cache
+        limit = cfg.prefill_upload_max_bytes
+        if limit is not None and nbytes > limit:
+            if not runtime.counters()["n_prefill_host_chunks"]:
+                log.warning("hybrid %s: a prefill chunk's offloaded prompt (%d bytes on the device) exceeds "
+                            "prefill_upload_max_bytes=%d; such chunks attend to it on the CPU (slower)",
+                            cfg.mode, nbytes, limit)
+            runtime.count("n_prefill_host_chunks")
+            return cache
+        start = time.perf_counter()
+        blocks = runtime.offloaded_blocks().astype(np.int64)
+        layers_kv = self._extended(blocks)
+        if layers_kv is None:  # the first chunk over offloaded tokens (or after decode): from the store
+            layers_kv, _ = offloaded_prompt(runtime.store, runtime.batch, runtime.dtype, device)
+            runtime.count("bytes_to_device", nbytes)
+        n_valid = (blocks * cfg.block_size).astype(np.int32)
+        # one n_valid per layer: the step donates the cache, and a buffer cannot be donated twice
+        layers = tuple(state.replace(offloaded=DeviceCopy(k, v, jax.device_put(n_valid, device)))
+                       for state, (k, v) in zip(cache.layers, layers_kv))
+        runtime.count("transfer_s", time.perf_counter() - start)
+        self._blocks = blocks
+        self.attached_last_step = True
+        runtime.count("n_prefill_device_chunks")
+        return cache.replace(layers=layers)
+
+    def _extended(self, blocks: np.ndarray):
+        """The last chunk's copies plus the blocks evicted before this chunk, scattered in on the
+        device; None when there are no copies to extend or they do not account for exactly
+        `blocks` [B] offloaded blocks per sequence."""
+        prev, evicted = self._previous, self._evicted
+        self._previous = self._evicted = None
+        if prev is None or self._blocks is None:
+            return None
+        added = evicted[4] if evicted is not None else np.zeros_like(blocks)
+        if not np.array_equal(self._blocks + added, blocks):
+            log.debug("prefill copies hold %s blocks + %s evicted != %s stored: rebuilt from the store",
+                      self._blocks.tolist(), added.tolist(), blocks.tolist())
+            return None
+        if evicted is None:  # nothing evicted since: same blocks, same padding
+            return prev
+        self.runtime.count("n_prefill_extends")
+        return _extend(prev, *evicted[:4], next_pow2(int(blocks.max())) * self.runtime.config.block_size)
+
+
+def _extend(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, blk: jax.Array, p: int):
+    """`_scatter_evicted`, jitted, with prev donated when its padding stays (the scatter then writes
+    in place; a larger padding is a new array, which a donated input could not become)."""
+    fn = _scatter_evicted_in_place if prev[0][0].shape[2] == p else _scatter_evicted_padded
+    return fn(prev, k, v, seq, blk, p)
+
+
+def _scatter_evicted(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, blk: jax.Array, p: int):
+    """prev[l] = (k, v) [B, Hkv, P0, D], padded to p tokens, with the evicted blocks k, v
+    [L, N, bs, Hkv, D] (sequence seq[n], offloaded block number blk[n]) written at their offsets.
+    Padding rows (seq = B) are dropped."""
+    bs = k.shape[2]
+    tokens = blk[:, None] * bs + jnp.arange(bs)[None, :]  # [N, bs]
+    out = []
+    for layer, pair in enumerate(prev):
+        new = []
+        for x, rows in zip(pair, (k[layer], v[layer])):
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, p - x.shape[2]), (0, 0)))
+            new.append(x.at[seq[:, None], :, tokens].set(rows.astype(x.dtype), mode="drop"))
+        out.append(tuple(new))
+    return tuple(out)
+
+
+_scatter_evicted_in_place = jax.jit(_scatter_evicted, static_argnums=(5,), donate_argnums=(0,))
+_scatter_evicted_padded = jax.jit(_scatter_evicted, static_argnums=(5,))

@@ -1,0 +1,299 @@
+"""HostRuntime: the host side of an open hybrid backend for one batch, run between jitted steps.
+
+`HybridAttention.open(...)` builds one; `close()` ends it. It owns the host store (`host.KVStore`),
+the worker (`host.HostExecutor`), the host end of the exchange (`host.bridge.HostBridge`), each
+sequence's token count and offloaded block count, the mode's host work (`ModeHost`), the prefill
+copies (`jhybrid.hybrid.prefill`) and the counters. `before_step(cache, positions)` is the per-step
+host work, in this order (docs/design.md, "One decode step"):
+
+  1. re-raise a host error of the previous step; the mode's `step_start`; drop last step's device
+     copies of offloaded tokens
+  2. check the positions (contiguous appends, chunk fits the ring, max_len)
+  3. eviction: when this step's tokens would overflow a ring, one jitted gather takes the oldest
+     whole blocks of every layer (K, V, per-token MAW; and writes their key digests where a layer
+     keeps digests), the blocks go device -> `pinned_host` memory in one transfer and into
+     `KVStore.append_blocks`; the mode hears `blocks_stored` / `blocks_evicted`
+     (hgca: sparsify them on the worker). Whole blocks, once every block_size decode steps.
+  4. the mode's `every_step` (scout: apply finished recalls)
+  5. prefill chunk: the mode's `before_prefill_chunk`, then the prefill copies;
+     decode step: the mode's `before_decode` (hgca: re-evaluation; recall: upload; scout: recalls)
+  6. the step's `StepMeta` (offloaded blocks per sequence) into the cache
+
+Counters (cumulative, `counters()`; `history` holds one dict of deltas per step plus wall_s, the
+time between two step starts): evict_s, transfer_s, bytes_to_host, bytes_to_device,
+n_evicted_blocks, n_prefill_device_chunks / n_prefill_extends / n_prefill_host_chunks, the
+mode's own (e.g. n_reevaluations, n_recalls) and the bridge's (callback_s, wait_s, cpu_attn_s, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numba
+import numpy as np
+
+from host import HostExecutor, KVStore, StoreConfig
+from host.bridge import HostBridge
+from jhybrid.hybrid.config import OffloadConfig
+from jhybrid.hybrid.prefill import PrefillCopies
+from jhybrid.hybrid.state import StepMeta
+from jhybrid.hybrid.transfer import device_of, next_pow2, to_host
+from jhybrid.hybrid.window import evicted_blocks
+
+log = logging.getLogger(__name__)
+
+KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def required_host_bytes(config: OffloadConfig, n_layers: int, batch: int, max_len: int, n_kv_heads: int,
+                        head_dim: int, itemsize: int) -> int:
+    """KV bytes the host store needs for contexts of max_len tokens (K + V, storage dtype)."""
+    return n_layers * batch * config.host_blocks(max_len) * config.block_size * n_kv_heads * head_dim * 2 * itemsize
+
+
+class HostRuntime:
+    """Host side of one open batch: sequences 0..batch-1 of the store are the cache's rows."""
+
+    HISTORY = 4096  # steps kept in `history`
+
+    def __init__(self, config: OffloadConfig, mode, model_config, batch: int, max_len: int, dtype):
+        self.config, self.mode = config, mode
+        self.batch, self.max_len = batch, max_len
+        self.n_layers = model_config.num_layers
+        self.hkv, self.d = model_config.num_kv_heads, model_config.head_dim
+        self.scale = model_config.attention_scale
+        self.dtype = np.dtype(jnp.dtype(dtype))
+        self.nb_max = config.host_blocks(max_len)
+        kv_dtype = KV_DTYPE_OF.get(self.dtype.name)
+        if kv_dtype is None:
+            raise ValueError(f"hybrid attention: model dtype {self.dtype} is not supported "
+                             f"(expected one of {sorted(KV_DTYPE_OF)})")
+        need = required_host_bytes(config, self.n_layers, batch, max_len, self.hkv, self.d, self.dtype.itemsize)
+        cap = config.host_memory_cap_bytes
+        if cap is not None and cap < need:
+            raise ValueError(f"host memory cap of {cap} bytes cannot hold the offloaded KV of {batch} sequence(s) "
+                             f"x {max_len} tokens x {self.n_layers} layers ({need} bytes needed)")
+        self.store = KVStore(StoreConfig(
+            n_layers=self.n_layers, n_kv_heads=self.hkv, head_dim=self.d, block_size=config.block_size,
+            kv_dtype=kv_dtype, host_memory_cap_bytes=cap,
+            initial_blocks_per_layer=max(16, min(batch * self.nb_max, 4096))))
+        for b in range(batch):
+            self.store.add_sequence(b)
+        self.n_threads = config.host_threads or max(1, numba.config.NUMBA_NUM_THREADS - 1)
+        self._start_workers()
+        self.n_tokens = np.zeros(batch, np.int64)  # tokens per sequence (= the cache's lengths)
+        self._offloaded = np.zeros(batch, np.int64)  # blocks per sequence owned by the host side
+        self.decode_steps = 0
+        self._c: dict[str, float] = {}
+        self.declare_counters("evict_s", "transfer_s", "bytes_to_host", "bytes_to_device", "n_evicted_blocks",
+                              "n_prefill_device_chunks", "n_prefill_extends", "n_prefill_host_chunks")
+        self.history: list[dict] = []
+        self._last_snapshot = None
+        self.prefill = PrefillCopies(self)
+        self.mode_host = mode.host(self)
+        log.info("hybrid %s: %d layers x %d sequences, window %d (sink %d + %d x %d), host blocks <= %d",
+                 config.mode, self.n_layers, batch, config.window_tokens, config.sink, config.blk_num,
+                 config.block_size, self.nb_max)
+
+    def _start_workers(self) -> None:
+        self.executor = HostExecutor(self.store, n_workers=1, n_threads=self.n_threads)
+        self.bridge = HostBridge(self.store, self.executor, range(self.batch), self.scale)
+
+    def close(self) -> None:
+        self.mode_host.close()
+        self.executor.close(wait=False)
+
+    # ---- state the modes read ---------------------------------------------------------------------
+    def offloaded_blocks(self) -> np.ndarray:
+        """[B] blocks per sequence owned by the host side (a copy)."""
+        return self._offloaded.copy()
+
+    @staticmethod
+    def device_of(cache):
+        return device_of(cache.layers[0].window.k_ring)
+
+    def adopt(self, n_tokens, store: KVStore | None = None) -> None:
+        """Declare that the host store (this one, or `store`, already filled, e.g. a benchmark's
+        synthetic context) holds the offloaded part of sequences of n_tokens [B] tokens, as the
+        eviction policy places it, and the device cache holds the rest. The one way, besides
+        stepping, to put a history into an open batch (HCache restore, synthetic fill)."""
+        n_tokens = np.asarray(n_tokens, np.int64).reshape(-1)
+        if n_tokens.shape != (self.batch,) or (n_tokens < 0).any() or (n_tokens > self.max_len).any():
+            raise ValueError(f"adopt: n_tokens {n_tokens.tolist()}; expected {self.batch} lengths in [0, {self.max_len}]")
+        if store is not None:
+            c = store.config
+            if (c.n_layers, c.block_size, c.n_kv_heads, c.head_dim) != (self.n_layers, self.config.block_size,
+                                                                        self.hkv, self.d):
+                raise ValueError("adopt: the store's layers / block size / heads differ from this runtime's")
+            self.executor.close(wait=True)
+            self.store = store
+            self._start_workers()
+        expected = evicted_blocks(n_tokens, self.config)
+        stored = np.array([self.store.n_blocks(0, b) for b in range(self.batch)])
+        if not np.array_equal(stored, expected):
+            raise ValueError(f"adopt: the host store holds {stored.tolist()} blocks per sequence; contexts of "
+                             f"{n_tokens.tolist()} tokens offload {expected.tolist()}")
+        self.n_tokens = n_tokens.copy()
+        self._offloaded = expected.astype(np.int64)
+        self.mode_host.adopted()
+        self.reset_counters()
+
+    # ---- counters ---------------------------------------------------------------------------------
+    def declare_counters(self, *names: str) -> None:
+        for name in names:
+            self._c.setdefault(name, 0)
+
+    def count(self, name: str, amount: float = 1) -> None:
+        self._c[name] = self._c.get(name, 0) + amount
+
+    def reset_counters(self) -> None:
+        self.history = []
+        self._last_snapshot = None
+        self._c = {name: 0 for name in self._c}
+        self.bridge.reset_counters()
+
+    def counters(self) -> dict:
+        return {**self._c, **self.bridge.counters()}
+
+    def _record_step(self) -> None:
+        """Per-step instrumentation: the counters' change since the previous step began, and the
+        wall time between the two step starts (bookkeeping + the jitted step + the caller's work)."""
+        now, totals = time.perf_counter(), self.counters()
+        if self._last_snapshot is not None:
+            then, before = self._last_snapshot
+            self.history.append({"wall_s": now - then, **{k: totals[k] - before.get(k, 0) for k in totals}})
+            del self.history[:-self.HISTORY]
+        self._last_snapshot = (now, totals)
+
+    def host_kv_bytes(self) -> int:
+        """Host bytes of this batch's offloaded K/V (+ hgca's sparse copies, + recall's mirror)."""
+        c = self.store.config
+        block = 2 * c.n_kv_heads * c.block_size * c.head_dim * self.dtype.itemsize
+        blocks = sum(self.store.n_blocks(layer, b) for layer in range(self.n_layers) for b in range(self.batch))
+        extra = getattr(self.mode_host, "mirror_bytes", lambda: 0)()
+        return blocks * block + self.store.context.bytes_used() + extra
+
+    def append_blocks(self, layer: int, seq: int, blocks: np.ndarray, k: np.ndarray, v: np.ndarray,
+                      maw: np.ndarray) -> np.ndarray:
+        """Append ring blocks `blocks` [n] (their numbers, in order) of (layer, seq) to the host
+        store: k, v [n, bs, Hkv, D], maw [n, bs, Hkv] float32 (hgca's salience; 0 for a restored
+        history). Returns the store's block numbers (== blocks); the mode hears `blocks_stored`."""
+        cfg = self.config
+        blocks = np.asarray(blocks, np.int64)
+        positions = cfg.sink + blocks[:, None] * cfg.block_size + np.arange(cfg.block_size)
+        got = self.store.append_blocks(layer, seq, k, v, maw, positions)
+        if not np.array_equal(got, blocks):
+            raise RuntimeError(f"host store numbered blocks {got.tolist()} for layer {layer} sequence {seq}; "
+                               f"the GPU ring evicted {blocks.tolist()}")
+        self.mode_host.blocks_stored(layer, seq, got, k, v)
+        return got
+
+    # ---- the per-step host work -------------------------------------------------------------------
+    def before_step(self, cache, positions):
+        """Call with the cache and the step's positions [B, T] (-1 = padding) before the step."""
+        self.bridge.raise_pending()
+        pos = np.asarray(positions).astype(np.int64)
+        if pos.ndim != 2 or pos.shape[0] != self.batch:
+            raise ValueError(f"positions of shape {pos.shape}; expected [B={self.batch}, T]")
+        prefill = pos.shape[1] > 1
+        cache = self.mode_host.step_start(cache)
+        cache = self.prefill.take_previous(cache, prefill)
+        self._record_step()
+        valid = pos >= 0
+        n_new = valid.sum(axis=1)
+        first = np.where(valid.any(axis=1), np.where(valid, pos, np.iinfo(np.int64).max).min(axis=1), self.n_tokens)
+        if np.any(first != self.n_tokens):
+            raise ValueError(f"positions start at {first.tolist()} but the sequences hold {self.n_tokens.tolist()} "
+                             "tokens (hybrid attention needs contiguous appends)")
+        if prefill and n_new.max() > self.config.max_prefill_chunk:
+            raise ValueError(f"a prefill chunk of {int(n_new.max())} tokens does not fit the GPU ring of "
+                             f"{self.config.ring_tokens} tokens; use chunks of at most {self.config.max_prefill_chunk}")
+        after = self.n_tokens + n_new
+        if np.any(after > self.max_len):
+            raise ValueError(f"sequence lengths {after.tolist()} exceed the cache's max_len={self.max_len}")
+        before = self._offloaded.copy()
+        target = evicted_blocks(after, self.config).astype(np.int64)
+        if np.any(target > before):
+            cache = self._evict(cache, before, target, keep_on_device=prefill)
+        cache = self.mode_host.every_step(cache)
+        if prefill:
+            self.mode_host.before_prefill_chunk(pos)
+            cache = self.prefill.attach(cache)
+        else:
+            cache = self.mode_host.before_decode(cache, before)
+            self.decode_steps += 1
+        self.n_tokens = after
+        meta = StepMeta(offloaded_blocks=jax.device_put(self._offloaded.astype(np.int32), self.device_of(cache)))
+        return cache.replace(meta=meta)
+
+    def _evict(self, cache, e0: np.ndarray, e1: np.ndarray, keep_on_device: bool):
+        """Move blocks e0[b] .. e1[b] - 1 of every sequence and layer from the ring to the host store."""
+        start = time.perf_counter()
+        cfg = self.config
+        rows = [(b, blk) for b in range(self.batch) for blk in range(int(e0[b]), int(e1[b]))]
+        n = len(rows)
+        size = next_pow2(n)
+        seq = np.full(size, self.batch, np.int32)  # out of range: dropped by the digest scatter
+        blk = np.full(size, self.nb_max, np.int32)
+        seq[:n] = [r[0] for r in rows]
+        blk[:n] = [r[1] for r in rows]
+        seq_d, blk_d = jnp.asarray(seq), jnp.asarray(blk)
+        layers, k, v, maw = _gather_blocks(cfg, cache.layers, seq_d, blk_d)
+        if keep_on_device:  # a device-path prefill chunk extends its copies with them
+            self.prefill.note_evicted(k, v, seq_d, blk_d, e1 - e0)
+        t0 = time.perf_counter()
+        k, v, maw = to_host(k), to_host(v), to_host(maw)  # [L, N, bs, Hkv, D], ..., [L, N, bs, Hkv]
+        self.count("transfer_s", time.perf_counter() - t0)
+        self.count("bytes_to_host", k.nbytes + v.nbytes + maw.nbytes)
+        by_seq: dict[int, list[int]] = {}
+        for i, (b, _) in enumerate(rows):
+            by_seq.setdefault(b, []).append(i)
+        for layer in range(self.n_layers):
+            numbers = {}
+            for b, idx in by_seq.items():
+                numbers[b] = self.append_blocks(layer, b, blk[idx], k[layer, idx], v[layer, idx], maw[layer, idx])
+            self.mode_host.blocks_evicted(layer, numbers)
+        self._offloaded = e1.copy()
+        self.count("n_evicted_blocks", n * self.n_layers)
+        self.count("evict_s", time.perf_counter() - start)
+        return cache.replace(layers=layers)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def _gather_blocks(config: OffloadConfig, layers: tuple, seq: jax.Array, blk: jax.Array):
+    """Gather ring blocks (seq[n], block number blk[n]) of every layer; write their key digests.
+
+    Returns (layers, k, v [L, N, bs, Hkv, D], maw [L, N, bs, Hkv] float32). Padding rows have
+    seq = B (their gathers clamp, their digest writes are dropped).
+    """
+    bs = config.block_size
+    slots = (blk % config.blk_num)[:, None] * bs + jnp.arange(bs)[None, :]  # [N, bs]
+    rows = jnp.minimum(seq, layers[0].window.k_ring.shape[0] - 1)[:, None]
+    ks, vs, maws, digests = [], [], [], []
+    for state in layers:
+        k = state.window.k_ring[rows, :, slots]  # [N, bs, Hkv, D]
+        ks.append(k)
+        vs.append(state.window.v_ring[rows, :, slots])
+        maws.append(state.window.maw[rows, :, slots])
+        digests.append((jnp.min(k, axis=1), jnp.max(k, axis=1)))  # [N, Hkv, D]
+
+    def write(d, source):
+        kmin, kmax = digests[source]
+        return d.replace(kmin=d.kmin.at[seq, :, blk].set(kmin, mode="drop"),
+                         kmax=d.kmax.at[seq, :, blk].set(kmax, mode="drop"))
+
+    new_layers = []
+    for i, state in enumerate(layers):
+        if state.digests is not None:
+            state = state.replace(digests=write(state.digests, i))
+        if state.next_digests is not None:
+            state = state.replace(next_digests=write(state.next_digests, i + 1))
+        new_layers.append(state)
+    return tuple(new_layers), jnp.stack(ks), jnp.stack(vs), jnp.stack(maws)
+
+
+__all__ = ["HostRuntime", "required_host_bytes", "KV_DTYPE_OF"]

@@ -1,0 +1,65 @@
+"""Shared helpers of the hybrid-mode tests: the tiny model shape, keep-everything settings and a
+teacher-forced runner through any backend (imported by the test modules; not a test module)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jhybrid.generation import make_step
+from jhybrid.models import ModelConfig
+
+TINY = ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=64, mlp_dim=128, max_position_embeddings=256)
+# Window 40 = 8 sinks + 2 blocks of 16 (max prefill chunk 16). beta -> 0 keeps every offloaded token.
+WINDOW = dict(window_tokens=40, block_size=16, sink=8, host_threads=1)
+KEEP_ALL = dict(WINDOW, beta=1e-30)
+SCOUT_RECALLS = dict(recall_blocks=2, recall_min_interval=2, recall_threshold=0.0)
+CHUNK, MAX_LEN = 16, 128
+TOL = 2e-4
+
+
+def wait_recalls(backend) -> None:
+    """Block until scout's in-flight recalls are staged (the next step start applies them)."""
+    runtime = getattr(backend, "runtime", None)
+    wait = getattr(getattr(runtime, "mode_host", None), "wait", None)
+    if wait is not None:
+        wait()
+
+
+def run_forced(model, backend, prompt, continuation, turns=(), chunk=CHUNK, max_len=MAX_LEN):
+    """Teacher-forced: prefill `prompt` [B, P] in chunks, then one token per step; each (at_step,
+    tokens [B, T]) of `turns` is appended as a new chunk before that decode step. Returns (logits of
+    every decode step [B, steps, V], backend, final cache, tokens held).
+
+    Background recalls (scout) are waited for before each decode step start, so a recall triggered
+    at one step start is applied at the next: the run never depends on timing."""
+    batch = prompt.shape[0]
+    step, params = make_step(model, backend)
+    backend.open(model.config, batch, max_len)
+    cache = model.init_cache(batch, max_len, backend)
+    held = 0
+
+    def chunk_in(cache, toks, held):
+        for s in range(0, toks.shape[1], chunk):
+            part = toks[:, s:s + chunk]
+            pos = held + s + np.arange(part.shape[1])[None].repeat(batch, 0)
+            pad = chunk - part.shape[1]
+            part = np.pad(part, ((0, 0), (0, pad)))
+            pos = np.pad(pos, ((0, 0), (0, pad)), constant_values=-1).astype(np.int32)
+            cache = backend.before_step(cache, pos)
+            _, cache = step(params, part, pos, cache)
+        return cache, held + toks.shape[1]
+
+    cache, held = chunk_in(cache, prompt, held)
+    turns = dict(turns)
+    out = []
+    for i in range(continuation.shape[1]):
+        if i in turns:
+            cache, held = chunk_in(cache, turns[i], held)
+        pos = np.full((batch, 1), held, np.int32)
+        wait_recalls(backend)
+        cache = backend.before_step(cache, pos)
+        logits, cache = step(params, continuation[:, i:i + 1], pos, cache)
+        held += 1
+        out.append(np.asarray(logits[:, 0]))
+    return np.stack(out, 1), backend, cache, held
