@@ -563,3 +563,15 @@ def attend_blocks(store, layer: int, seq_ids, queries: np.ndarray, block_ids: np
         raise ValueError(f"block_ids dtype {block_ids.dtype}; expected an integer dtype")
     return _run(store, layer, seq_ids, queries,
                 lambda: _store_view_locked(store, layer, seq_ids, block_ids.astype(np.int64)), scale)
+
+
+@njit(nogil=True, cache=True)
+def attend_pages(queries, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_heads, scale, n_workers):
+    """`paged_attention` callable from nopython code (the native exchange's worker loop,
+    host.exchange_worker): plans the pieces for `n_workers` (the calling thread's Numba thread
+    count: numba.get_num_threads() inside nopython code would make it uncachable) and runs the
+    kernel. Inputs are trusted (built by nopython code from validated tables). -> (o, lse) float32."""
+    piece_unit, lo, hi, unit_piece_ptr = _plan_pieces(unit_tokens, n_workers, MIN_PIECE_TOKENS,
+                                                      min(_PIECE_ALIGN, MIN_PIECE_TOKENS))
+    return _attention_kernel(queries, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, scale,
+                             piece_unit, lo, hi, unit_piece_ptr, n_workers)

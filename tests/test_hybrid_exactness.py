@@ -105,8 +105,9 @@ def test_streaming_drops_only_attention_not_kv(model, tokens, reference):
 
 
 def test_scout_layer_ahead_prediction(model, tokens, reference):
-    """Predicted next-layer queries: one exchange per layer (+1 at layer 0), approximate logits."""
-    backend = make_backend("scout", **SCOUT_RECALLS, **KEEP_ALL)
+    """Predicted next-layer queries: one exchange per layer (+1 at layer 0), approximate logits
+    (counted on the callback transport, where each exchange is one callback)."""
+    backend = make_backend("scout", host_exchange="callback", **SCOUT_RECALLS, **KEEP_ALL)
     logits, backend, _, held = run_forced(model, backend, *tokens)
     counters = backend.counters()
     prefill_callbacks = 2 * CONFIG.num_layers * -(-PROMPT // 16)

@@ -24,7 +24,9 @@ from tests.hybrid_support import CHUNK, SCOUT_RECALLS, TINY, TOL, WINDOW, run_fo
 L = 4
 CONFIG = TINY.replace(num_layers=L)
 # Window 40 = 8 sinks + 2 blocks of 16; 64 prompt + 24 decode tokens evict 2-3 blocks per layer.
-KEEP_ALL = dict(mode="scout", **WINDOW, **SCOUT_RECALLS)
+# Which layer took which path is counted on the callback transport (one callback per submission);
+# the native transport runs the same paths (tests/test_hybrid_native_exchange.py compares the two).
+KEEP_ALL = dict(mode="scout", host_exchange="callback", **WINDOW, **SCOUT_RECALLS)
 B, PROMPT, STEPS = 2, 64, 24
 PREFILL_CALLBACKS = 2 * L * (PROMPT // CHUNK)  # submit + collect per layer and chunk
 

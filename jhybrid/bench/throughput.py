@@ -427,7 +427,9 @@ def _breakdown(step_s, hook_s, runtime) -> dict:
             "compute_ms": round(max(step_ms - between - callback, 0.0), 3),
             "cpu_attn_ms": per("cpu_attn_s"), "wait_ms": per("wait_s"), "evict_ms": per("evict_s"),
             "recall_ms": per("recall_s"), "transfer_ms": per("transfer_s"),
-            "callbacks_per_step": round(c.get("n_callbacks", 0) / n, 2)}
+            "callbacks_per_step": round(c.get("n_callbacks", 0) / n, 2),
+            "host_exchange": None if runtime is None else ("ffi" if runtime.worker is not None else "callback"),
+            "exchange_serve_ms": per("exchange_serve_s")}
 
 
 # ---------------------------------------------------------------------------- real prefill

@@ -22,12 +22,13 @@ import jax.numpy as jnp
 
 from jhybrid.attention.base import AttentionBackend, LayerContext
 from jhybrid.hybrid.config import OffloadConfig
-from jhybrid.hybrid.exchange import CallbackExchange, HostSlot, after
+from jhybrid.hybrid.exchange import CallbackExchange, FfiExchange, HostSlot, after, register_ffi_targets
 from jhybrid.hybrid.modes import MODES
 from jhybrid.hybrid.modes.base import DecodeStep
 from jhybrid.hybrid.prefill import offloaded_attention
 from jhybrid.hybrid.runtime import HostRuntime
 from jhybrid.hybrid.state import LayerState, StepMeta
+from jhybrid.hybrid.transfer import log_once
 from jhybrid.hybrid.window import exact_window_attention, init_window, update_maw, write_tokens
 from jhybrid.merge import merge_partials
 
@@ -48,7 +49,34 @@ class HybridAttention(AttentionBackend):
         self.name = config.mode
         self.mode = MODES[config.mode](config)
         self._slot = HostSlot()  # where the traced step's host calls find the open runtime
-        self.exchange = CallbackExchange(self._slot)
+        self.native = self._native_exchange()  # host.exchange_worker.NativeExchange, or None
+        self.exchange = CallbackExchange(self._slot) if self.native is None else FfiExchange(self._slot, self.native.id)
+
+    def _native_exchange(self):
+        """The stream-ordered native exchange when config.host_exchange allows it and it loads."""
+        import logging
+
+        import jax
+
+        choice = self.config.host_exchange
+        if choice == "callback" or self.mode.decode_host_kind() is None:
+            return None
+        try:
+            from host.exchange_worker import NativeExchange
+
+            native = NativeExchange()
+            platform = jax.devices()[0].platform
+            register_ffi_targets(native.lib, "cpu")
+            if platform == "gpu":
+                register_ffi_targets(native.lib, "gpu")
+            return native
+        except Exception as error:  # noqa: BLE001 - "auto" falls back, logged; "ffi" raises
+            if choice == "ffi":
+                raise RuntimeError(f"host_exchange='ffi': the native exchange is not usable: {error}") from error
+            log_once("native-exchange", logging.WARNING, "the native host exchange is not usable (%s); decode "
+                     "steps use jax.pure_callback (slower: each call stalls the stream). Build it with "
+                     "scripts/setup.sh", error)
+            return None
 
     # ---- host side --------------------------------------------------------------------------------
     @property
@@ -65,12 +93,14 @@ class HybridAttention(AttentionBackend):
                              "use mode 'full'")
         self.mode.check(config, max_len)
         self.close()
-        self._slot.runtime = HostRuntime(self.config, self.mode, config, batch_size, max_len, dtype or config.dtype)
+        self._slot.runtime = HostRuntime(self.config, self.mode, config, batch_size, max_len, dtype or config.dtype,
+                                         native=self.native)
         return self
 
     def close(self):
         if self._slot.runtime is not None:
             self._slot.runtime.close()
+            self._slot.runtime = None
 
     def before_step(self, cache, positions):
         if self.runtime is None:
@@ -117,7 +147,7 @@ class HybridAttention(AttentionBackend):
             o_g, lse_g, probs = exact_window_attention(cfg, gpu_q, state.window, positions, lengths, offloaded,
                                                        context.scale)
             if state.offloaded is None:
-                cpu = exchange.collect(ticket, q.shape, lse_g)
+                cpu = exchange.collect(layer_idx, ticket, q.shape, lse_g)
             parts = [(o_g, lse_g), cpu]
         else:
             step = DecodeStep(layer=layer_idx, num_layers=context.num_layers,
@@ -142,7 +172,9 @@ def make_backend(config: OffloadConfig | str = "full", context: int | None = Non
     from jhybrid.attention.full import FullAttention
 
     if isinstance(config, str):
-        config = OffloadConfig(mode=config, **fields)
+        if "mode" in fields and config != "full":
+            raise TypeError(f"make_backend({config!r}, mode={fields['mode']!r}): give the mode once")
+        config = OffloadConfig(**{"mode": config, **fields})
     elif fields:
         config = dataclasses.replace(config, **fields)
     if config.mode == "full":

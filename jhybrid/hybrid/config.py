@@ -19,6 +19,7 @@ import dataclasses
 import math
 
 EXCHANGES = ("split", "sync")
+HOST_EXCHANGES = ("auto", "ffi", "callback")
 PREFILL_OFFLOADED = ("auto", "device", "host")
 KERNEL_BACKENDS = (None, "triton", "interpret", "reference")
 DEFAULT_WINDOW_TOKENS = 1024  # an offloading mode given neither window_tokens nor gpu_ratio
@@ -27,7 +28,7 @@ DEFAULT_WINDOW_TOKENS = 1024  # an offloading mode given neither window_tokens n
 # own fields are listed by its class (`OffloadMode.settings`).
 COMMON_SETTINGS = frozenset({"window_tokens", "gpu_ratio", "sink", "block_size", "prefill_offloaded",
                              "prefill_upload_max_bytes", "host_threads", "host_memory_cap_bytes",
-                             "kernel_backend"})
+                             "kernel_backend", "host_exchange", "exchange_timeout_s"})
 
 
 def mode_names() -> tuple[str, ...]:
@@ -91,6 +92,12 @@ class OffloadConfig:
     host_threads: Numba threads of the host worker (None: all cores but one).
     host_memory_cap_bytes: cap of the host store; a context that cannot fit is a ValueError.
     kernel_backend: pallas_kernels backend (None: triton on GPU, jnp reference elsewhere, logged).
+    host_exchange: how decode steps reach the host: "ffi" = XLA FFI custom calls into the native
+        library (stream-ordered, no Python per layer; built by scripts/setup.sh), "callback" =
+        jax.pure_callback (each call stalls the stream and takes the GIL), "auto" = ffi where the
+        library loads, else callback (logged once).
+    exchange_timeout_s: a decode step's host part not answered within this many seconds is an error
+        naming the layer (never a hang).
     """
 
     mode: str = "full"
@@ -114,6 +121,8 @@ class OffloadConfig:
     host_threads: int | None = None
     host_memory_cap_bytes: int | None = None
     kernel_backend: str | None = None
+    host_exchange: str = "auto"
+    exchange_timeout_s: float = 300.0
 
     def __post_init__(self):
         exact = self.scout_exact_layers
@@ -161,6 +170,9 @@ class OffloadConfig:
         check("prefill_upload_max_bytes", limit is None or (_is_int(limit) and limit >= 0),
               "expected None or an int >= 0")
         check("kernel_backend", self.kernel_backend in KERNEL_BACKENDS, f"expected one of {KERNEL_BACKENDS}")
+        check("host_exchange", self.host_exchange in HOST_EXCHANGES, f"expected one of {HOST_EXCHANGES}")
+        check("exchange_timeout_s", _is_number(self.exchange_timeout_s) and self.exchange_timeout_s > 0,
+              "expected a positive number of seconds")
         bad += self._exact_layer_problems()
         return bad
 
@@ -248,4 +260,4 @@ class OffloadConfig:
         return max(1, -(-max(0, max_len - self.sink) // self.block_size))
 
 
-__all__ = ["OffloadConfig", "InvalidOffloadConfig", "EXCHANGES", "PREFILL_OFFLOADED", "COMMON_SETTINGS", "mode_names"]
+__all__ = ["OffloadConfig", "InvalidOffloadConfig", "EXCHANGES", "HOST_EXCHANGES", "PREFILL_OFFLOADED", "COMMON_SETTINGS", "mode_names"]

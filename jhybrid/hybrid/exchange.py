@@ -1,25 +1,36 @@
-"""Device side of the host exchange: what a traced decode step calls to reach the host.
+"""Device side of the host exchange: what a traced step calls to reach the host.
 
-`CallbackExchange` traces `jax.pure_callback`s with small operands only (queries float32
-[B, Tq, Hq, D], block ids int32 [B, Hkv, k], int32 tickets, and "dependency" arrays that only
-order a collect after the GPU work producing them; KV never crosses). Each callback finds the host
-side (`host.bridge.HostBridge`) through the backend's `HostSlot` when it RUNS, not when it is traced,
+Protocol, per layer (docs/design.md, "The host exchange"):
+    ticket = submit(layer, kind, q[, ids])             # the CPU starts on q
+    q = after(q, ticket)                               # GPU work on q is ordered after the submit ...
+    ... GPU window attention ...                       # ... and runs while the CPU works
+    o, lse = collect(layer, ticket, q.shape, lse_gpu)  # the CPU part, ordered after the GPU part
+`exchange` collects one layer and submits the next (scout's layer-ahead pipelining); `attend_now`
+computes synchronously; `record_tail` hands the host a prefill chunk's last queries (hgca's
+re-evaluation) when no attention call carries them. Operands are small: queries float32
+[B, Tq, Hq, D], block ids int32 [B, Hkv, k], int32 tickets, and "dependency" arrays that only order
+a call after the GPU work producing them; KV never crosses.
+
+Two transports with that interface:
+  FfiExchange       decode steps through XLA FFI custom calls into the native library
+                    (host/native/exchange.cc): stream-ordered copies and flags, no Python, no stream
+                    synchronisation; the host worker is host.exchange_worker. Everything else
+                    (prefill chunks, "sync", record_tail) goes through its CallbackExchange.
+  CallbackExchange  `jax.pure_callback`s into host.bridge.HostBridge (works everywhere; on a GPU
+                    each callback stalls the stream and takes the GIL).
+Both find the host side through the backend's `HostSlot` when they RUN, not when they are traced,
 so a compiled step keeps working when the host runtime is reopened for a new batch.
-
-Protocol, per layer (docs/design.md, "One decode step"):
-    ticket = submit(layer, kind, q[, ids])      # the CPU starts on q
-    q = after(q, ticket)                        # GPU work on q is ordered after the submit ...
-    ... GPU window attention ...                # ... and runs while the CPU works
-    o, lse = collect(ticket, q.shape, lse_gpu)  # waits for the CPU part, after the GPU part
-`exchange` collects one layer and submits the next in one host visit (scout's layer-ahead
-pipelining); `attend_now` computes synchronously; `record_tail` hands the host a prefill chunk's
-last queries (hgca's re-evaluation) when no attention call carries them.
 """
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 class HostSlot:
@@ -61,7 +72,7 @@ class CallbackExchange:
         return jax.pure_callback(lambda *a: slot.bridge().cb_submit(layer, kind, *a),
                                  jax.ShapeDtypeStruct((), jnp.int32), *args)
 
-    def collect(self, ticket: jax.Array, q_shape, *dependencies):
+    def collect(self, layer: int, ticket: jax.Array, q_shape, *dependencies):
         """(o float32 [B, Tq, Hq, D], lse float32 [B, Tq, Hq]) of a ticket, after `dependencies`."""
         slot = self.slot
         return jax.pure_callback(lambda t, *deps: slot.bridge().cb_collect(t), _partial_shapes(q_shape),
@@ -74,10 +85,10 @@ class CallbackExchange:
         return jax.pure_callback(lambda *a: slot.bridge().cb_attend_now(layer, kind, *a),
                                  _partial_shapes(q.shape), *args)
 
-    def exchange(self, ticket: jax.Array, q_shape, kind: str, next_layer: int | None,
+    def exchange(self, layer: int, ticket: jax.Array, q_shape, kind: str, next_layer: int | None,
                  next_q: jax.Array | None, next_ids: jax.Array | None, *dependencies):
-        """One host visit: collect `ticket` and submit next_layer's work (layer-ahead pipelining).
-        Returns (o, lse, next ticket int32; 0 when next_layer is None)."""
+        """One host visit: collect `ticket` (of `layer`) and submit next_layer's work (layer-ahead
+        pipelining). Returns (o, lse, next ticket int32; 0 when next_layer is None)."""
         slot = self.slot
         shapes = _partial_shapes(q_shape) + (jax.ShapeDtypeStruct((), jnp.int32),)
         if next_layer is None:
@@ -101,4 +112,69 @@ class CallbackExchange:
                                  jax.ShapeDtypeStruct((), jnp.int32), tail, valid.astype(jnp.int32))
 
 
-__all__ = ["HostSlot", "CallbackExchange", "after"]
+
+# ---- the native transport ------------------------------------------------------------------------
+SUBMIT, COLLECT = "jh_exchange_submit", "jh_exchange_collect"
+_registered: set[str] = set()  # platforms whose FFI targets are registered in this process
+
+
+def register_ffi_targets(lib, platform: str) -> None:
+    """Register the native handlers for `platform` ("cpu" or "gpu") once per process."""
+    if platform in _registered:
+        return
+    if platform == "cpu":
+        handlers, xla_platform = (lib.JhExchangeSubmitCpu, lib.JhExchangeCollectCpu), "cpu"
+    else:
+        handlers, xla_platform = (lib.JhExchangeSubmitGpu, lib.JhExchangeCollectGpu), "CUDA"
+    for name, handler in zip((SUBMIT, COLLECT), handlers):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform=xla_platform)
+    _registered.add(platform)
+
+
+class FfiExchange:
+    """Decode steps (Tq = 1) through the native library's custom calls; prefill chunks, "sync"
+    attention and record_tail through `self.fallback` (a CallbackExchange). `exchange_id` is the
+    backend's reserved native exchange (host.exchange_worker.NativeExchange)."""
+
+    def __init__(self, slot: HostSlot, exchange_id: int):
+        self.slot, self.id = slot, int(exchange_id)
+        self.fallback = CallbackExchange(slot)
+
+    def _attrs(self, layer: int) -> dict:
+        return {"exchange": np.int64(self.id), "slot": np.int64(layer)}
+
+    def submit(self, layer: int, kind: str, q: jax.Array, block_ids: jax.Array | None = None):
+        if q.shape[1] != 1:
+            return self.fallback.submit(layer, kind, q, block_ids)
+        args = (q.astype(jnp.float32),) + (() if block_ids is None else (block_ids.astype(jnp.int32),))
+        # Not marked side-effecting: every result is consumed (the ticket by the barrier and the
+        # collect, the collect's outputs by the merge) and each call's (slot, operands) are unique in
+        # a step, so XLA neither drops nor merges them; data dependencies order them. (A
+        # side-effecting call would make JAX track a runtime token per dispatch.)
+        return jax.ffi.ffi_call(SUBMIT, jax.ShapeDtypeStruct((), jnp.int32))(*args, **self._attrs(layer))
+
+    def collect(self, layer: int, ticket: jax.Array, q_shape, *dependencies):
+        if q_shape[1] != 1:
+            return self.fallback.collect(layer, ticket, q_shape, *dependencies)
+        return tuple(jax.ffi.ffi_call(COLLECT, _partial_shapes(q_shape))(ticket, *dependencies, **self._attrs(layer)))
+
+    def exchange(self, layer: int, ticket: jax.Array, q_shape, kind: str, next_layer: int | None,
+                 next_q: jax.Array | None, next_ids: jax.Array | None, *dependencies):
+        """Submit next_layer first (its CPU work starts during this layer's wait), then collect."""
+        if q_shape[1] != 1:
+            return self.fallback.exchange(layer, ticket, q_shape, kind, next_layer, next_q, next_ids, *dependencies)
+        if next_layer is None:
+            o, lse = self.collect(layer, ticket, q_shape, *dependencies)
+            return o, lse, jnp.int32(0)
+        next_ticket = self.submit(next_layer, kind, next_q, next_ids)
+        o, lse = self.collect(layer, ticket, q_shape, next_ticket, *dependencies)
+        return o, lse, next_ticket
+
+    def attend_now(self, layer: int, kind: str, q: jax.Array, block_ids: jax.Array | None = None):
+        return self.fallback.attend_now(layer, kind, q, block_ids)
+
+    def record_tail(self, layer: int, q: jax.Array, positions: jax.Array, keep: int):
+        return self.fallback.record_tail(layer, q, positions, keep)
+
+
+__all__ = ["HostSlot", "CallbackExchange", "FfiExchange", "register_ffi_targets", "after"]

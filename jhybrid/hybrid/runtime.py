@@ -16,7 +16,9 @@ host work, in this order (docs/design.md, "One decode step"):
      (hgca: sparsify them on the worker). Whole blocks, once every block_size decode steps.
   4. the mode's `every_step` (scout: apply finished recalls)
   5. prefill chunk: the mode's `before_prefill_chunk`, then the prefill copies;
-     decode step: the mode's `before_decode` (hgca: re-evaluation; recall: upload; scout: recalls)
+     decode step: the mode's `before_decode` (hgca: re-evaluation; recall: upload; scout: recalls),
+     then, with the native exchange, the step's plan to the exchange worker (which layers submit,
+     with which sequence numbers, and the pages each may read)
   6. the step's `StepMeta` (offloaded blocks per sequence) into the cache
 
 Counters (cumulative, `counters()`; `history` holds one dict of deltas per step plus wall_s, the
@@ -38,6 +40,7 @@ import numpy as np
 
 from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
+from host.exchange_worker import BlockPages, ContextPages, ExchangeWorker, StepPlan
 from jhybrid.hybrid.config import OffloadConfig
 from jhybrid.hybrid.prefill import PrefillCopies
 from jhybrid.hybrid.state import StepMeta
@@ -47,6 +50,13 @@ from jhybrid.hybrid.window import evicted_blocks
 log = logging.getLogger(__name__)
 
 KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def views_fmt(kv_dtype: str) -> int:
+    """The attention kernels' storage format code of a store dtype."""
+    from host.kv_store import FORMAT_CODE
+
+    return FORMAT_CODE[kv_dtype]
 
 
 def required_host_bytes(config: OffloadConfig, n_layers: int, batch: int, max_len: int, n_kv_heads: int,
@@ -60,11 +70,12 @@ class HostRuntime:
 
     HISTORY = 4096  # steps kept in `history`
 
-    def __init__(self, config: OffloadConfig, mode, model_config, batch: int, max_len: int, dtype):
+    def __init__(self, config: OffloadConfig, mode, model_config, batch: int, max_len: int, dtype, native=None):
         self.config, self.mode = config, mode
         self.batch, self.max_len = batch, max_len
         self.n_layers = model_config.num_layers
         self.hkv, self.d = model_config.num_kv_heads, model_config.head_dim
+        self.hq = model_config.num_heads
         self.scale = model_config.attention_scale
         self.dtype = np.dtype(jnp.dtype(dtype))
         self.nb_max = config.host_blocks(max_len)
@@ -95,6 +106,17 @@ class HostRuntime:
         self._last_snapshot = None
         self.prefill = PrefillCopies(self)
         self.mode_host = mode.host(self)
+        # the stream-ordered exchange (native library + worker), or None: pure callbacks
+        self.native, self.worker = native, None
+        self.slot_tables = np.zeros((self.n_layers, batch, self.nb_max), np.int64)  # store slot of each block
+        if native is not None:
+            import jax
+
+            device = jax.devices()[0]
+            slots = native.open(self.n_layers, batch, self.hq, self.hkv, self.d, mode.max_block_ids(max_len),
+                                gpu=device.platform == "gpu", device_ordinal=device.id,
+                                timeout_s=config.exchange_timeout_s)
+            self.worker = ExchangeWorker(native, slots, self.n_threads, self.scale, config.exchange_timeout_s)
         log.info("hybrid %s: %d layers x %d sequences, window %d (sink %d + %d x %d), host blocks <= %d",
                  config.mode, self.n_layers, batch, config.window_tokens, config.sink, config.blk_num,
                  config.block_size, self.nb_max)
@@ -106,11 +128,27 @@ class HostRuntime:
     def close(self) -> None:
         self.mode_host.close()
         self.executor.close(wait=False)
+        if self.worker is not None:
+            self.worker.close()
+            self.native.close()
+            self.worker = None
 
     # ---- state the modes read ---------------------------------------------------------------------
     def offloaded_blocks(self) -> np.ndarray:
         """[B] blocks per sequence owned by the host side (a copy)."""
         return self._offloaded.copy()
+
+    def last_block_ids(self, layer: int) -> np.ndarray | None:
+        """The block ids [B, Hkv, k] int the CPU attended for `layer` at the last decode step (a copy;
+        None before any), whichever transport carried them."""
+        if self.worker is None:
+            ids = self.bridge.last_block_ids.get(layer)
+            return None if ids is None else ids.copy()
+        if not self.worker.served_any:
+            return None
+        self.worker.wait_idle()
+        k = self.mode.max_block_ids(self.max_len)
+        return self.worker.last_ids[layer, :self.batch * self.hkv * k].reshape(self.batch, self.hkv, k).astype(np.int64)
 
     @staticmethod
     def device_of(cache):
@@ -139,6 +177,10 @@ class HostRuntime:
                              f"{n_tokens.tolist()} tokens offload {expected.tolist()}")
         self.n_tokens = n_tokens.copy()
         self._offloaded = expected.astype(np.int64)
+        for layer in range(self.n_layers):
+            for b in range(self.batch):
+                slots = self.store.block_slots(layer, b)
+                self.slot_tables[layer, b, :slots.shape[0]] = slots
         self.mode_host.adopted()
         self.reset_counters()
 
@@ -155,9 +197,15 @@ class HostRuntime:
         self._last_snapshot = None
         self._c = {name: 0 for name in self._c}
         self.bridge.reset_counters()
+        if self.worker is not None:
+            self.worker.reset_counters()
 
     def counters(self) -> dict:
-        return {**self._c, **self.bridge.counters()}
+        out = {**self._c, **self.bridge.counters()}
+        if self.worker is not None:
+            out.update(exchange_serve_s=self.worker.serve_s, exchange_steps=self.worker.steps)
+            out["cpu_tokens"] += int(self.worker.stats[0])
+        return out
 
     def _record_step(self) -> None:
         """Per-step instrumentation: the counters' change since the previous step began, and the
@@ -189,6 +237,7 @@ class HostRuntime:
         if not np.array_equal(got, blocks):
             raise RuntimeError(f"host store numbered blocks {got.tolist()} for layer {layer} sequence {seq}; "
                                f"the GPU ring evicted {blocks.tolist()}")
+        self.slot_tables[layer, seq, got] = self.store.block_slots(layer, seq)[got]
         self.mode_host.blocks_stored(layer, seq, got, k, v)
         return got
 
@@ -196,6 +245,8 @@ class HostRuntime:
     def before_step(self, cache, positions):
         """Call with the cache and the step's positions [B, T] (-1 = padding) before the step."""
         self.bridge.raise_pending()
+        if self.worker is not None:
+            self.worker.raise_pending()
         pos = np.asarray(positions).astype(np.int64)
         if pos.ndim != 2 or pos.shape[0] != self.batch:
             raise ValueError(f"positions of shape {pos.shape}; expected [B={self.batch}, T]")
@@ -226,9 +277,52 @@ class HostRuntime:
         else:
             cache = self.mode_host.before_decode(cache, before)
             self.decode_steps += 1
+            if self.worker is not None:
+                self.worker.arm(self._plan())
         self.n_tokens = after
         meta = StepMeta(offloaded_blocks=jax.device_put(self._offloaded.astype(np.int32), self.device_of(cache)))
         return cache.replace(meta=meta)
+
+    def _plan(self) -> StepPlan:
+        """The decode step's work for the exchange worker: every layer submits, in layer order. The
+        pages are snapshot on the worker thread once the host work queued before this step (hgca's
+        sparsification and re-evaluation, on the executor's FIFO) is done."""
+        layers = np.arange(self.n_layers, dtype=np.int32)
+        seqs = np.array([self.native.submitted(layer) + 1 for layer in range(self.n_layers)], np.uint32)
+        barrier = self.executor.submit_task(lambda: None, what="exchange barrier")
+        kind = self.mode.decode_host_kind()
+        offloaded = self._offloaded.copy()
+
+        def pages():
+            self.executor.collect(barrier)
+            store = self.store
+            with store.lock:
+                snapshot = self._context_pages() if kind == "context" else self._block_pages(offloaded)
+                store.begin_read()
+            return snapshot, store.end_read
+
+        return StepPlan(layers=layers, seqs=seqs, pages=pages)
+
+    def _context_pages(self) -> ContextPages:
+        """hgca: every layer's kept tokens (store lock held)."""
+        views = [self.store.context.snapshot_locked(layer, range(self.batch)) for layer in range(self.n_layers)]
+        return ContextPages(
+            fmt=views[0].fmt, k_pages=tuple(v.k_pages for v in views), v_pages=tuple(v.v_pages for v in views),
+            page_ptr=np.concatenate([v.page_ptr for v in views]),
+            ptr_off=np.cumsum([0] + [v.page_ptr.shape[0] for v in views]).astype(np.int64),
+            page_ids=np.concatenate([v.page_ids for v in views]),
+            ids_off=np.cumsum([0] + [v.page_ids.shape[0] for v in views]).astype(np.int64),
+            unit_tokens=np.concatenate([v.unit_tokens for v in views]))
+
+    def _block_pages(self, offloaded: np.ndarray) -> BlockPages:
+        """topk / scout: every layer's store blocks (store lock held)."""
+        c = self.store.config
+        arenas = [self.store.layers[layer].arrays for layer in range(self.n_layers)]
+        return BlockPages(k=self.mode.max_block_ids(self.max_len), fmt=views_fmt(c.kv_dtype), block_size=c.block_size,
+                          k_pages=tuple(a["k"].reshape(-1, c.block_size, c.head_dim) for a in arenas),
+                          v_pages=tuple(a["v"].reshape(-1, c.block_size, c.head_dim) for a in arenas),
+                          slot_tables=self.slot_tables.copy(),
+                          n_blocks=np.broadcast_to(offloaded, (self.n_layers, self.batch)).copy())
 
     def _evict(self, cache, e0: np.ndarray, e1: np.ndarray, keep_on_device: bool):
         """Move blocks e0[b] .. e1[b] - 1 of every sequence and layer from the ring to the host store."""

@@ -59,9 +59,20 @@ class OffloadMode:
     name: ClassVar[str] = "abstract"
     # OffloadConfig fields this mode reads besides `config.COMMON_SETTINGS` (the GPU window and host)
     settings: ClassVar[frozenset[str]] = frozenset()
+    # What every layer of a decode step submits to the host through the exchange: "context"
+    # (hgca's kept tokens), "blocks" (chosen block ids) or None (no host work in decode steps).
+    decode_kind: ClassVar[str | None] = None
 
     def __init__(self, config: OffloadConfig):
         self.config = config
+
+    def decode_host_kind(self) -> str | None:
+        """What a decode step's layers submit through the stream-ordered exchange (None: nothing)."""
+        return self.decode_kind
+
+    def max_block_ids(self, max_len: int) -> int:
+        """Block ids per (sequence, KV head) a decode submit carries ("blocks" kind)."""
+        return 0
 
     # ---- checks before anything is allocated ------------------------------------------------------
     def check(self, model_config, max_len: int) -> None:

@@ -28,6 +28,10 @@ from jhybrid.hybrid.window import decode_attention
 class Hgca(OffloadMode):
     name = "hgca"
     settings = frozenset({"alpha", "beta", "keep_after", "reevaluate_queries", "exchange"})
+    decode_kind = "context"
+
+    def decode_host_kind(self):
+        return None if self.config.exchange == "sync" else "context"  # "sync": one callback per layer
 
     def decode(self, step: DecodeStep, state: LayerState):
         cfg, exchange = self.config, step.exchange
@@ -39,7 +43,7 @@ class Hgca(OffloadMode):
         ticket = exchange.submit(step.layer, "context", step.q)
         q = after(step.q, ticket)
         o_w, lse_w, probs = decode_attention(cfg, q, state.window, step.lengths, step.offloaded, step.scale)
-        return [(o_w, lse_w), exchange.collect(ticket, q.shape, lse_w)], probs, state, None
+        return [(o_w, lse_w), exchange.collect(step.layer, ticket, q.shape, lse_w)], probs, state, None
 
     def prefill_token(self, layer, q, positions, exchange):
         return exchange.record_tail(layer, q, positions, self.config.reevaluate_queries)

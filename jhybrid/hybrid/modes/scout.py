@@ -102,11 +102,11 @@ class Scout(TopK):
         lse_w = parts[0][1]
         carry = None
         if ahead:
-            o_c, lse_c, next_ticket = exchange.exchange(ticket, q.shape, "blocks", step.layer + 1, step.next_q,
+            o_c, lse_c, next_ticket = exchange.exchange(step.layer, ticket, q.shape, "blocks", step.layer + 1, step.next_q,
                                                         next_sel.cpu_ids, lse_w)
             carry = LayerAhead(next_sel, next_ticket)
         else:
-            o_c, lse_c = exchange.collect(ticket, q.shape, lse_w)
+            o_c, lse_c = exchange.collect(step.layer, ticket, q.shape, lse_w)
         parts.append((o_c, lse_c))
         return parts, probs, self._note(state, sel, step.positions), carry
 
@@ -169,7 +169,7 @@ class ScoutHost(ModeHost):
         """CPU-attended blocks / selected blocks of `layer` at the last decode step (None: unknown).
         n_blocks [B]: offloaded blocks per sequence when the selection was made."""
         runtime = self.runtime
-        ids = runtime.bridge.last_block_ids.get(layer)
+        ids = runtime.last_block_ids(layer)
         budget = int(np.minimum(runtime.config.topk_blocks or runtime.nb_max, n_blocks).sum()) * runtime.hkv
         if ids is None or budget == 0:
             return None
@@ -193,9 +193,9 @@ class ScoutHost(ModeHost):
             state = cache.layers[layer]
             plan = RecallPlan(layer, *(np.zeros(0, np.int32),) * 4, trigger_step=runtime.decode_steps,
                               epoch=self.epoch, warm=warm)
-            # Snapshots the job may use after this step has donated the cache: the CPU's ids (the
-            # bridge replaces, never mutates, them), the host pool table, the slots' last use.
-            cpu_ids = runtime.bridge.last_block_ids[layer]
+            # Snapshots the job may use after this step has donated the cache: the CPU's ids, the
+            # host pool table, the slots' last use.
+            cpu_ids = runtime.last_block_ids(layer)
             pool_ids = self.pool_ids[layer].copy()
             pool_used = np.asarray(state.pool.used)
             device = next(iter(state.pool.k.devices()))

@@ -22,6 +22,10 @@ from pallas_kernels.block_sparse_attention import block_sparse_attention
 class TopK(OffloadMode):
     name = "topk"
     settings = frozenset({"budget"})
+    decode_kind = "blocks"
+
+    def max_block_ids(self, max_len):
+        return self.budget_blocks(max_len)
 
     def check(self, model_config, max_len):
         k = self.config.topk_blocks
@@ -50,7 +54,7 @@ class TopK(OffloadMode):
         ticket = step.exchange.submit(step.layer, "blocks", step.q, sel.cpu_ids)
         q = after(step.q, ticket)
         parts, probs = self._gpu_parts(step, q, state, sel)
-        parts.append(step.exchange.collect(ticket, q.shape, parts[0][1]))
+        parts.append(step.exchange.collect(step.layer, ticket, q.shape, parts[0][1]))
         return parts, probs, self._note(state, sel, step.positions), None
 
     # ---- shared with scout ------------------------------------------------------------------------

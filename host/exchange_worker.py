@@ -1,0 +1,452 @@
+"""The host end of the native exchange (host/native/exchange.cc): pinned slots and the worker.
+
+Per open hybrid batch, the native library holds one pinned allocation: flags ready[L], done[L],
+failed, and one slot per layer (q float32 [B, 1, Hq, D], block ids int32 [B, Hkv, k], o float32
+[B, 1, Hq, D], lse float32 [B, 1, Hq]). XLA's custom calls fill q (and ids) and raise ready[layer]
+in stream order; `ExchangeWorker` answers:
+
+    before a decode step (runtime thread): worker.arm(plan)      # the step's layers, kinds, views
+    worker thread: serve_context / serve_blocks (Numba, nogil)   # one call for the whole step:
+        for each layer of the plan, in order: wait for ready[layer] >= seq (atomic load),
+        attention over the layer's pages (host.attention.attend_pages), o / lse into the slot,
+        done[layer] = seq (release)  ->  the stream (or the CPU collect) continues
+
+No Python and no GIL per layer; Python runs once per step on the worker thread (to start the call).
+A failure (an exception in the worker, or a step not served within `timeout_s`) writes NaN outputs,
+records the error (`raise_pending()` re-raises it at the next step start with the layer and the
+worker's traceback) and releases every slot (`jh_exchange_fail`), so neither the stream nor a CPU
+collect ever waits forever.
+
+Never imports jax: the device side lives in jhybrid.hybrid.exchange.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from host.attention import attend_pages
+
+log = logging.getLogger(__name__)
+
+LIB_ENV = "JHYBRID_NATIVE_LIB"
+LIB_NAME = "libjhybrid_exchange.so"
+
+
+# ---- the native library ---------------------------------------------------------------------------
+
+def library_path() -> str:
+    """Where the built library is: $JHYBRID_NATIVE_LIB, else build/native/lib/ of the source tree
+    (scripts/setup.sh builds it there)."""
+    env = os.environ.get(LIB_ENV)
+    if env:
+        return env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(root, "build", "native", "lib", LIB_NAME)
+
+
+_LIB: list = []  # [CDLL] once loaded
+
+
+def load_library():
+    """The native exchange library (ctypes.CDLL); OSError naming the path when it cannot be loaded."""
+    if _LIB:
+        return _LIB[0]
+    path = library_path()
+    if not os.path.exists(path):
+        raise OSError(f"native exchange library {path} not found (built by scripts/setup.sh; or set {LIB_ENV})")
+    lib = ctypes.CDLL(path)
+    i64, c_int, c_double, c_char_p = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
+    lib.jh_exchange_reserve.restype = c_int
+    lib.jh_exchange_open.argtypes = [c_int, c_int, i64, i64, i64, i64, c_int, c_int, c_double, c_char_p, c_int]
+    lib.jh_exchange_open.restype = c_int
+    lib.jh_exchange_layout.argtypes = [c_int, ctypes.POINTER(i64)]
+    lib.jh_exchange_layout.restype = c_int
+    lib.jh_exchange_fail.argtypes = [c_int, c_char_p]
+    lib.jh_exchange_submitted.argtypes = [c_int, c_int]
+    lib.jh_exchange_submitted.restype = i64
+    lib.jh_exchange_close.argtypes = [c_int]
+    lib.jh_exchange_release.argtypes = [c_int]
+    _LIB.append(lib)
+    return lib
+
+
+class NativeExchange:
+    """One reserved exchange id for a backend's lifetime (a compile-time attribute of its custom
+    calls); `open` installs pinned slots for a batch, `close` frees them."""
+
+    def __init__(self):
+        self.lib = load_library()
+        self.id = self.lib.jh_exchange_reserve()
+        if self.id < 0:
+            raise RuntimeError("native exchange: no free exchange id")
+        weakref.finalize(self, self.lib.jh_exchange_release, self.id)
+        self.slots: Slots | None = None
+
+    def open(self, n_layers: int, batch: int, hq: int, hkv: int, head_dim: int, max_ids: int, gpu: bool,
+             device_ordinal: int = 0, timeout_s: float = 300.0) -> "Slots":
+        q_bytes = batch * hq * head_dim * 4
+        ids_bytes = max(4, batch * hkv * max_ids * 4)
+        lse_bytes = batch * hq * 4
+        err = ctypes.create_string_buffer(512)
+        if self.lib.jh_exchange_open(self.id, n_layers, q_bytes, ids_bytes, q_bytes, lse_bytes, int(gpu),
+                                     device_ordinal, float(timeout_s), err, len(err)) != 0:
+            raise RuntimeError(f"native exchange: {err.value.decode()}")
+        self.slots = Slots(self, n_layers, batch, hq, hkv, head_dim, max_ids)
+        return self.slots
+
+    def close(self) -> None:
+        self.slots = None
+        self.lib.jh_exchange_close(self.id)
+
+    def fail(self, message: str) -> None:
+        self.lib.jh_exchange_fail(self.id, message.encode()[:4000])
+
+    def submitted(self, layer: int) -> int:
+        return int(self.lib.jh_exchange_submitted(self.id, layer))
+
+
+class Slots:
+    """NumPy views of an open exchange's pinned memory (valid until the next open / close)."""
+
+    def __init__(self, exchange: NativeExchange, n_layers, batch, hq, hkv, head_dim, max_ids):
+        layout = (ctypes.c_int64 * 10)()
+        if exchange.lib.jh_exchange_layout(exchange.id, layout) != 0:
+            raise RuntimeError("native exchange: not open")
+        ready, done, failed, q, ids, o, lse, stride, address, total = list(layout)
+        memory = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(address))
+        self.memory = memory  # keeps the views' base alive with this object
+
+        def rows(offset, dtype, width):  # one C-contiguous 1-D array per slot (what nopython code indexes)
+            n_bytes = width * np.dtype(dtype).itemsize
+            return tuple(memory[offset + i * stride:offset + i * stride + n_bytes].view(dtype) for i in range(n_layers))
+
+        self.ready = memory[ready:ready + 4 * n_layers].view(np.uint32)
+        self.done = memory[done:done + 4 * n_layers].view(np.uint32)
+        self.failed = memory[failed:failed + 4].view(np.uint32)
+        self.q = rows(q, np.float32, batch * hq * head_dim)
+        self.ids = rows(ids, np.int32, max(1, batch * hkv * max_ids))
+        self.o = rows(o, np.float32, batch * hq * head_dim)
+        self.lse = rows(lse, np.float32, batch * hq)
+        self.shape = (n_layers, batch, hq, hkv, head_dim, max_ids)
+
+
+# ---- nopython pieces ----------------------------------------------------------------------------
+
+@intrinsic
+def _load_acquire(typingctx, arr, index):
+    """arr[index] read with acquire semantics (uint32 array): never hoisted out of a spin loop."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty, idxty = signature.args
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = context.cast(builder, args[1], idxty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False, boundscheck=False)
+        return builder.load_atomic(ptr, "acquire", 4)
+
+    return types.uint32(arr, index), codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, index, value):
+    """arr[index] = value with release semantics (uint32 array): everything written before is
+    visible to whoever sees the value."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and isinstance(index, types.Integer)
+            and isinstance(value, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty, idxty, valty = signature.args
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = context.cast(builder, args[1], idxty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False, boundscheck=False)
+        builder.store_atomic(context.cast(builder, args[2], valty, types.uint32), ptr, "release", 4)
+        return context.get_dummy_value()
+
+    return types.none(arr, index, value), codegen
+
+
+@intrinsic
+def _cpu_relax(typingctx):
+    """A spin-wait hint (x86 `pause`); nothing elsewhere."""
+    def codegen(context, builder, signature, args):
+        import platform
+
+        if platform.machine() in ("x86_64", "AMD64", "i686"):
+            pause = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                   "llvm.x86.sse2.pause")
+            builder.call(pause, [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+@njit(nogil=True, cache=True)
+def _wait_ready(ready, layer, seq, abort) -> bool:
+    """Spin until ready[layer] reaches seq (cyclic uint32 compare); False when abort[0] is raised."""
+    while True:
+        value = _load_acquire(ready, layer)
+        if np.int32(np.uint32(value - seq)) >= 0:
+            return True
+        if _load_acquire(abort, 0) != 0:
+            return False
+        _cpu_relax()
+
+
+@njit(nogil=True, cache=True)
+def _answer(slots_o, slots_lse, done, layer, seq, o, lse):
+    n_o, n_l = o.size, lse.size
+    slots_o[layer][:n_o] = o.reshape(n_o)
+    slots_lse[layer][:n_l] = lse.reshape(n_l)
+    _store_release(done, layer, seq)
+
+
+@njit(nogil=True, cache=True)
+def serve_context(layers, seqs, ready, done, abort, slots_q, slots_o, slots_lse, batch, hq, head_dim, hkv,
+                  scale, n_threads, fmt, k_pages, v_pages, page_ptr, ptr_off, page_ids, ids_off, unit_tokens):
+    """hgca decode step: for each plan entry i (layer layers[i], expected seq seqs[i]) attention of
+    that layer's queries over its context-cache pages (k_pages[layer], v_pages[layer]: a tuple over
+    layers; page_ptr / page_ids / unit_tokens concatenated over the plan, ptr_off / ids_off [n + 1]
+    into them, unit_tokens B * Hkv per entry). Returns the entries served (< n: aborted)."""
+    units = batch * hkv
+    for i in range(layers.shape[0]):
+        layer = layers[i]
+        if not _wait_ready(ready, layer, seqs[i], abort):
+            return i
+        q = slots_q[layer][:batch * hq * head_dim].reshape(batch, 1, hq, head_dim)
+        o, lse = attend_pages(q, k_pages[layer], v_pages[layer], fmt, page_ptr[ptr_off[i]:ptr_off[i + 1]],
+                              page_ids[ids_off[i]:ids_off[i + 1]], unit_tokens[i * units:(i + 1) * units],
+                              hkv, scale, n_threads)
+        _answer(slots_o, slots_lse, done, layer, seqs[i], o, lse)
+    return layers.shape[0]
+
+
+@njit(nogil=True, cache=True)
+def _block_pages(ids, slot_table, n_blocks, hkv, block_size):
+    """ids [B, Hkv, k] int32 block numbers (-1 = none) -> (page_ptr [U + 1], page_ids, unit_tokens
+    [U]) over the store's pages (slot * Hkv + head), U = B * Hkv; -1 page when a block is unknown."""
+    batch, _, k = ids.shape
+    units = batch * hkv
+    page_ptr = np.zeros(units + 1, np.int64)
+    page_ids = np.empty(units * k, np.int64)
+    unit_tokens = np.zeros(units, np.int64)
+    n = 0
+    for b in range(batch):
+        for h in range(hkv):
+            u = b * hkv + h
+            for j in range(k):
+                block = ids[b, h, j]
+                if block < 0:
+                    continue
+                if block >= n_blocks[b]:
+                    return page_ptr, page_ids[:0], unit_tokens, b * 1000000 + block
+                page_ids[n] = slot_table[b, block] * hkv + h
+                n += 1
+            page_ptr[u + 1] = n
+            unit_tokens[u] = (n - page_ptr[u]) * block_size
+    return page_ptr, page_ids[:n], unit_tokens, -1
+
+
+@njit(nogil=True, cache=True)
+def serve_blocks(layers, seqs, ready, done, abort, slots_q, slots_ids, slots_o, slots_lse, batch, hq, head_dim,
+                 hkv, k, scale, n_threads, fmt, block_size, k_pages, v_pages, slot_tables, n_blocks, last_ids,
+                 stats):
+    """topk / scout decode step: for each plan entry i, attention of layer layers[i]'s queries over
+    the blocks its ids name (slots_ids: int32 [B, Hkv, k] numbers; slot_tables [n, B, W] int64 store
+    slot of each block, n_blocks [n, B]). Each layer's ids are kept in last_ids[layer] (int32
+    [L, B * Hkv * k]: scout's recall planner reads them); stats[0] counts the tokens attended.
+    Returns (entries served, -1 or the bad (sequence, block) code of the entry that stopped)."""
+    for i in range(layers.shape[0]):
+        layer = layers[i]
+        if not _wait_ready(ready, layer, seqs[i], abort):
+            return i, -1
+        q = slots_q[layer][:batch * hq * head_dim].reshape(batch, 1, hq, head_dim)
+        ids = slots_ids[layer][:batch * hkv * k].reshape(batch, hkv, k)
+        last_ids[layer, :ids.size] = ids.reshape(ids.size)
+        page_ptr, page_ids, unit_tokens, bad = _block_pages(ids, slot_tables[i], n_blocks[i], hkv, block_size)
+        if bad >= 0:
+            return i, bad
+        stats[0] += unit_tokens.sum()
+        o, lse = attend_pages(q, k_pages[layer], v_pages[layer], fmt, page_ptr, page_ids, unit_tokens, hkv, scale,
+                              n_threads)
+        _answer(slots_o, slots_lse, done, layer, seqs[i], o, lse)
+    return layers.shape[0], -1
+
+
+# ---- the worker ----------------------------------------------------------------------------------
+
+@dataclass
+class ContextPages:
+    """hgca: every planned layer's context-cache pages. k_pages / v_pages: tuples over ALL layers of
+    [pages, page_tokens, D] storage arrays; page_ptr / page_ids int64 concatenated over the plan's
+    entries (ptr_off / ids_off int64 [n + 1] into them); unit_tokens int64 [n * B * Hkv]; fmt the
+    storage format code."""
+
+    fmt: int
+    k_pages: tuple
+    v_pages: tuple
+    page_ptr: np.ndarray
+    ptr_off: np.ndarray
+    page_ids: np.ndarray
+    ids_off: np.ndarray
+    unit_tokens: np.ndarray
+
+
+@dataclass
+class BlockPages:
+    """topk / scout: the store's block pages. k: blocks per (sequence, KV head) in the ids;
+    k_pages / v_pages: tuples over ALL layers of [slots * Hkv, block_size, D] storage arrays;
+    slot_tables int64 [n, B, W] (the store slot of each block of each sequence, per plan entry),
+    n_blocks int64 [n, B]."""
+
+    k: int
+    fmt: int
+    block_size: int
+    k_pages: tuple
+    v_pages: tuple
+    slot_tables: np.ndarray
+    n_blocks: np.ndarray
+
+
+@dataclass
+class StepPlan:
+    """What one decode step asks of the host: layers int32 [n] in submission order, seqs uint32 [n]
+    (the sequence number each layer's submit will carry), and `pages()`: run on the worker thread
+    before the step is served, it returns the pages to attend (ContextPages or BlockPages) and a
+    function to call once the step is served (the store's reader bracket); it may first wait for
+    host work that must precede the step (hgca's sparsification of the blocks just evicted)."""
+
+    layers: np.ndarray
+    seqs: np.ndarray
+    pages: object
+
+
+class ExchangeWorker:
+    """One thread that serves armed steps in order (see the module docstring)."""
+
+    def __init__(self, exchange: NativeExchange, slots: Slots, n_threads: int, scale: float,
+                 timeout_s: float = 300.0):
+        self.exchange, self.slots = exchange, slots
+        self.n_threads, self.scale, self.timeout_s = n_threads, np.float32(scale), timeout_s
+        self.abort = np.zeros(1, np.uint32)
+        self.error: BaseException | None = None
+        self.serve_s = 0.0  # worker seconds inside serve calls (waiting for queries included)
+        self.steps = 0
+        n_layers, batch, _, hkv, _, max_ids = slots.shape
+        self.last_ids = np.full((n_layers, max(1, batch * hkv * max_ids)), -1, np.int32)  # last step's ids
+        self.stats = np.zeros(2, np.int64)  # [tokens attended (blocks kind), unused]
+        self.served_any = False
+        self._plans: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="jhybrid-exchange", daemon=True)
+        self._thread.start()
+
+    def arm(self, plan: StepPlan) -> None:
+        """Serve `plan` once the step's submits arrive (call before dispatching the step)."""
+        self._idle.clear()
+        self._plans.put((plan, time.perf_counter()))
+
+    def reset_counters(self) -> None:
+        self.wait_idle()
+        self.serve_s, self.steps = 0.0, 0
+        self.stats[:] = 0
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        return self._idle.wait(timeout)
+
+    def raise_pending(self) -> None:
+        """Re-raise the worker's first error (once)."""
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def close(self) -> None:
+        self.abort[0] = 1
+        self._plans.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        numba.set_num_threads(self.n_threads)
+        while True:
+            item = self._plans.get()
+            if item is None:
+                return
+            plan, armed = item
+            watchdog = threading.Timer(self.timeout_s, self._time_out, args=(plan,))
+            watchdog.daemon = True
+            watchdog.start()
+            start = time.perf_counter()
+            release = None
+            try:
+                pages, release = plan.pages()
+                self._serve(plan, pages)
+            except BaseException as exc:  # noqa: BLE001 - surfaced at the next step start
+                exc.add_note(f"--- raised in the host exchange worker ---\n{traceback.format_exc()}")
+                self._fail(exc)
+            finally:
+                watchdog.cancel()
+                self.serve_s += time.perf_counter() - start
+                self.steps += 1
+                self.served_any = True
+                if release is not None:
+                    release()
+                if self._plans.empty():
+                    self._idle.set()
+
+    def _serve(self, plan: StepPlan, p) -> None:
+        s = self.slots
+        n_layers, batch, hq, hkv, head_dim, max_ids = s.shape
+        common = (plan.layers, plan.seqs, s.ready, s.done, self.abort, s.q)
+        if isinstance(p, ContextPages):
+            served = serve_context(*common, s.o, s.lse, batch, hq, head_dim, hkv, self.scale, self.n_threads, p.fmt,
+                                   p.k_pages,
+                                   p.v_pages, p.page_ptr, p.ptr_off, p.page_ids, p.ids_off, p.unit_tokens)
+            bad = -1
+        else:
+            served, bad = serve_blocks(*common, s.ids, s.o, s.lse, batch, hq, head_dim, hkv, p.k, self.scale,
+                                       self.n_threads, p.fmt,
+                                       p.block_size, p.k_pages, p.v_pages, p.slot_tables, p.n_blocks,
+                                       self.last_ids, self.stats)
+        if served < len(plan.layers):
+            layer = int(plan.layers[served])
+            if bad >= 0:
+                raise ValueError(f"host exchange: layer {layer}: block {bad % 1000000} of sequence "
+                                 f"{bad // 1000000} is not in the host store")
+            if self.abort[0]:
+                raise RuntimeError(f"host exchange: stopped at layer {layer} (aborted: closed or timed out)")
+
+    def _time_out(self, plan: StepPlan) -> None:
+        self._fail(TimeoutError(f"host exchange: a decode step was not served within {self.timeout_s} s "
+                                f"(layers {plan.layers.tolist()[:8]}...)"))
+        self.abort[0] = 1
+
+    def _fail(self, error: BaseException) -> None:
+        """Poison every output (NaN), keep the error, release every slot (nothing waits forever)."""
+        for rows in (self.slots.o, self.slots.lse):
+            for row in rows:
+                row[:] = np.nan
+        if self.error is None:
+            self.error = error
+        log.error("host exchange failed: %s: %s", type(error).__name__, error)
+        self.exchange.fail(f"{type(error).__name__}: {error}")
+
+
+__all__ = ["NativeExchange", "Slots", "ExchangeWorker", "StepPlan", "ContextPages", "BlockPages",
+           "load_library", "library_path"]

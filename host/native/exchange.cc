@@ -1,0 +1,445 @@
+// The stream-ordered host exchange of jhybrid (docs/design.md, "The host exchange").
+//
+// Two XLA FFI custom calls per layer and decode step, no Python and no stream synchronisation:
+//   submit:  q float32 [B, 1, Hq, D] (and block ids int32 [B, Hkv, k]) -> the layer's pinned host
+//            slot; then ready[slot] = seq. GPU: cuMemcpyDtoHAsync + cuStreamWriteValue32 on XLA's
+//            stream (the host sees the flag once the copy has landed); CPU: memcpy + a release store.
+//   collect: wait until done[slot] >= seq, then o [B, 1, Hq, D], lse [B, 1, Hq] float32 <- the slot.
+//            GPU: cuStreamWaitValue32 (the stream waits, the host does not) + cuMemcpyHtoDAsync;
+//            CPU: a bounded spin / sleep, an error after the timeout.
+// The host worker (host/exchange_worker.py, Numba nogil code on its own thread) polls ready[],
+// computes the partial state, writes o / lse into the slot and releases done[slot] = seq. An error
+// or a timeout on the host side writes the message here (jh_exchange_fail) and releases every slot,
+// so no stream waits forever; the CPU collect then returns the message as the call's error.
+//
+// No CUDA toolkit is needed to build this file: the CUDA driver (libcuda.so.1) is loaded at run time.
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---- the CUDA driver API, resolved at run time ------------------------------------------------
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = void*;
+using CUstream = void*;  // the same handle as cudaStream_t
+using CUdeviceptr = unsigned long long;
+constexpr unsigned kHostAllocPortable = 0x01, kHostAllocDeviceMap = 0x02;
+constexpr unsigned kWaitGeq = 0x0;
+
+struct Driver {
+  bool loaded = false;
+  std::string error;
+  CUresult (*Init)(unsigned) = nullptr;
+  CUresult (*DeviceGet)(CUdevice*, int) = nullptr;
+  CUresult (*PrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*CtxPush)(CUcontext) = nullptr;
+  CUresult (*CtxPop)(CUcontext*) = nullptr;
+  CUresult (*HostAlloc)(void**, size_t, unsigned) = nullptr;
+  CUresult (*FreeHost)(void*) = nullptr;
+  CUresult (*HostGetDevicePointer)(CUdeviceptr*, void*, unsigned) = nullptr;
+  CUresult (*MemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+  CUresult (*WriteValue32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+  CUresult (*WaitValue32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+  CUresult (*MemsetD32Async)(CUdeviceptr, unsigned, size_t, CUstream) = nullptr;
+  CUresult (*GetErrorString)(CUresult, const char**) = nullptr;
+
+  template <typename F>
+  bool Resolve(void* lib, F& fn, const char* name, const char* fallback = nullptr) {
+    void* sym = dlsym(lib, name);
+    if (sym == nullptr && fallback != nullptr) sym = dlsym(lib, fallback);
+    if (sym == nullptr) {
+      error = std::string("libcuda.so.1 has no ") + name;
+      return false;
+    }
+    fn = reinterpret_cast<F>(sym);
+    return true;
+  }
+
+  bool Load() {
+    if (loaded) return true;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* why = dlerror();
+      error = std::string("cannot load libcuda.so.1: ") + (why ? why : "unknown");
+      return false;
+    }
+    loaded = Resolve(lib, Init, "cuInit") && Resolve(lib, DeviceGet, "cuDeviceGet") &&
+             Resolve(lib, PrimaryCtxRetain, "cuDevicePrimaryCtxRetain") &&
+             Resolve(lib, CtxPush, "cuCtxPushCurrent_v2", "cuCtxPushCurrent") &&
+             Resolve(lib, CtxPop, "cuCtxPopCurrent_v2", "cuCtxPopCurrent") &&
+             Resolve(lib, HostAlloc, "cuMemHostAlloc") && Resolve(lib, FreeHost, "cuMemFreeHost") &&
+             Resolve(lib, HostGetDevicePointer, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer") &&
+             Resolve(lib, MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync") &&
+             Resolve(lib, MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync") &&
+             Resolve(lib, WriteValue32, "cuStreamWriteValue32_v2", "cuStreamWriteValue32") &&
+             Resolve(lib, WaitValue32, "cuStreamWaitValue32_v2", "cuStreamWaitValue32") &&
+             Resolve(lib, MemsetD32Async, "cuMemsetD32Async") &&
+             Resolve(lib, GetErrorString, "cuGetErrorString");
+    return loaded;
+  }
+
+  std::string Describe(CUresult r, const char* what) {
+    const char* text = nullptr;
+    if (GetErrorString != nullptr) GetErrorString(r, &text);
+    return std::string(what) + " failed: CUDA error " + std::to_string(r) + (text ? std::string(" (") + text + ")" : "");
+  }
+};
+
+Driver& driver() {
+  static Driver d;
+  return d;
+}
+
+// ---- one exchange per open hybrid batch --------------------------------------------------------
+// One pinned allocation: a header of flags, then one slot per layer (q, ids, o, lse regions).
+constexpr size_t kAlign = 64;
+size_t RoundUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+struct Exchange {
+  int n_slots = 0;
+  bool gpu = false;
+  size_t q_bytes = 0, ids_bytes = 0, o_bytes = 0, lse_bytes = 0;
+  size_t header_bytes = 0, slot_bytes = 0, total_bytes = 0;
+  char* host = nullptr;     // host view of the allocation
+  CUdeviceptr device = 0;   // device view (GPU), 0 on the CPU
+  std::vector<std::atomic<uint32_t>> submitted;  // enqueue-time sequence number per slot
+  double timeout_s = 300.0;
+  std::mutex message_mu;
+  std::string message;      // the host side's error, once set
+
+  // header: ready[n_slots], done[n_slots], failed (one 64-byte line each group)
+  uint32_t* ready() { return reinterpret_cast<uint32_t*>(host); }
+  uint32_t* done() { return reinterpret_cast<uint32_t*>(host + RoundUp(4 * n_slots)); }
+  uint32_t* failed() { return reinterpret_cast<uint32_t*>(host + 2 * RoundUp(4 * n_slots)); }
+  size_t ready_offset(int slot) const { return 4 * size_t(slot); }
+  size_t done_offset(int slot) const { return RoundUp(4 * n_slots) + 4 * size_t(slot); }
+  size_t slot_offset(int slot) const { return header_bytes + size_t(slot) * slot_bytes; }
+  size_t q_offset(int slot) const { return slot_offset(slot); }
+  size_t ids_offset(int slot) const { return q_offset(slot) + RoundUp(q_bytes); }
+  size_t o_offset(int slot) const { return ids_offset(slot) + RoundUp(ids_bytes); }
+  size_t lse_offset(int slot) const { return o_offset(slot) + RoundUp(o_bytes); }
+};
+
+// An exchange id is reserved once per hybrid backend (it is a compile-time attribute of the
+// backend's custom calls); each open() of the backend installs a fresh Exchange under it.
+constexpr int kMaxExchanges = 1024;
+std::atomic<Exchange*> g_exchanges[kMaxExchanges];
+bool g_reserved[kMaxExchanges];
+std::mutex g_create_mu;
+
+void Destroy(Exchange* ex) {
+  if (ex == nullptr) return;
+  if (ex->gpu) {
+    driver().FreeHost(ex->host);
+  } else {
+    std::free(ex->host);
+  }
+  delete ex;
+}
+
+Exchange* Lookup(int64_t id) {
+  if (id < 0 || id >= kMaxExchanges) return nullptr;
+  return g_exchanges[id].load(std::memory_order_acquire);
+}
+
+ffi::Error Invalid(const std::string& what) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, what); }
+ffi::Error Internal(const std::string& what) { return ffi::Error(ffi::ErrorCode::kInternal, what); }
+
+// Checks shared by the handlers; returns the exchange or sets *error.
+Exchange* Check(int64_t id, int64_t slot, ffi::Error* error) {
+  Exchange* ex = Lookup(id);
+  if (ex == nullptr) {
+    *error = Invalid("host exchange " + std::to_string(id) + " is not open (the hybrid backend was closed?)");
+    return nullptr;
+  }
+  if (slot < 0 || slot >= ex->n_slots) {
+    *error = Invalid("host exchange: slot " + std::to_string(slot) + " out of range [0, " +
+                     std::to_string(ex->n_slots) + ")");
+    return nullptr;
+  }
+  return ex;
+}
+
+ffi::Error CheckBytes(const char* what, size_t got, size_t capacity) {
+  if (got > capacity)
+    return Invalid(std::string("host exchange: ") + what + " of " + std::to_string(got) +
+                   " bytes exceeds the slot's " + std::to_string(capacity));
+  return ffi::Error::Success();
+}
+
+std::string FailureMessage(Exchange* ex, int64_t slot) {
+  std::lock_guard<std::mutex> lock(ex->message_mu);
+  return ex->message.empty() ? "host exchange: the host side failed at layer " + std::to_string(slot) : ex->message;
+}
+
+// ---- CPU handlers ------------------------------------------------------------------------------
+ffi::Error SubmitCpuImpl(int64_t id, int64_t slot, ffi::AnyBuffer q, ffi::RemainingArgs rest,
+                         ffi::Result<ffi::AnyBuffer> token) {
+  ffi::Error error = ffi::Error::Success();
+  Exchange* ex = Check(id, slot, &error);
+  if (ex == nullptr) return error;
+  if (auto e = CheckBytes("q", q.size_bytes(), ex->q_bytes); e.failure()) return e;
+  std::memcpy(ex->host + ex->q_offset(slot), q.untyped_data(), q.size_bytes());
+  if (rest.size() > 0) {
+    auto ids = rest.get<ffi::AnyBuffer>(0);
+    if (ids.has_error()) return ids.error();
+    if (auto e = CheckBytes("block ids", ids->size_bytes(), ex->ids_bytes); e.failure()) return e;
+    std::memcpy(ex->host + ex->ids_offset(slot), ids->untyped_data(), ids->size_bytes());
+  }
+  uint32_t seq = ex->submitted[slot].fetch_add(1) + 1;
+  __atomic_store_n(ex->ready() + slot, seq, __ATOMIC_RELEASE);
+  *reinterpret_cast<int32_t*>(token->untyped_data()) = static_cast<int32_t>(seq);
+  return ffi::Error::Success();
+}
+
+ffi::Error CollectCpuImpl(int64_t id, int64_t slot, ffi::RemainingArgs deps, ffi::Result<ffi::AnyBuffer> o,
+                          ffi::Result<ffi::AnyBuffer> lse) {
+  (void)deps;  // operands that only order this call after the GPU part of the layer
+  ffi::Error error = ffi::Error::Success();
+  Exchange* ex = Check(id, slot, &error);
+  if (ex == nullptr) return error;
+  if (auto e = CheckBytes("o", o->size_bytes(), ex->o_bytes); e.failure()) return e;
+  if (auto e = CheckBytes("lse", lse->size_bytes(), ex->lse_bytes); e.failure()) return e;
+  uint32_t seq = ex->submitted[slot].load();
+  auto start = std::chrono::steady_clock::now();
+  for (long spin = 0;; ++spin) {
+    uint32_t done = __atomic_load_n(ex->done() + slot, __ATOMIC_ACQUIRE);
+    if (static_cast<int32_t>(done - seq) >= 0) break;
+    if (__atomic_load_n(ex->failed(), __ATOMIC_ACQUIRE)) return Internal(FailureMessage(ex, slot));
+    if (spin > 4096) {
+      std::this_thread::sleep_for(std::chrono::microseconds(spin > 65536 ? 200 : 10));
+      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited > ex->timeout_s)
+        return Internal("host exchange: layer " + std::to_string(slot) + " not answered after " +
+                        std::to_string(ex->timeout_s) + " s (the host worker is stuck or gone)");
+    }
+  }
+  if (__atomic_load_n(ex->failed(), __ATOMIC_ACQUIRE)) return Internal(FailureMessage(ex, slot));
+  std::memcpy(o->untyped_data(), ex->host + ex->o_offset(slot), o->size_bytes());
+  std::memcpy(lse->untyped_data(), ex->host + ex->lse_offset(slot), lse->size_bytes());
+  return ffi::Error::Success();
+}
+
+// ---- GPU handlers (they enqueue; the stream does the waiting) -----------------------------------
+ffi::Error SubmitGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::AnyBuffer q, ffi::RemainingArgs rest,
+                         ffi::Result<ffi::AnyBuffer> token) {
+  ffi::Error error = ffi::Error::Success();
+  Exchange* ex = Check(id, slot, &error);
+  if (ex == nullptr) return error;
+  if (!ex->gpu) return Invalid("host exchange " + std::to_string(id) + " was opened for the CPU");
+  Driver& cu = driver();
+  if (auto e = CheckBytes("q", q.size_bytes(), ex->q_bytes); e.failure()) return e;
+  CUresult r = cu.MemcpyDtoHAsync(ex->host + ex->q_offset(slot), reinterpret_cast<CUdeviceptr>(q.untyped_data()),
+                                  q.size_bytes(), stream);
+  if (r != 0) return Internal(cu.Describe(r, "host exchange: query copy"));
+  if (rest.size() > 0) {
+    auto ids = rest.get<ffi::AnyBuffer>(0);
+    if (ids.has_error()) return ids.error();
+    if (auto e = CheckBytes("block ids", ids->size_bytes(), ex->ids_bytes); e.failure()) return e;
+    r = cu.MemcpyDtoHAsync(ex->host + ex->ids_offset(slot), reinterpret_cast<CUdeviceptr>(ids->untyped_data()),
+                           ids->size_bytes(), stream);
+    if (r != 0) return Internal(cu.Describe(r, "host exchange: block-id copy"));
+  }
+  uint32_t seq = ex->submitted[slot].fetch_add(1) + 1;
+  r = cu.WriteValue32(stream, ex->device + ex->ready_offset(slot), seq, 0);  // after the copies, with a barrier
+  if (r != 0) return Internal(cu.Describe(r, "host exchange: stream write of the ready flag"));
+  r = cu.MemsetD32Async(reinterpret_cast<CUdeviceptr>(token->untyped_data()), seq, 1, stream);
+  if (r != 0) return Internal(cu.Describe(r, "host exchange: token write"));
+  return ffi::Error::Success();
+}
+
+ffi::Error CollectGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::RemainingArgs deps,
+                          ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse) {
+  (void)deps;
+  ffi::Error error = ffi::Error::Success();
+  Exchange* ex = Check(id, slot, &error);
+  if (ex == nullptr) return error;
+  if (!ex->gpu) return Invalid("host exchange " + std::to_string(id) + " was opened for the CPU");
+  Driver& cu = driver();
+  if (auto e = CheckBytes("o", o->size_bytes(), ex->o_bytes); e.failure()) return e;
+  if (auto e = CheckBytes("lse", lse->size_bytes(), ex->lse_bytes); e.failure()) return e;
+  uint32_t seq = ex->submitted[slot].load();
+  CUresult r = cu.WaitValue32(stream, ex->device + ex->done_offset(slot), seq, kWaitGeq);
+  if (r != 0) return Internal(cu.Describe(r, "host exchange: stream wait on the done flag"));
+  r = cu.MemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(o->untyped_data()), ex->host + ex->o_offset(slot),
+                         o->size_bytes(), stream);
+  if (r != 0) return Internal(cu.Describe(r, "host exchange: output copy"));
+  r = cu.MemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(lse->untyped_data()), ex->host + ex->lse_offset(slot),
+                         lse->size_bytes(), stream);
+  if (r != 0) return Internal(cu.Describe(r, "host exchange: lse copy"));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeSubmitCpu, SubmitCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("exchange")
+                                  .Attr<int64_t>("slot")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeCollectCpu, CollectCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("exchange")
+                                  .Attr<int64_t>("slot")
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeSubmitGpu, SubmitGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Attr<int64_t>("exchange")
+                                  .Attr<int64_t>("slot")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeCollectGpu, CollectGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Attr<int64_t>("exchange")
+                                  .Attr<int64_t>("slot")
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// ---- control functions (ctypes) ------------------------------------------------------------------
+extern "C" {
+
+// A new exchange id (no buffers yet); -1 when all are taken.
+__attribute__((visibility("default"))) int jh_exchange_reserve() {
+  std::lock_guard<std::mutex> lock(g_create_mu);
+  for (int id = 0; id < kMaxExchanges; ++id) {
+    if (!g_reserved[id]) {
+      g_reserved[id] = true;
+      return id;
+    }
+  }
+  return -1;
+}
+
+// Buffers for one batch under a reserved id (replacing the previous batch's). 0, or -1 with `err` set.
+__attribute__((visibility("default"))) int jh_exchange_open(int id, int n_slots, int64_t q_bytes, int64_t ids_bytes,
+                                                            int64_t o_bytes, int64_t lse_bytes, int gpu,
+                                                            int device_ordinal, double timeout_s, char* err,
+                                                            int err_len) {
+  auto fail = [&](const std::string& what) {
+    std::snprintf(err, err_len, "%s", what.c_str());
+    return -1;
+  };
+  {
+    std::lock_guard<std::mutex> lock(g_create_mu);
+    if (id < 0 || id >= kMaxExchanges || !g_reserved[id]) return fail("jh_exchange_open: id not reserved");
+  }
+  if (n_slots <= 0 || q_bytes <= 0 || o_bytes <= 0 || lse_bytes <= 0 || ids_bytes < 0)
+    return fail("jh_exchange_create: sizes must be positive");
+  auto ex = std::make_unique<Exchange>();
+  ex->n_slots = n_slots;
+  ex->gpu = gpu != 0;
+  ex->q_bytes = q_bytes;
+  ex->ids_bytes = ids_bytes;
+  ex->o_bytes = o_bytes;
+  ex->lse_bytes = lse_bytes;
+  ex->timeout_s = timeout_s;
+  ex->submitted = std::vector<std::atomic<uint32_t>>(n_slots);
+  ex->header_bytes = 3 * RoundUp(4 * size_t(n_slots));
+  ex->slot_bytes = RoundUp(q_bytes) + RoundUp(ids_bytes) + RoundUp(o_bytes) + RoundUp(lse_bytes);
+  ex->total_bytes = ex->header_bytes + size_t(n_slots) * ex->slot_bytes;
+  if (ex->gpu) {
+    Driver& cu = driver();
+    if (!cu.Load()) return fail(cu.error);
+    CUresult r = cu.Init(0);
+    if (r != 0) return fail(cu.Describe(r, "cuInit"));
+    CUdevice dev;
+    CUcontext ctx;
+    if ((r = cu.DeviceGet(&dev, device_ordinal)) != 0) return fail(cu.Describe(r, "cuDeviceGet"));
+    if ((r = cu.PrimaryCtxRetain(&ctx, dev)) != 0) return fail(cu.Describe(r, "cuDevicePrimaryCtxRetain"));
+    if ((r = cu.CtxPush(ctx)) != 0) return fail(cu.Describe(r, "cuCtxPushCurrent"));
+    void* host = nullptr;
+    r = cu.HostAlloc(&host, ex->total_bytes, kHostAllocPortable | kHostAllocDeviceMap);
+    CUdeviceptr device = 0;
+    if (r == 0) r = cu.HostGetDevicePointer(&device, host, 0);
+    CUcontext popped;
+    cu.CtxPop(&popped);
+    if (r != 0) return fail(cu.Describe(r, "pinned host allocation (cuMemHostAlloc, mapped)"));
+    ex->host = static_cast<char*>(host);
+    ex->device = device;
+  } else {
+    ex->host = static_cast<char*>(std::aligned_alloc(kAlign, RoundUp(ex->total_bytes)));
+    if (ex->host == nullptr) return fail("host exchange: out of memory");
+  }
+  std::memset(ex->host, 0, ex->total_bytes);
+  Destroy(g_exchanges[id].exchange(ex.release(), std::memory_order_acq_rel));
+  return 0;
+}
+
+// Byte offsets of the layout inside the allocation (for NumPy views): out[0..7] = ready, done,
+// failed, first slot's q, ids, o, lse, slot stride; and out[8] = the host address of the allocation.
+__attribute__((visibility("default"))) int jh_exchange_layout(int id, int64_t* out) {
+  Exchange* ex = Lookup(id);
+  if (ex == nullptr) return -1;
+  out[0] = 0;
+  out[1] = int64_t(ex->done_offset(0));
+  out[2] = int64_t(2 * RoundUp(4 * size_t(ex->n_slots)));
+  out[3] = int64_t(ex->q_offset(0));
+  out[4] = int64_t(ex->ids_offset(0));
+  out[5] = int64_t(ex->o_offset(0));
+  out[6] = int64_t(ex->lse_offset(0));
+  out[7] = int64_t(ex->slot_bytes);
+  out[8] = int64_t(reinterpret_cast<intptr_t>(ex->host));
+  out[9] = int64_t(ex->total_bytes);
+  return 0;
+}
+
+// The host side failed (or timed out): keep the message, raise `failed`, release every slot so that
+// no stream or collect waits forever (the worker has written poison outputs).
+__attribute__((visibility("default"))) void jh_exchange_fail(int id, const char* message) {
+  Exchange* ex = Lookup(id);
+  if (ex == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(ex->message_mu);
+    if (ex->message.empty()) ex->message = message;
+  }
+  __atomic_store_n(ex->failed(), 1u, __ATOMIC_RELEASE);
+  for (int slot = 0; slot < ex->n_slots; ++slot)
+    __atomic_store_n(ex->done() + slot, ex->submitted[slot].load() + (1u << 30), __ATOMIC_RELEASE);
+}
+
+// Sequence number of the last submit enqueued for a slot (what its collect waits for).
+__attribute__((visibility("default"))) int64_t jh_exchange_submitted(int id, int slot) {
+  Exchange* ex = Lookup(id);
+  if (ex == nullptr || slot < 0 || slot >= ex->n_slots) return -1;
+  return ex->submitted[slot].load();
+}
+
+// Free the batch's buffers (the id stays reserved; the backend may open again). Call once no step
+// of the batch is running.
+__attribute__((visibility("default"))) void jh_exchange_close(int id) {
+  if (id < 0 || id >= kMaxExchanges) return;
+  Destroy(g_exchanges[id].exchange(nullptr, std::memory_order_acq_rel));
+}
+
+// The backend is gone: close and give the id back.
+__attribute__((visibility("default"))) void jh_exchange_release(int id) {
+  jh_exchange_close(id);
+  std::lock_guard<std::mutex> lock(g_create_mu);
+  if (id >= 0 && id < kMaxExchanges) g_reserved[id] = false;
+}
+
+}  // extern "C"
