@@ -33,7 +33,8 @@ import time
 
 import numpy as np
 
-from host.attention import attend_all, attend_blocks, attend_context, check_queries
+from host.attention import attend_all, attend_blocks, check_queries, paged_attention
+from host.exchange_worker import clip_to_published
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class HostBridge:
         self.last_queries: dict[int, np.ndarray] = {}    # layer -> last queries [B, Tq, Hq, D]
         # layer -> (tail [B, keep, Hq, D], valid [B]) of the last prefill chunk attended on the device
         self.turn_tails: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # "context" attention sees only the kept tokens of blocks the host side owns this step:
+        # token_index < context_token_limits[b] (int64 [B], set before each decode step)
+        self.context_token_limits: np.ndarray | None = None
         self.reset_counters()
 
     # ---- counters ----------------------------------------------------------------------------
@@ -73,13 +77,27 @@ class HostBridge:
     def _timed_attention(self, mode, layer, queries, block_ids):
         start = time.perf_counter()
         if mode == "context":
-            out = attend_context(self.store, layer, self.seq_ids, queries, self.scale)
+            out = self._attend_context(layer, queries)
         elif mode == "all":
             out = attend_all(self.store, layer, self.seq_ids, queries, self.scale)
         else:
             out = attend_blocks(self.store, layer, self.seq_ids, queries, block_ids, self.scale)
         self._c["cpu_attn_s"] += time.perf_counter() - start
         return out
+
+    def _attend_context(self, layer: int, queries: np.ndarray):
+        """hgca's CPU part: the layer's kept tokens, clipped to the published blocks."""
+        store = self.store
+        with store.lock:
+            view = store.context.snapshot_locked(layer, self.seq_ids)
+            if self.context_token_limits is not None:
+                view = clip_to_published(view, store.context.layers[layer].arrays["token_index"],
+                                         self.context_token_limits)
+            store.begin_read()
+        try:
+            return paged_attention(queries, view, self.scale)
+        finally:
+            store.end_read()
 
     def submit(self, layer: int, queries: np.ndarray, mode: str, block_ids: np.ndarray | None = None) -> int:
         """Queue attention of queries [B, Tq, Hq, D] float32 for `layer`; returns a ticket (int > 0)."""

@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 import weakref
+import dataclasses
 from dataclasses import dataclass
 
 import numba
@@ -289,6 +290,34 @@ def serve_blocks(layers, seqs, ready, done, abort, slots_q, slots_ids, slots_o, 
     return layers.shape[0], -1
 
 
+@njit(nogil=True, cache=True)
+def _clip_units(page_ptr, page_ids, unit_tokens, token_index, unit_limit):
+    """Kept tokens of each unit with token_index < unit_limit[u] (a unit's kept tokens are in
+    increasing token order): binary search over its pages. token_index [pages, page_tokens] int64."""
+    page_tokens = token_index.shape[1]
+    out = unit_tokens.copy()
+    for u in range(unit_tokens.shape[0]):
+        lo, hi = 0, unit_tokens[u]  # first row with index >= limit lies in [lo, hi]
+        base = page_ptr[u]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if token_index[page_ids[base + mid // page_tokens], mid % page_tokens] < unit_limit[u]:
+                lo = mid + 1
+            else:
+                hi = mid
+        out[u] = lo
+    return out
+
+
+def clip_to_published(view, token_index: np.ndarray, published_tokens: np.ndarray):
+    """The context-cache view (host.paged_view.PagedKV over B * Hkv units) limited to the kept tokens
+    of published blocks: token_index < published_tokens[b] (int64 [B]). hgca's sparsification runs
+    before its blocks are published, so the context may already hold tokens the GPU still attends."""
+    limits = np.repeat(np.asarray(published_tokens, np.int64), view.n_kv_heads)
+    return dataclasses.replace(view, unit_tokens=_clip_units(view.page_ptr, view.page_ids, view.unit_tokens,
+                                                             token_index, limits))
+
+
 # ---- the worker ----------------------------------------------------------------------------------
 
 @dataclass
@@ -449,4 +478,4 @@ class ExchangeWorker:
 
 
 __all__ = ["NativeExchange", "Slots", "ExchangeWorker", "StepPlan", "ContextPages", "BlockPages",
-           "load_library", "library_path"]
+           "clip_to_published", "load_library", "library_path"]

@@ -46,7 +46,7 @@ def test_predicted_device_bytes_equal_the_real_cache(tiny, mode):
     cache = tiny.init_cache(3, max_len, backend)
     real = sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(cache))
     pred = point_memory(tiny.config, mode, 3, 256, max_len, window, sink=16, block_size=16,
-                        recall_blocks=2, topk_blocks=p.offload.topk_blocks if mode in ("scout", "topk") else None)
+                        recall_blocks=2, ring_slack_blocks=p.offload.ring_slack_blocks, topk_blocks=p.offload.topk_blocks if mode in ("scout", "topk") else None)
     assert pred.device_cache_per_seq * 3 == real
 
 

@@ -207,7 +207,7 @@ def test_hgca_reevaluates_restored_blocks_with_the_history_queries(model, rng):
     backend = make_backend(cfg)
     _, writer = restore_into(model, backend, tokens, ("hidden", "hidden"))
     store = backend.runtime.store
-    backend.runtime.executor.close(wait=True)  # the queued re-evaluations have run
+    backend.runtime.evictor.wait_background()  # the queued re-evaluations have run
     for layer in range(CONFIG.num_layers):
         q_plain = plain_backend.runtime.bridge.last_queries[layer][:, :valid][:, -r:]
         q_restored = np.asarray(writer.last_queries[layer], np.float32)
@@ -226,7 +226,7 @@ def test_hgca_without_hidden_states_keeps_no_context_and_says_so(model, rng, cap
     backend = make_backend(cfg)
     with caplog.at_level("INFO", logger="jhybrid.hybrid.ingest"):
         restore_into(model, backend, tokens, ("kv", "kv"))
-    backend.runtime.executor.close(wait=True)
+    backend.runtime.evictor.wait_background()
     assert "not restored from hidden states" in caplog.text
     assert backend.runtime.store.context.kept_counts(0, 0).sum() == 0
 

@@ -19,9 +19,9 @@ from jhybrid.hybrid.modes.scout_recall import plan_recall
 from jhybrid.models import create_model
 from tests.hybrid_support import CHUNK, MAX_LEN, SCOUT_RECALLS, TINY as CONFIG, TOL, WINDOW
 
-# Window 40 = 8 sinks + 2 blocks of 16; 40 prompt + 40 decode tokens offload up to 3 blocks.
+# Window 40 = 8 sinks + 2 blocks of 16; 56 prompt + 40 decode tokens offload up to 4 blocks.
 KEEP_ALL = dict(WINDOW, **SCOUT_RECALLS)
-B, PROMPT, STEPS = 2, 40, 40
+B, PROMPT, STEPS = 2, 56, 40  # the prompt already offloads blocks: recalls can start at step 1
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,10 @@ def test_async_recall_applied_later_exact_and_byte_equal(model, tokens, referenc
     log = run.scout.recall_log
     assert log and all(entry["apply_step"] > entry["trigger_step"] for entry in log)
     assert {entry["layer"] for entry in log if entry["warm"]} == {0, 1}  # warm start of every layer
-    assert all(entry["trigger_step"] == 1 for entry in log if entry["warm"])
+    first = {}
+    for entry in log:
+        first.setdefault(entry["layer"], entry)
+    assert all(entry["warm"] for entry in first.values())  # each layer's first recall is its warm start
     assert assert_pool_matches_store(run) > 0
     counters = run.runtime.counters()
     assert counters["n_recalls"] == len(log) and counters["recall_bg_s"] > 0

@@ -255,10 +255,11 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
                  weights: int | None = None, device_limit: int | None = None,
                  host_limit: int | None = None, device_reserve: int = 0, host_reserve: int = 0,
                  predict_query: bool = True, host_kv_dtype: str | None = None,
-                 topk_blocks: int | None = None) -> PointMemory:
+                 topk_blocks: int | None = None, ring_slack_blocks: int = 4) -> PointMemory:
     """Predicted device and host bytes of one throughput point (see the table above).
 
-    window: GPU tokens per sequence and layer, sinks included (None for full). topk_blocks: scout /
+    window: GPU tokens per sequence and layer, sinks included (None for full); the device ring
+    holds ring_slack_blocks more blocks (OffloadConfig.ring_slack_blocks). topk_blocks: scout /
     topk's selected blocks per (sequence, KV head) (None: every block). weights: parameter
     bytes (None: estimated from the shape). The limits are the capacities to check against."""
     it = dtype_bytes(config.dtype)
@@ -274,8 +275,8 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
     else:
         if window is None:
             raise ValueError(f"mode {mode}: a window is needed")
-        ring = window - sink
-        per_layer = 2 * window * hkv * d * it + ring * hkv * 4
+        ring = window - sink + ring_slack_blocks * block_size  # the device ring buffer's capacity
+        per_layer = 2 * (sink + ring) * hkv * d * it + ring * hkv * 4
         if mode == "recall":  # the device copy of the offloaded KV, and its int32 valid-token count
             per_layer += 2 * nb * bs * hkv * d * it + 4
             upload = n_layers * 2 * nb * bs * hkv * d * it  # the next upload before the last is freed
@@ -287,7 +288,7 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
             if predict_query:  # the layer-ahead copy of the next layer's pool ids (not the last layer)
                 extra = recall_blocks * hkv * 4 * (n_layers - 1)
         activations = logits
-        over = max_len - sink - ring
+        over = max_len - window
         e = max(0, -(-over // bs))
         block = 2 * hkv * bs * d * st + hkv * bs * 4 + bs * 8 + 2 * hkv * d * 4
         host_layer = e * block

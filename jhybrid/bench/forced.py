@@ -26,11 +26,12 @@ def _token_log_prob(logits, target: int) -> float:
 
 
 def forced_nll(model, backend, tokens: np.ndarray, context: int, chunk: int = 256,
-               on_step=None) -> np.ndarray:
+               on_step=None, observe=None) -> np.ndarray:
     """Negative log-likelihoods (nats) of tokens[context + 1:], each predicted by a decode step.
 
     tokens: [N] int32 token ids, N > context + 1. Returns float64 [N - context - 1].
-    on_step(done, total) is called after each decode step (for progress bars).
+    on_step(done, total) is called after each decode step (for progress bars); observe(cache)
+    after each decode step with the new cache (statistics of the backend's state).
     """
     tokens = np.asarray(tokens, np.int32)
     n = len(tokens)
@@ -57,6 +58,8 @@ def forced_nll(model, backend, tokens: np.ndarray, context: int, chunk: int = 25
         logits, cache = step(params, jnp.asarray(tokens[None, position:position + 1]),
                              jnp.asarray(pos), cache)
         nll[i] = -_token_log_prob(logits[0, 0], int(tokens[position + 1]))
+        if observe is not None:
+            observe(cache)
         if on_step is not None:
             on_step(i + 1, len(nll))
     return nll

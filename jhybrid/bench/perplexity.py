@@ -46,8 +46,8 @@ def hgca_kept_share(backend) -> float | None:
     """Kept (CPU-attended) tokens / offloaded tokens of an hgca backend's host store, summed over
     its layers, sequences and KV heads (None before anything was offloaded)."""
     runtime = backend.runtime
-    executor = runtime.executor  # one FIFO worker: a no-op task returns after the queued sparsify /
-    executor.collect(executor.submit_task(lambda: None, what="drain"))  # re-evaluation tasks
+    runtime.evictor.publish_all()  # the background copies, their sparsification ...
+    runtime.evictor.wait_background()  # ... and the queued re-evaluations are done
     store, hkv = runtime.store, runtime.hkv
     kept = offloaded = 0
     for layer in range(runtime.n_layers):

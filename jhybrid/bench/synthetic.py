@@ -13,6 +13,12 @@ throughput point with `fill: synthetic` builds the state a prefill of `context` 
                 (1.0 for a `keep` share of the pool's tokens, else 0) passes beta / window. The
                 backend's open runtime then adopts the store and the lengths (`HostRuntime.adopt`).
 
+`fill: calibrated` is the same with the attention statistics of real text (measured on SmolLM2 by
+`jhybrid.bench.selection_stats`): the digests give each (sequence, KV head) a stable set of
+`overlap x k` hot blocks that every query selects (so scout's top-k keeps that share from one step to
+the next, and recall can hold it on the GPU), the rest of the top-k drawn from weak blocks that
+random queries rank differently at each step; hgca's kept share is the measured one (`hgca_keep`).
+
 The host store of one (model shape, context, window) is kept and reused by the next points of the
 same shape with a batch no larger (blocks appended by a point's decode steps are dropped first), so
 a sweep pays the host fill (first touch of fresh memory is slow) once per context, not per point.
@@ -236,11 +242,24 @@ class HostContext:
         self._mirror = (key, out)
         return out
 
-    def digests(self, layer: int, batch: int, e: int, nb: int, dtype) -> tuple[jax.Array, jax.Array]:
-        """Device key digests (min, max) [B, Hkv, nb, D] of the blocks of `layer` (0 past block e)."""
+    def digests(self, layer: int, batch: int, e: int, nb: int, dtype,
+                hot: int = 0) -> tuple[jax.Array, jax.Array]:
+        """Device key digests (min, max) [B, Hkv, nb, D] of the blocks of `layer` (0 past block e).
+        hot > 0 (calibrated fill): per (sequence, KV head) `hot` blocks get a digest that outscores any
+        other block for any query (kmin = -A, kmax = +A in every channel), the others are weakened
+        (scaled by 1/4); which blocks are hot is fixed per (layer, sequence, head)."""
         ids = np.stack([self.block_ids(layer, b, e) for b in range(batch)])  # [B, e]
-        return _gather_digests(jnp.asarray(self.pool_min), jnp.asarray(self.pool_max), jnp.asarray(ids),
-                               nb, jnp.dtype(dtype))
+        kmin, kmax = _gather_digests(jnp.asarray(self.pool_min), jnp.asarray(self.pool_max), jnp.asarray(ids),
+                                     nb, jnp.dtype(dtype))
+        if hot <= 0 or e == 0:
+            return kmin, kmax
+        hkv = kmin.shape[1]
+        rng = np.random.default_rng(1000 + layer)
+        mask = np.zeros((batch, hkv, nb), bool)
+        for b in range(batch):
+            for h in range(hkv):
+                mask[b, h, rng.choice(e, size=min(hot, e), replace=False)] = True
+        return _calibrate(kmin, kmax, jnp.asarray(mask))
 
 
 def _parallel(fn, args: list[tuple]) -> None:
@@ -267,6 +286,15 @@ def _gather_digests(pool_min, pool_max, ids, nb: int, dtype):
     return one(pool_min), one(pool_max)
 
 
+@jax.jit
+def _calibrate(kmin, kmax, hot):
+    """Hot blocks (mask [B, Hkv, nb]) -> -A / +A digests; the others scaled by 1/4."""
+    a = 4.0 * jnp.max(jnp.abs(kmax.astype(jnp.float32)))
+    mask = hot[..., None]
+    return (jnp.where(mask, -a, 0.25 * kmin.astype(jnp.float32)).astype(kmin.dtype),
+            jnp.where(mask, a, 0.25 * kmax.astype(jnp.float32)).astype(kmax.dtype))
+
+
 def host_shape(model_config, block_size: int) -> HostShape:
     dtype = jnp.dtype(model_config.dtype).name
     kv = KV_DTYPE_OF.get(dtype)
@@ -276,14 +304,16 @@ def host_shape(model_config, block_size: int) -> HostShape:
                      kv, dtype)
 
 
-def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: int, seed: int = 1):
+def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: int, seed: int = 1,
+                      overlap: float | None = None):
     """Writes the synthetic context into a fresh hybrid cache (from model.init_cache(.., backend),
     the backend opened for `batch` sequences) and has the backend's runtime adopt the host store
     (and recall's mirror). Returns the cache.
 
     Consumes `cache`: each device array it replaces is deleted as soon as its random replacement
     exists, so the fill never holds the zero window and the random one at once (at the device's
-    largest batch that would need the window's memory twice)."""
+    largest batch that would need the window's memory twice). overlap (calibrated fill): the share
+    of each step's top-k that stays selected at the next step (see HostContext.digests)."""
     cfg, runtime = backend.config, backend.runtime
     e = int(evicted_blocks(np.int64(context), cfg))
     nb = cfg.host_blocks(runtime.max_len)
@@ -301,8 +331,11 @@ def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: in
         key, sub = jax.random.split(key)
         return fresh(x, tiled_normal(sub, tuple(x.shape), x.dtype, 2))  # [B, Hkv, T, D]
 
+    topk = backend.config.topk_blocks or nb
+    hot = 0 if overlap is None else int(round(overlap * min(topk, e)))
+
     def digests_of(d, source: int):
-        kmin, kmax = host.digests(source, batch, e, nb, d.kmin.dtype)
+        kmin, kmax = host.digests(source, batch, e, nb, d.kmin.dtype, hot=hot)
         return d.replace(kmin=fresh(d.kmin, kmin), kmax=fresh(d.kmax, kmax))
 
     layers = []

@@ -98,7 +98,7 @@ def is_oom(error: Exception) -> bool:
 
 def max_len_for(bench) -> int:
     """Cache tokens per sequence: the context, the decode steps and one spare, rounded up to 64."""
-    warmup = bench.warmup_steps if bench.fill == "synthetic" else 2
+    warmup = bench.warmup_steps if bench.fill != "prefill" else 2
     return -(-(bench.context + warmup + bench.decode_tokens + 1) // 64) * 64
 
 
@@ -143,7 +143,7 @@ def xla_predicts(model, point) -> bool:
     """XLA, not arithmetic, predicts the step's transient bytes for run points of mode 'full' with a
     synthetic fill (the device-bound mode; the offloading modes' steps hold host-runtime state and
     keep the arithmetic estimate, as do prediction-only points, which have no model)."""
-    return (point.offload.mode == "full" and point.benchmark.fill == "synthetic"
+    return (point.offload.mode == "full" and point.benchmark.fill != "prefill"
             and hasattr(model, "init_cache"))
 
 
@@ -219,7 +219,7 @@ def predict(model, point, batch: int, window: int | None, weights: int) -> Point
                         device_limit=None if limit is None else int(limit), host_limit=int(host),
                         device_reserve=int(bench.device_reserve_gib * GIB),
                         host_reserve=int(bench.host_reserve_gib * GIB),
-                        predict_query=offload.predict_query,
+                        predict_query=offload.predict_query, ring_slack_blocks=offload.ring_slack_blocks,
                         topk_blocks=offload.topk_blocks if offload.mode in ("scout", "topk") else None)
 
 
@@ -280,15 +280,22 @@ def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> lis
     weights = params_bytes(model)
     start = time.perf_counter()
     batch, memory = resolve_batch(model, point, window, weights, backend)
+    split = {}
+    if bench.split == "balanced" and offload.mode != "full" and not memory.over_capacity():
+        point, split = _balanced_point(model, point, batch, weights)
+        offload = point.offload
+        backend, window = backend_for(offload, bench.context)
+        memory = predict(model, point, batch, window, weights)
     predict_s = time.perf_counter() - start
     base.update(batch=batch, window=window, gpu_ratio=offload.gpu_ratio if window else None,
                 budget=offload.budget if offload.mode in ("scout", "topk") else None,
+                recall_blocks=offload.recall_blocks if offload.mode == "scout" else None, **split,
                 weight_bytes=weights, **memory.fields(), predict_s=round(predict_s, 2))
     reason = memory.over_capacity()
     if reason and not bench.run_over_capacity:
         raise PointSkipped(reason, **base)
     try:
-        if bench.fill == "synthetic":
+        if bench.fill != "prefill":
             row = _run_synthetic(model, point, backend, batch, window, on_step, deadline, memory)
         else:
             row = _run_prefill(model, point, backend, batch, on_step)
@@ -309,6 +316,30 @@ def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> lis
     finally:
         _release(backend)
     return [{**base, **row}]
+
+
+def _balanced_point(model, point, batch: int, weights: int):
+    """The point with its window / budget / pool from the balanced split (jhybrid.hybrid.split):
+    the window as large as the device allows at this batch, the CPU's share what the host attends
+    in the GPU's time per layer (this machine's measured profile). -> (point, row fields)."""
+    from jhybrid.bench.budget import parameter_count
+    from jhybrid.hybrid.split import balanced_split, machine_profile
+
+    config, bench = model.config, point.benchmark
+    embeddings = config.vocab_size * config.d_model * (1 if config.tie_embeddings else 2)
+    per_layer = (parameter_count(config) - embeddings) * weights // max(1, parameter_count(config)) // config.num_layers
+
+    def fits(offload) -> bool:
+        candidate = dataclasses.replace(point, offload=offload)
+        return predict(model, candidate, batch, offload.window_tokens, weights).over_capacity() is None
+
+    try:
+        offload, report = balanced_split(config, point.offload, batch, bench.context, fits,
+                                         machine_profile(n_threads=point.offload.host_threads), per_layer,
+                                         resident_share=bench.selection_overlap)
+    except ValueError as error:
+        raise PointSkipped(str(error)) from None
+    return dataclasses.replace(point, offload=offload), report.fields()
 
 
 def _release(backend) -> None:
@@ -368,7 +399,8 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
         host.prepare(batch, e, slack)
         backend.open(model.config, batch, max_len)
         cache = model.init_cache(batch, max_len, backend)
-        cache = synthetic.load_hybrid_cache(cache, backend, host, batch, bench.context)
+        overlap = bench.selection_overlap if bench.fill == "calibrated" else None
+        cache = synthetic.load_hybrid_cache(cache, backend, host, batch, bench.context, overlap=overlap)
         runtime = backend.runtime
     jax.block_until_ready(cache)
     fill_s = time.perf_counter() - fill_start
@@ -384,6 +416,7 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     else:
         compile_s = memory.compile_seconds
     step_s, hook_s = [], []
+    overlaps, previous = [], None
     planned = bench.warmup_steps + bench.decode_tokens
     i = 0
     while i < planned:
@@ -403,6 +436,9 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
         t2 = time.perf_counter()
         step_s.append(t2 - t0)
         hook_s.append(t1 - t0)
+        if i >= bench.warmup_steps and runtime is not None and cache.layers[0].selected is not None:
+            overlaps.append(_selection_overlap(cache, previous))  # outside the timed span
+            previous = [np.asarray(state.selected) for state in cache.layers]
         held = held + 1
         i += 1
         if on_step:
@@ -412,8 +448,42 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
         row["steps_note"] = f"time budget: {len(step_s)} of {bench.decode_tokens} timed steps"
     row.update(_memory_now(runtime))
     row.update(_breakdown(step_s, hook_s, runtime))
+    row.update(_selection_fields(runtime, [o for o in overlaps if o is not None], len(step_s), batch))
     del cache
     return row
+
+
+def _selection_overlap(cache, previous) -> float | None:
+    """Share of this step's top-k blocks (every layer, sequence, KV head) the previous step selected."""
+    if previous is None:
+        return None
+    same = total = 0
+    for state, prev in zip(cache.layers, previous):
+        cur = np.asarray(state.selected)
+        valid = cur >= 0
+        same += int(((cur[..., None] == prev[:, :, None, :]).any(-1) & valid).sum())
+        total += int(valid.sum())
+    return same / total if total else None
+
+
+def _selection_fields(runtime, overlaps: list[float], steps: int, batch: int) -> dict:
+    """scout / topk: the measured step-to-step top-k overlap and the CPU's share of the selected
+    tokens (the rest sat in the GPU recall pool); hgca: the kept share of the offloaded tokens."""
+    if runtime is None:
+        return {}
+    out = {}
+    if overlaps:
+        out["topk_overlap"] = round(float(np.mean(overlaps)), 4)
+        cfg = runtime.config
+        selected = steps * runtime.n_layers * batch * runtime.hkv * (cfg.topk_blocks or runtime.nb_max) * cfg.block_size
+        out["cpu_share_of_selection"] = round(runtime.counters().get("cpu_tokens", 0) / max(selected, 1), 4)
+    if runtime.config.mode == "hgca":
+        kept = sum(int(runtime.store.context.kept_counts(layer, b).sum())
+                   for layer in range(runtime.n_layers) for b in range(runtime.batch))
+        stored = sum(runtime.store.n_tokens(layer, b) for layer in range(runtime.n_layers)
+                     for b in range(runtime.batch)) * runtime.hkv
+        out["hgca_kept_share"] = round(kept / max(stored, 1), 4)
+    return out
 
 
 def _breakdown(step_s, hook_s, runtime) -> dict:

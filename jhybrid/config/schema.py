@@ -23,7 +23,7 @@ from jhybrid.bench.texts import TEXT_FILES
 from jhybrid.hybrid.config import InvalidOffloadConfig, OffloadConfig
 
 TASKS = ("perplexity", "niah", "throughput")
-FILLS = ("prefill", "synthetic")
+FILLS = ("prefill", "synthetic", "calibrated")
 BATCH_WORDS = ("max", "max+1")
 TEXTS = tuple(TEXT_FILES)
 
@@ -66,7 +66,15 @@ class BenchmarkSpec:
           and host, jhybrid.bench.budget.point_memory) or 'max+1' (the first one predicted not to).
       fill: 'prefill' = a real chunked prefill of random prompts (measures time to first token);
           'synthetic' = the context is written directly as random KV into the GPU window / cache and
-          the host store (no prefill: long contexts in seconds; no time to first token).
+          the host store (no prefill: long contexts in seconds; no time to first token);
+          'calibrated' = the same with real-text attention statistics: `selection_overlap` of scout's
+          top-k stays selected from step to step, hgca keeps `hgca_keep` (jhybrid.bench.synthetic).
+      selection_overlap: calibrated fill: scout / topk's step-to-step top-k overlap to reproduce (the
+          balanced split also takes it as the share of scout's selection its recall pool holds).
+      split: 'fixed' = the offload section's window / budget as given; 'balanced' = the offloading
+          modes' window as large as the device memory left at the batch allows and the CPU's share
+          (scout / topk budget, scout's pool) what the host attends in the GPU's time per layer, from
+          this machine's measured profile (jhybrid.hybrid.split); rows say what was chosen.
       warmup_steps: untimed decode steps before the `decode_tokens` timed ones (synthetic fill).
       prefill_repeats: prefill fill: timed generations (fresh random prompts each) after the untimed
           warm-up; time to first token is their median, decode times are pooled over them.
@@ -99,6 +107,8 @@ class BenchmarkSpec:
     warmup_steps: int = 2
     prefill_repeats: int = 3
     hgca_keep: float = 0.1
+    selection_overlap: float = 0.8
+    split: str = dataclasses.field(default="fixed", metadata=_choices("fixed", "balanced"))
     run_over_capacity: bool = False
     device_memory_gib: float | None = None
     host_memory_gib: float | None = None
@@ -191,5 +201,7 @@ def build_section(section: str, values) -> typing.Any:
 def _check_ranges(section: str, spec) -> None:
     if section == "benchmark" and not 0.0 <= spec.niah_depth <= 1.0:
         raise ConfigError(f"'benchmark.niah_depth' = {spec.niah_depth}: expected a fraction in [0, 1]")
+    if section == "benchmark" and not 0.0 <= spec.selection_overlap <= 1.0:
+        raise ConfigError(f"'benchmark.selection_overlap' = {spec.selection_overlap}: expected a fraction in [0, 1]")
     if section == "benchmark" and not 0.0 <= spec.hgca_keep <= 1.0:
         raise ConfigError(f"'benchmark.hgca_keep' = {spec.hgca_keep}: expected a fraction in [0, 1]")

@@ -26,7 +26,8 @@ DEFAULT_WINDOW_TOKENS = 1024  # an offloading mode given neither window_tokens n
 
 # Fields every offloading mode reads (the GPU window, the host store and its workers); a mode's
 # own fields are listed by its class (`OffloadMode.settings`).
-COMMON_SETTINGS = frozenset({"window_tokens", "gpu_ratio", "sink", "block_size", "prefill_offloaded",
+COMMON_SETTINGS = frozenset({"window_tokens", "gpu_ratio", "sink", "block_size", "ring_slack_blocks",
+                             "eviction_lag_steps", "eviction_spread", "prefill_offloaded",
                              "prefill_upload_max_bytes", "host_threads", "host_memory_cap_bytes",
                              "kernel_backend", "host_exchange", "exchange_timeout_s"})
 
@@ -64,6 +65,14 @@ class OffloadConfig:
         ring blocks); set at most one of the two (neither: 1024 tokens). Resolved by `resolved`.
     sink: attention-sink tokens kept on the GPU forever.
     block_size: tokens per eviction / selection block.
+    ring_slack_blocks: blocks the GPU ring holds beyond the window, so that evictions finish in the
+        background: a block's copy to the host starts when the policy evicts it, the GPU keeps
+        attending it until the host publishes it (`eviction_lag_steps` decode steps later).
+    eviction_lag_steps: decode steps between the start of a block's copy and its publication to the
+        host side (the step start waits only if the background is later than that).
+    eviction_spread: spread the sequences' evictions over block_size decode steps (sequence b starts
+        its copies at steps where (step + b) % block_size == 0, or when its slack runs out), so no
+        step carries every sequence's eviction at once.
     alpha: hgca: MAW moving-average factor, A = (1 - alpha) A + alpha A_new.
     beta: hgca: keep an offloaded token for CPU attention iff MAW > beta / window_tokens (HGCA's
         salience); tiny values (e.g. 1e-30) keep everything.
@@ -105,6 +114,9 @@ class OffloadConfig:
     gpu_ratio: float | None = None
     sink: int = 16
     block_size: int = 16
+    ring_slack_blocks: int = 4
+    eviction_lag_steps: int = 2
+    eviction_spread: bool = True
     alpha: float = 0.1
     beta: float = 1.0
     keep_after: int = 0
@@ -145,7 +157,7 @@ class OffloadConfig:
         for name in ("block_size", "recall_min_interval", "reevaluate_queries"):
             value = getattr(self, name)
             check(name, _is_int(value) and value > 0, "expected a positive int")
-        for name in ("sink", "keep_after", "recall_blocks"):
+        for name in ("sink", "keep_after", "recall_blocks", "ring_slack_blocks", "eviction_lag_steps"):
             value = getattr(self, name)
             check(name, _is_int(value) and value >= 0, "expected an int >= 0")
         for name in ("window_tokens", "budget", "host_threads", "host_memory_cap_bytes"):
@@ -163,6 +175,7 @@ class OffloadConfig:
         check("recall_threshold", _is_number(self.recall_threshold) and 0.0 <= self.recall_threshold <= 1.0,
               "expected a fraction in [0, 1]")
         check("predict_query", isinstance(self.predict_query, bool), "expected true or false")
+        check("eviction_spread", isinstance(self.eviction_spread, bool), "expected true or false")
         check("exchange", self.exchange in EXCHANGES, f"expected one of {EXCHANGES}")
         check("prefill_offloaded", self.prefill_offloaded in PREFILL_OFFLOADED,
               f"expected one of {PREFILL_OFFLOADED}")
@@ -242,8 +255,18 @@ class OffloadConfig:
 
     @property
     def blk_num(self) -> int:
-        """Blocks of the ring."""
+        """Blocks of the window's ring (the eviction policy's)."""
         return self.ring_tokens // self.block_size
+
+    @property
+    def ring_capacity(self) -> int:
+        """Token slots of the device ring buffer: the window's ring plus the eviction slack."""
+        return self.ring_tokens + self.ring_slack_blocks * self.block_size
+
+    @property
+    def ring_blocks(self) -> int:
+        """Block slots of the device ring buffer."""
+        return self.ring_capacity // self.block_size
 
     @property
     def max_prefill_chunk(self) -> int:

@@ -6,7 +6,7 @@ history of n tokens on the device. `HybridCacheWriter` is the restore sink for t
 chunked prefill of the same n tokens would have left it, WITHOUT running attention:
 
   * GPU window: positions [0, sink) into the sinks, positions [sink + e * block_size, n) into the
-    ring (slot (p - sink) % ring_tokens), with e = `window.evicted_blocks(n)` — the eviction
+    ring (slot (p - sink) % ring_capacity), with e = `window.evicted_blocks(n)` — the eviction
     policy is a function of the length alone, so the placement equals a prefill's for any chunking;
   * host store: blocks 0..e-1 (positions sink + b * block_size + [0, block_size)) appended with
     `HostRuntime.append_blocks` (so the mode hears of them: recall fills its mirror), after one bulk
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 def _place_window(cfg, window, k: jax.Array, v: jax.Array, n: int, evicted: int):
     """Writes the window part of k, v [1, n, Hkv, D] (sinks and the un-evicted ring tokens) into
     a layer's `Window` (its MAW slots reset to 0 by write_tokens)."""
-    s, bs, w = cfg.sink, cfg.block_size, cfg.ring_tokens
+    s, bs, w = cfg.sink, cfg.block_size, cfg.ring_tokens  # the window's ring: what a prefill leaves
     begin = s + evicted * bs  # first ring token
     count = n - begin  # <= ring_tokens
     sinks = min(s, n)

@@ -34,17 +34,24 @@ import numpy as np
 
 from jhybrid.hybrid.state import DeviceCopy
 from jhybrid.hybrid.transfer import next_pow2, stored_as, to_device
+from jhybrid.hybrid.window import evicted_blocks
 
 log = logging.getLogger(__name__)
 
 
 def offloaded_prompt_bytes(store, batch: int, itemsize: int) -> int:
     """Device bytes `offloaded_prompt` would upload now (K and V of every layer, padded)."""
-    c = store.config
-    e = max(store.n_blocks(0, b) for b in range(batch))
+    blocks = np.array([store.n_blocks(0, b) for b in range(batch)], np.int64)
+    return copies_bytes(store.config, blocks, itemsize)
+
+
+def copies_bytes(store_config, blocks: np.ndarray, itemsize: int) -> int:
+    """Device bytes of copies of `blocks` [B] offloaded blocks per sequence (K and V of every
+    layer, padded to a power of two of blocks)."""
+    c, e = store_config, int(blocks.max(initial=0))
     if e == 0:
         return 0
-    return 2 * c.n_layers * batch * c.n_kv_heads * next_pow2(e) * c.block_size * c.head_dim * itemsize
+    return 2 * c.n_layers * len(blocks) * c.n_kv_heads * next_pow2(e) * c.block_size * c.head_dim * itemsize
 
 
 def offloaded_prompt(store, batch: int, dtype, device):
@@ -125,16 +132,18 @@ class PrefillCopies:
         """This step start's evicted blocks, still on the device: k, v [L, N, bs, Hkv, D], seq, blk [N]."""
         self._evicted = (k, v, seq, blk, added)
 
-    def attach(self, cache):
-        """Before a prefill chunk: the device path puts each layer's copies in its state; the host
-        path (or nothing offloaded yet) leaves the cache as it is."""
+    def uses_device(self, cache, after: np.ndarray) -> bool:
+        """Does the prefill chunk that brings the sequences to `after` [B] tokens attend to its
+        offloaded prompt on the device (copies) rather than on the host? (config.prefill_offloaded,
+        the platform, and the copies' size against prefill_upload_max_bytes; nothing offloaded
+        yet: the host path, which then attends to nothing.)"""
         runtime, cfg = self.runtime, self.runtime.config
         device = runtime.device_of(cache)
         if cfg.prefill_offloaded == "host" or (cfg.prefill_offloaded == "auto" and device.platform != "gpu"):
-            return cache
-        nbytes = offloaded_prompt_bytes(runtime.store, runtime.batch, runtime.dtype.itemsize)
+            return False
+        nbytes = copies_bytes(runtime.store.config, evicted_blocks(after, cfg), runtime.dtype.itemsize)
         if nbytes == 0:
-            return cache
+            return False
         limit = cfg.prefill_upload_max_bytes
         if limit is not None and nbytes > limit:
             if not runtime.counters()["n_prefill_host_chunks"]:
@@ -142,13 +151,22 @@ class PrefillCopies:
                             "prefill_upload_max_bytes=%d; such chunks attend to it on the CPU (slower)",
                             cfg.mode, nbytes, limit)
             runtime.count("n_prefill_host_chunks")
-            return cache
+            return False
+        return True
+
+    def attach(self, cache, blocks: np.ndarray):
+        """Before a prefill chunk on the device path: each layer's state gets the copies of `blocks`
+        [B] offloaded blocks per sequence (the last chunk's copies extended on the device, else
+        copied from the host store once every started eviction has landed there)."""
+        runtime, cfg = self.runtime, self.runtime.config
+        device = runtime.device_of(cache)
         start = time.perf_counter()
-        blocks = runtime.offloaded_blocks().astype(np.int64)
+        blocks = blocks.astype(np.int64)
         layers_kv = self._extended(blocks)
         if layers_kv is None:  # the first chunk over offloaded tokens (or after decode): from the store
+            runtime.evictor.publish_all()
             layers_kv, _ = offloaded_prompt(runtime.store, runtime.batch, runtime.dtype, device)
-            runtime.count("bytes_to_device", nbytes)
+            runtime.count("bytes_to_device", copies_bytes(runtime.store.config, blocks, runtime.dtype.itemsize))
         n_valid = (blocks * cfg.block_size).astype(np.int32)
         # one n_valid per layer: the step donates the cache, and a buffer cannot be donated twice
         layers = tuple(state.replace(offloaded=DeviceCopy(k, v, jax.device_put(n_valid, device)))

@@ -9,11 +9,10 @@ host work, in this order (docs/design.md, "One decode step"):
   1. re-raise a host error of the previous step; the mode's `step_start`; drop last step's device
      copies of offloaded tokens
   2. check the positions (contiguous appends, chunk fits the ring, max_len)
-  3. eviction: when this step's tokens would overflow a ring, one jitted gather takes the oldest
-     whole blocks of every layer (K, V, per-token MAW; and writes their key digests where a layer
-     keeps digests), the blocks go device -> `pinned_host` memory in one transfer and into
-     `KVStore.append_blocks`; the mode hears `blocks_stored` / `blocks_evicted`
-     (hgca: sparsify them on the worker). Whole blocks, once every block_size decode steps.
+  3. eviction (`jhybrid.hybrid.eviction`): publish the background copies that are due, start the
+     copies due at this step (one jitted gather, an asynchronous transfer, the store append and the
+     mode's `blocks_stored` / `blocks_evicted` in a background thread), and fix the step's split
+     between the GPU ring and the host side
   4. the mode's `every_step` (scout: apply finished recalls)
   5. prefill chunk: the mode's `before_prefill_chunk`, then the prefill copies;
      decode step: the mode's `before_decode` (hgca: re-evaluation; recall: upload; scout: recalls),
@@ -29,8 +28,8 @@ mode's own (e.g. n_reevaluations, n_recalls) and the bridge's (callback_s, wait_
 
 from __future__ import annotations
 
-import functools
 import logging
+import threading
 import time
 
 import jax
@@ -40,11 +39,12 @@ import numpy as np
 
 from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
-from host.exchange_worker import BlockPages, ContextPages, ExchangeWorker, StepPlan
+from host.exchange_worker import BlockPages, ContextPages, ExchangeWorker, StepPlan, clip_to_published
 from jhybrid.hybrid.config import OffloadConfig
+from jhybrid.hybrid.eviction import Evictor
 from jhybrid.hybrid.prefill import PrefillCopies
 from jhybrid.hybrid.state import StepMeta
-from jhybrid.hybrid.transfer import device_of, next_pow2, to_host
+from jhybrid.hybrid.transfer import device_of
 from jhybrid.hybrid.window import evicted_blocks
 
 log = logging.getLogger(__name__)
@@ -97,11 +97,12 @@ class HostRuntime:
         self.n_threads = config.host_threads or max(1, numba.config.NUMBA_NUM_THREADS - 1)
         self._start_workers()
         self.n_tokens = np.zeros(batch, np.int64)  # tokens per sequence (= the cache's lengths)
-        self._offloaded = np.zeros(batch, np.int64)  # blocks per sequence owned by the host side
         self.decode_steps = 0
         self._c: dict[str, float] = {}
-        self.declare_counters("evict_s", "transfer_s", "bytes_to_host", "bytes_to_device", "n_evicted_blocks",
-                              "n_prefill_device_chunks", "n_prefill_extends", "n_prefill_host_chunks")
+        self._c_lock = threading.Lock()  # counters are also updated by background threads
+        self.declare_counters("bytes_to_device", "n_prefill_device_chunks", "n_prefill_extends",
+                              "n_prefill_host_chunks")
+        self.evictor = Evictor(self)
         self.history: list[dict] = []
         self._last_snapshot = None
         self.prefill = PrefillCopies(self)
@@ -126,6 +127,7 @@ class HostRuntime:
         self.bridge = HostBridge(self.store, self.executor, range(self.batch), self.scale)
 
     def close(self) -> None:
+        self.evictor.close()
         self.mode_host.close()
         self.executor.close(wait=False)
         if self.worker is not None:
@@ -135,8 +137,8 @@ class HostRuntime:
 
     # ---- state the modes read ---------------------------------------------------------------------
     def offloaded_blocks(self) -> np.ndarray:
-        """[B] blocks per sequence owned by the host side (a copy)."""
-        return self._offloaded.copy()
+        """[B] blocks per sequence owned by the host side (published; a copy)."""
+        return self.evictor.published.copy()
 
     def last_block_ids(self, layer: int) -> np.ndarray | None:
         """The block ids [B, Hkv, k] int the CPU attended for `layer` at the last decode step (a copy;
@@ -176,7 +178,7 @@ class HostRuntime:
             raise ValueError(f"adopt: the host store holds {stored.tolist()} blocks per sequence; contexts of "
                              f"{n_tokens.tolist()} tokens offload {expected.tolist()}")
         self.n_tokens = n_tokens.copy()
-        self._offloaded = expected.astype(np.int64)
+        self.evictor.adopt(expected)
         for layer in range(self.n_layers):
             for b in range(self.batch):
                 slots = self.store.block_slots(layer, b)
@@ -190,18 +192,21 @@ class HostRuntime:
             self._c.setdefault(name, 0)
 
     def count(self, name: str, amount: float = 1) -> None:
-        self._c[name] = self._c.get(name, 0) + amount
+        with self._c_lock:
+            self._c[name] = self._c.get(name, 0) + amount
 
     def reset_counters(self) -> None:
         self.history = []
         self._last_snapshot = None
-        self._c = {name: 0 for name in self._c}
+        with self._c_lock:
+            self._c = {name: 0 for name in self._c}
         self.bridge.reset_counters()
         if self.worker is not None:
             self.worker.reset_counters()
 
     def counters(self) -> dict:
-        out = {**self._c, **self.bridge.counters()}
+        with self._c_lock:
+            out = {**self._c, **self.bridge.counters()}
         if self.worker is not None:
             out.update(exchange_serve_s=self.worker.serve_s, exchange_steps=self.worker.steps)
             out["cpu_tokens"] += int(self.worker.stats[0])
@@ -266,21 +271,22 @@ class HostRuntime:
         after = self.n_tokens + n_new
         if np.any(after > self.max_len):
             raise ValueError(f"sequence lengths {after.tolist()} exceed the cache's max_len={self.max_len}")
-        before = self._offloaded.copy()
-        target = evicted_blocks(after, self.config).astype(np.int64)
-        if np.any(target > before):
-            cache = self._evict(cache, before, target, keep_on_device=prefill)
+        before = self.evictor.published.copy()
+        device_prefill = prefill and self.prefill.uses_device(cache, after)
+        cache, split = self.evictor.before_step(cache, after, prefill, device_prefill, self.decode_steps)
         cache = self.mode_host.every_step(cache)
         if prefill:
             self.mode_host.before_prefill_chunk(pos)
-            cache = self.prefill.attach(cache)
+            if device_prefill:
+                cache = self.prefill.attach(cache, split)
         else:
             cache = self.mode_host.before_decode(cache, before)
             self.decode_steps += 1
+            self.bridge.context_token_limits = split * self.config.block_size  # the callback transport's clip
             if self.worker is not None:
                 self.worker.arm(self._plan())
         self.n_tokens = after
-        meta = StepMeta(offloaded_blocks=jax.device_put(self._offloaded.astype(np.int32), self.device_of(cache)))
+        meta = StepMeta(offloaded_blocks=jax.device_put(split.astype(np.int32), self.device_of(cache)))
         return cache.replace(meta=meta)
 
     def _plan(self) -> StepPlan:
@@ -291,21 +297,24 @@ class HostRuntime:
         seqs = np.array([self.native.submitted(layer) + 1 for layer in range(self.n_layers)], np.uint32)
         barrier = self.executor.submit_task(lambda: None, what="exchange barrier")
         kind = self.mode.decode_host_kind()
-        offloaded = self._offloaded.copy()
+        offloaded = self.evictor.published.copy()
 
         def pages():
             self.executor.collect(barrier)
             store = self.store
             with store.lock:
-                snapshot = self._context_pages() if kind == "context" else self._block_pages(offloaded)
+                snapshot = self._context_pages(offloaded) if kind == "context" else self._block_pages(offloaded)
                 store.begin_read()
             return snapshot, store.end_read
 
         return StepPlan(layers=layers, seqs=seqs, pages=pages)
 
-    def _context_pages(self) -> ContextPages:
-        """hgca: every layer's kept tokens (store lock held)."""
-        views = [self.store.context.snapshot_locked(layer, range(self.batch)) for layer in range(self.n_layers)]
+    def _context_pages(self, published: np.ndarray) -> ContextPages:
+        """hgca: every layer's kept tokens of the `published` [B] blocks (store lock held)."""
+        limit = published * self.config.block_size
+        views = [clip_to_published(self.store.context.snapshot_locked(layer, range(self.batch)),
+                                   self.store.context.layers[layer].arrays["token_index"], limit)
+                 for layer in range(self.n_layers)]
         return ContextPages(
             fmt=views[0].fmt, k_pages=tuple(v.k_pages for v in views), v_pages=tuple(v.v_pages for v in views),
             page_ptr=np.concatenate([v.page_ptr for v in views]),
@@ -323,71 +332,6 @@ class HostRuntime:
                           v_pages=tuple(a["v"].reshape(-1, c.block_size, c.head_dim) for a in arenas),
                           slot_tables=self.slot_tables.copy(),
                           n_blocks=np.broadcast_to(offloaded, (self.n_layers, self.batch)).copy())
-
-    def _evict(self, cache, e0: np.ndarray, e1: np.ndarray, keep_on_device: bool):
-        """Move blocks e0[b] .. e1[b] - 1 of every sequence and layer from the ring to the host store."""
-        start = time.perf_counter()
-        cfg = self.config
-        rows = [(b, blk) for b in range(self.batch) for blk in range(int(e0[b]), int(e1[b]))]
-        n = len(rows)
-        size = next_pow2(n)
-        seq = np.full(size, self.batch, np.int32)  # out of range: dropped by the digest scatter
-        blk = np.full(size, self.nb_max, np.int32)
-        seq[:n] = [r[0] for r in rows]
-        blk[:n] = [r[1] for r in rows]
-        seq_d, blk_d = jnp.asarray(seq), jnp.asarray(blk)
-        layers, k, v, maw = _gather_blocks(cfg, cache.layers, seq_d, blk_d)
-        if keep_on_device:  # a device-path prefill chunk extends its copies with them
-            self.prefill.note_evicted(k, v, seq_d, blk_d, e1 - e0)
-        t0 = time.perf_counter()
-        k, v, maw = to_host(k), to_host(v), to_host(maw)  # [L, N, bs, Hkv, D], ..., [L, N, bs, Hkv]
-        self.count("transfer_s", time.perf_counter() - t0)
-        self.count("bytes_to_host", k.nbytes + v.nbytes + maw.nbytes)
-        by_seq: dict[int, list[int]] = {}
-        for i, (b, _) in enumerate(rows):
-            by_seq.setdefault(b, []).append(i)
-        for layer in range(self.n_layers):
-            numbers = {}
-            for b, idx in by_seq.items():
-                numbers[b] = self.append_blocks(layer, b, blk[idx], k[layer, idx], v[layer, idx], maw[layer, idx])
-            self.mode_host.blocks_evicted(layer, numbers)
-        self._offloaded = e1.copy()
-        self.count("n_evicted_blocks", n * self.n_layers)
-        self.count("evict_s", time.perf_counter() - start)
-        return cache.replace(layers=layers)
-
-
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
-def _gather_blocks(config: OffloadConfig, layers: tuple, seq: jax.Array, blk: jax.Array):
-    """Gather ring blocks (seq[n], block number blk[n]) of every layer; write their key digests.
-
-    Returns (layers, k, v [L, N, bs, Hkv, D], maw [L, N, bs, Hkv] float32). Padding rows have
-    seq = B (their gathers clamp, their digest writes are dropped).
-    """
-    bs = config.block_size
-    slots = (blk % config.blk_num)[:, None] * bs + jnp.arange(bs)[None, :]  # [N, bs]
-    rows = jnp.minimum(seq, layers[0].window.k_ring.shape[0] - 1)[:, None]
-    ks, vs, maws, digests = [], [], [], []
-    for state in layers:
-        k = state.window.k_ring[rows, :, slots]  # [N, bs, Hkv, D]
-        ks.append(k)
-        vs.append(state.window.v_ring[rows, :, slots])
-        maws.append(state.window.maw[rows, :, slots])
-        digests.append((jnp.min(k, axis=1), jnp.max(k, axis=1)))  # [N, Hkv, D]
-
-    def write(d, source):
-        kmin, kmax = digests[source]
-        return d.replace(kmin=d.kmin.at[seq, :, blk].set(kmin, mode="drop"),
-                         kmax=d.kmax.at[seq, :, blk].set(kmax, mode="drop"))
-
-    new_layers = []
-    for i, state in enumerate(layers):
-        if state.digests is not None:
-            state = state.replace(digests=write(state.digests, i))
-        if state.next_digests is not None:
-            state = state.replace(next_digests=write(state.next_digests, i + 1))
-        new_layers.append(state)
-    return tuple(new_layers), jnp.stack(ks), jnp.stack(vs), jnp.stack(maws)
 
 
 __all__ = ["HostRuntime", "required_host_bytes", "KV_DTYPE_OF"]

@@ -1,10 +1,13 @@
 """The GPU window of one layer (`state.Window`): sinks + ring buffer + moving-average weights.
 
-The ring's bookkeeping follows from each sequence's length n and its offloaded block count e
-(`StepMeta.offloaded_blocks`; at most `evicted_blocks(n)`, the eviction policy): the ring holds the
-non-sink tokens p in [S + e * block_size, n), ring_len = (n - S) - e * block_size of them, logical
-token 0 at slot ring_start = (e * block_size) % W. So the jitted step carries no counters that
-Python must patch, and a token is in the ring exactly when the host side does not own it.
+The ring buffer has W = `ring_capacity` slots (the window's ring plus `ring_slack_blocks`); non-sink
+token p lives in slot (p - S) % W. Its bookkeeping follows from each sequence's length n and its
+offloaded block count e (`StepMeta.offloaded_blocks`: the blocks the host side owns this step,
+which lag the eviction policy's `evicted_blocks(n)` while their copies finish in the background):
+the GPU attends the non-sink tokens p in [S + e * block_size, n), ring_len = (n - S) -
+e * block_size of them, logical token 0 at slot ring_start = (e * block_size) % W. So the jitted step
+carries no counters that Python must patch, and a token is attended by the GPU exactly when the host
+side does not own it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def evicted_blocks(n_tokens, cfg: OffloadConfig):
 
 
 def init_window(cfg: OffloadConfig, batch: int, num_kv_heads: int, head_dim: int, dtype) -> Window:
-    s, w = cfg.sink, cfg.ring_tokens
+    s, w = cfg.sink, cfg.ring_capacity
     return Window(sink_k=jnp.zeros((batch, num_kv_heads, s, head_dim), dtype),
                   sink_v=jnp.zeros((batch, num_kv_heads, s, head_dim), dtype),
                   k_ring=jnp.zeros((batch, num_kv_heads, w, head_dim), dtype),
@@ -40,14 +43,14 @@ def ring_meta(cfg: OffloadConfig, lengths: jax.Array, offloaded: jax.Array):
     n = lengths.astype(jnp.int32)
     e = offloaded.astype(jnp.int32)
     ring_len = jnp.maximum(n - cfg.sink, 0) - e * cfg.block_size
-    ring_start = (e * cfg.block_size) % cfg.ring_tokens
+    ring_start = (e * cfg.block_size) % cfg.ring_capacity
     return ring_len, ring_start, jnp.minimum(n, cfg.sink)
 
 
 def write_tokens(cfg: OffloadConfig, window: Window, k: jax.Array, v: jax.Array, positions: jax.Array) -> Window:
     """Stores new k, v [B, T, Hkv, D] at positions [B, T] (-1 dropped); resets their slots' MAW."""
     b, t, hkv, _ = k.shape
-    s, w = cfg.sink, cfg.ring_tokens
+    s, w = cfg.sink, cfg.ring_capacity
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(hkv)[None, None, :]
     ring_slot = jnp.where(positions >= s, (positions - s) % w, w)[:, :, None]  # w: dropped
@@ -66,7 +69,7 @@ def slot_positions(cfg: OffloadConfig, lengths: jax.Array, offloaded: jax.Array)
     """Absolute position of every sink and ring slot: ([B, S], [B, W]) int32, -1 where empty."""
     e = offloaded.astype(jnp.int32)
     ring_len, ring_start, sink_len = ring_meta(cfg, lengths, e)
-    s, w = cfg.sink, cfg.ring_tokens
+    s, w = cfg.sink, cfg.ring_capacity
     sink_pos = jnp.where(jnp.arange(s)[None, :] < sink_len[:, None], jnp.arange(s)[None, :], -1)
     logical = (jnp.arange(w)[None, :] - ring_start[:, None]) % w  # 0 = oldest ring token
     ring_pos = jnp.where(logical < ring_len[:, None], s + e[:, None] * cfg.block_size + logical, -1)

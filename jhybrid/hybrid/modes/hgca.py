@@ -6,7 +6,7 @@ Device side, per layer of a decode step:
     "split":  ticket = submit(q) -> window kernel (+ its probabilities for the MAW) -> collect -> merge
               (the CPU works while the GPU attends to the window)
     "sync":   the CPU part computed inside one exchange, then the window kernel
-Host side: after every eviction, sparsify the evicted blocks of each layer (background worker);
+Host side: after every eviction, sparsify the evicted blocks of each layer (eviction thread);
 before the first decode step of a turn, re-score every offloaded token with the turn's last
 `reevaluate_queries` queries (`host.sparsify.reevaluate`): what HGCA does after each new user turn.
 The turn's queries come from the host attention calls of its prefill chunks, or, when a chunk
@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from host.sparsify import reevaluate, sparsify_evicted
 from jhybrid.hybrid.exchange import after
 from jhybrid.hybrid.modes.base import DecodeStep, ModeHost, OffloadMode
 from jhybrid.hybrid.state import LayerState
@@ -68,9 +69,11 @@ class HgcaHost(ModeHost):
         return cache
 
     def blocks_evicted(self, layer, numbers_by_seq):
+        """(Eviction thread) keep the salient tokens of the blocks just stored: done before the
+        blocks are published, so the CPU attends them from the first step it owns them."""
         cfg = self.runtime.config
-        self.runtime.executor.submit_sparsify(layer, list(numbers_by_seq), list(numbers_by_seq.values()),
-                                              cfg.beta, cfg.window_tokens, cfg.keep_after)
+        sparsify_evicted(self.runtime.store, layer, list(numbers_by_seq), list(numbers_by_seq.values()),
+                         cfg.beta, cfg.window_tokens, cfg.keep_after)
 
     def before_prefill_chunk(self, positions):
         self._collect_turn_queries()
@@ -114,22 +117,27 @@ class HgcaHost(ModeHost):
     def _reevaluate(self) -> None:
         runtime = self.runtime
         self._collect_turn_queries()
-        self.needs_reevaluate = False
         if not runtime.offloaded_blocks().any():
-            return
+            return  # nothing on the host yet: re-score at the first decode step that publishes blocks
+        self.needs_reevaluate = False
         cfg = runtime.config
         for layer in range(runtime.n_layers):
             q = self.turn_queries[layer]
             if q is not None:
-                runtime.executor.submit_reevaluate(layer, range(runtime.batch), q, cfg.beta, runtime.scale,
-                                                   cfg.keep_after)
-                runtime.count("n_reevaluations")
+                self._reevaluate_layer(layer, range(runtime.batch), q)
         self.turn_queries = [None] * runtime.n_layers
+        runtime.evictor.wait_background()  # the step's CPU attention reads the re-evaluated context
 
     def reevaluate_history(self, queries: dict[int, np.ndarray]) -> None:
         """A restored history (HCache): re-score its offloaded tokens with its last queries
         {layer: [1, R, Hq, D]} (what a prefill's first decode step would have done)."""
-        cfg, runtime = self.runtime.config, self.runtime
         for layer, q in sorted(queries.items()):
-            runtime.executor.submit_reevaluate(layer, [0], np.asarray(q, np.float32), cfg.beta, runtime.scale,
-                                               cfg.keep_after)
+            self._reevaluate_layer(layer, [0], np.asarray(q, np.float32))
+
+    def _reevaluate_layer(self, layer: int, seqs, queries: np.ndarray) -> None:
+        """Queue one layer's re-evaluation on the eviction thread: serialised with the sparsification
+        of newly evicted blocks, so neither sees the other half done (a token kept twice)."""
+        cfg, runtime = self.runtime.config, self.runtime
+        runtime.evictor.background(reevaluate, runtime.store, layer, list(seqs), queries, cfg.beta, runtime.scale,
+                                   cfg.keep_after)
+        runtime.count("n_reevaluations")

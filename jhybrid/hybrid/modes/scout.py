@@ -127,6 +127,7 @@ class ScoutHost(ModeHost):
         self.pending: dict[int, RecallPlan] = {}  # layer -> its in-flight recall
         self.last_recall = np.full(runtime.n_layers, -10**9)
         self.since_prefill = 0  # decode steps since the last prefill chunk (or adopted store)
+        self.warm = np.zeros(runtime.n_layers, bool)  # layers whose warm-start recall is still due
         self.epoch = 0  # bumped when the store is replaced: older recalls are void
         self.recall_hook = None  # tests: called at the start of each background recall job
         self.recall_log: list[dict] = []
@@ -143,6 +144,7 @@ class ScoutHost(ModeHost):
         self.pending.clear()
         self.pool_ids[:] = -1  # the cache handed in with the store has an empty pool
         self.since_prefill = 0
+        self.warm[:] = True
 
     def wait(self, timeout: float | None = 60.0) -> None:
         """Block until every in-flight recall is staged (tests); the next step start applies them."""
@@ -157,6 +159,7 @@ class ScoutHost(ModeHost):
 
     def before_prefill_chunk(self, positions):
         self.since_prefill = 0
+        self.warm[:] = True
 
     def before_decode(self, cache, offloaded_before):
         if self.since_prefill > 0:
@@ -178,7 +181,6 @@ class ScoutHost(ModeHost):
     def _trigger(self, cache, n_blocks: np.ndarray) -> None:
         """Start the recalls due at this step start; never blocks on one."""
         runtime, cfg = self.runtime, self.runtime.config
-        warm = self.since_prefill == 1
         last_pos = runtime.n_tokens - 1  # the previous decode step's token positions [B]
         for layer in range(runtime.n_layers):
             if layer in self.pending:
@@ -186,6 +188,8 @@ class ScoutHost(ModeHost):
             share = self.cpu_share(layer, n_blocks)
             if share is None or share == 0.0:
                 continue
+            warm = bool(self.warm[layer])  # the first selection with CPU blocks since the prefill
+            self.warm[layer] = False
             if not warm and (share <= cfg.recall_threshold
                              or runtime.decode_steps - self.last_recall[layer] < cfg.recall_min_interval):
                 continue

@@ -1,0 +1,171 @@
+"""The balanced split: how much context the GPU keeps and how much work the CPU gets, chosen from
+this machine's measured speeds instead of a fixed GPU ratio.
+
+Two rules, per point (model, mode, batch, context):
+
+  GPU window   as large as the device memory left at this batch allows (weights, the runtime's
+               reserve and the mode's other device state taken out), rounded down to whole blocks,
+               never more than the context: every token the GPU holds is one the CPU does not read.
+  CPU share    no more than the host can attend while the GPU runs the layer: per layer and step
+               the GPU reads the layer's weights plus the window's KV (at `hbm_gbps`), the CPU reads
+               its share of the offloaded KV (at `host_attention_gbps`, the Numba kernels' measured
+               rate) after the exchange's fixed cost. scout: the budget (and a recall pool that holds
+               the selection's stable part); hgca: the kept share that would balance (reported; the
+               salience threshold, not the split, decides what hgca keeps).
+
+    profile = machine_profile()                     # measured once per process (cached), or defaults
+    config, report = balanced_split(model_config, OffloadConfig(mode="scout"), batch, context,
+                                    device_free_bytes, profile)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import numpy as np
+
+from jhybrid.hybrid.config import OffloadConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineProfile:
+    """Measured speeds: device memory read rate, host attention KV rate, exchange cost per layer."""
+
+    hbm_gbps: float
+    host_attention_gbps: float
+    exchange_us_per_layer: float
+    source: str
+
+
+def _measure_hbm_gbps() -> float:
+    """Bytes read per second by a jitted reduction over a 1 GiB device array (median of 5)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((2**28,), jnp.float32)
+    f = jax.jit(lambda a: jnp.sum(a * 1.0001))
+    f(x).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / float(np.median(times)) / 1e9
+
+
+def _measure_host_attention_gbps(n_threads: int | None) -> float:
+    """KV bytes per second of the host attention kernel over a 512 MiB bf16 paged view (median of 3)."""
+    import numba
+
+    from host.attention import paged_attention
+    from host.paged_view import PagedKV
+
+    n_threads = n_threads or max(1, numba.config.NUMBA_NUM_THREADS - 1)
+    numba.set_num_threads(n_threads)
+    rng = np.random.default_rng(0)
+    b, hkv, hq, d, page = 4, 8, 32, 128, 16
+    pages_per_unit = 2**29 // (b * hkv * 2 * page * d * 2)
+    n = b * hkv * pages_per_unit
+    k = rng.integers(0, 2**15, (n, page, d), dtype=np.uint16)
+    v = rng.integers(0, 2**15, (n, page, d), dtype=np.uint16)
+    view = PagedKV(k, v, 1, np.arange(b * hkv + 1, dtype=np.int64) * pages_per_unit, np.arange(n, dtype=np.int64),
+                   np.full(b * hkv, pages_per_unit * page, np.int64), hkv)
+    q = rng.standard_normal((b, 1, hq, d)).astype(np.float32)
+    paged_attention(q, view, 0.1)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        paged_attention(q, view, 0.1)
+        times.append(time.perf_counter() - start)
+    return view.attended_bytes() / float(np.median(times)) / 1e9
+
+
+# Used where nothing is measured (documented defaults, not this machine): the H100 host's figures.
+DEFAULT_PROFILE = MachineProfile(hbm_gbps=3000.0, host_attention_gbps=80.0, exchange_us_per_layer=20.0,
+                                 source="defaults (H100 figures in BENCHMARKS.md)")
+
+
+@functools.lru_cache(maxsize=None)
+def machine_profile(measure: bool = True, n_threads: int | None = None) -> MachineProfile:
+    """This machine's profile, measured once per process (a few seconds); DEFAULT_PROFILE when
+    `measure` is False. The exchange cost is the documented per-layer figure (not measured here)."""
+    if not measure:
+        return DEFAULT_PROFILE
+    start = time.perf_counter()
+    profile = MachineProfile(hbm_gbps=round(_measure_hbm_gbps(), 1),
+                             host_attention_gbps=round(_measure_host_attention_gbps(n_threads), 1),
+                             exchange_us_per_layer=DEFAULT_PROFILE.exchange_us_per_layer,
+                             source=f"measured ({time.perf_counter() - start:.1f} s)")
+    log.info("machine profile: %s", profile)
+    return profile
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitReport:
+    """What the balanced split chose, and why (per layer and decode step)."""
+
+    window_tokens: int
+    gpu_ms_per_layer: float
+    cpu_bytes_per_layer: int          # what the CPU may read per layer without making the GPU wait
+    cpu_tokens_per_seq_head: int      # the same in tokens per (sequence, KV head)
+    budget: int | None                # scout / topk: tokens attended per (sequence, KV head)
+    recall_blocks: int | None         # scout: GPU pool slots per (sequence, KV head)
+    hgca_balanced_keep: float | None  # hgca: the kept share of the offloaded tokens that balances
+    profile: str
+
+    def fields(self) -> dict:
+        return {"split": "balanced", "split_gpu_ms_per_layer": round(self.gpu_ms_per_layer, 4),
+                "split_cpu_tokens": self.cpu_tokens_per_seq_head, "split_hgca_keep": self.hgca_balanced_keep,
+                "split_profile": self.profile}
+
+
+def balanced_split(model_config, base: OffloadConfig, batch: int, context: int, fits, profile: MachineProfile,
+                   weight_bytes_per_layer: int, resident_share: float = 0.8) -> tuple[OffloadConfig, SplitReport]:
+    """The config of `base` (an offloading mode) with its window (and scout / topk budget and pool)
+    chosen by the balanced split (module docstring). fits(config) -> bool: does the point fit the
+    device with this config (the caller's memory prediction, weights and reserves included)?
+    resident_share: scout's expected share of the selection held by the recall pool
+    (jhybrid.bench.selection_stats). ValueError when not even the smallest window fits."""
+    if base.mode == "full":
+        raise ValueError("the balanced split is for the offloading modes (mode 'full' keeps everything)")
+    bs, sink = base.block_size, base.sink
+    it = np.dtype(model_config.dtype).itemsize
+    per_unit_token = model_config.head_dim * 2 * it  # K + V of one (token, KV head)
+    kv_token_layer = model_config.num_kv_heads * per_unit_token
+
+    def choose(window: int):
+        offloaded = max(0, context - window)
+        gpu_s = (weight_bytes_per_layer + batch * window * kv_token_layer) / (profile.hbm_gbps * 1e9)
+        cpu_bytes = int(max(0.0, gpu_s - profile.exchange_us_per_layer * 1e-6) * profile.host_attention_gbps * 1e9)
+        cpu_tokens = cpu_bytes // max(1, batch * model_config.num_kv_heads * per_unit_token)
+        changes, budget, recall, keep = {"window_tokens": window, "gpu_ratio": None}, None, None, None
+        if base.mode in ("scout", "topk"):
+            on_cpu = (1.0 - resident_share) if base.mode == "scout" else 1.0
+            budget = min(max(bs, int(cpu_tokens / max(on_cpu, 1e-3)) // bs * bs), max(bs, offloaded // bs * bs))
+            changes["budget"] = budget
+            if base.mode == "scout":
+                recall = max(1, -(-budget // bs))  # the pool can hold the whole selection
+                changes["recall_blocks"] = recall
+        if base.mode == "hgca" and offloaded:
+            keep = round(min(1.0, cpu_tokens / offloaded), 4)
+        report = SplitReport(window, gpu_s * 1e3, cpu_bytes, int(cpu_tokens), budget, recall, keep, profile.source)
+        return dataclasses.replace(base, **changes), report
+
+    lo, hi = 2, max(2, (context - sink) // bs - 1)  # ring blocks of the window
+    if not fits(choose(sink + lo * bs)[0]):
+        raise ValueError(f"balanced split: not even a window of {sink + lo * bs} tokens fits the device at batch {batch}")
+    while lo < hi:  # the largest window (in ring blocks) that fits
+        mid = (lo + hi + 1) // 2
+        if fits(choose(sink + mid * bs)[0]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return choose(sink + lo * bs)
+
+
+__all__ = ["MachineProfile", "DEFAULT_PROFILE", "machine_profile", "SplitReport", "balanced_split"]
