@@ -83,8 +83,9 @@ def main(argv=None) -> int:
                                       head_dim=128, max_position_embeddings=args.context + 1024, rope_theta=500000.0)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # random bf16 weights made on the device, no fp32 copy
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = transformers.LlamaForCausalLM(config).eval()
     rows = []
     for batch in args.batch:
         for impl in args.impl:

@@ -73,7 +73,10 @@ def load_library():
     lib = ctypes.CDLL(path)
     i64, c_int, c_double, c_char_p = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
     lib.jh_exchange_reserve.restype = c_int
-    lib.jh_exchange_open.argtypes = [c_int, c_int, i64, i64, i64, i64, c_int, c_int, c_double, c_char_p, c_int]
+    lib.jh_exchange_open.argtypes = [c_int, c_int, i64, i64, i64, i64, c_int, c_int, c_double, c_int, c_char_p,
+                                     c_int]
+    lib.jh_exchange_timing.argtypes = [c_int, ctypes.POINTER(c_double)]
+    lib.jh_exchange_timing.restype = c_int
     lib.jh_exchange_open.restype = c_int
     lib.jh_exchange_layout.argtypes = [c_int, ctypes.POINTER(i64)]
     lib.jh_exchange_layout.restype = c_int
@@ -99,13 +102,13 @@ class NativeExchange:
         self.slots: Slots | None = None
 
     def open(self, n_layers: int, batch: int, hq: int, hkv: int, head_dim: int, max_ids: int, gpu: bool,
-             device_ordinal: int = 0, timeout_s: float = 300.0) -> "Slots":
+             device_ordinal: int = 0, timeout_s: float = 300.0, timing: bool = False) -> "Slots":
         q_bytes = batch * hq * head_dim * 4
         ids_bytes = max(4, batch * hkv * max_ids * 4)
         lse_bytes = batch * hq * 4
         err = ctypes.create_string_buffer(512)
         if self.lib.jh_exchange_open(self.id, n_layers, q_bytes, ids_bytes, q_bytes, lse_bytes, int(gpu),
-                                     device_ordinal, float(timeout_s), err, len(err)) != 0:
+                                     device_ordinal, float(timeout_s), int(timing), err, len(err)) != 0:
             raise RuntimeError(f"native exchange: {err.value.decode()}")
         self.slots = Slots(self, n_layers, batch, hq, hkv, head_dim, max_ids)
         return self.slots
@@ -116,6 +119,14 @@ class NativeExchange:
 
     def fail(self, message: str) -> None:
         self.lib.jh_exchange_fail(self.id, message.encode()[:4000])
+
+    def timing(self) -> tuple[float, float, int] | None:
+        """(ms the stream waited for the host, ms of the exchange's own GPU work, layer exchanges)
+        since the last call, over the steps that have completed; None when timing is off."""
+        out = (ctypes.c_double * 3)()
+        if self.lib.jh_exchange_timing(self.id, out) != 0:
+            return None
+        return out[0], out[1], int(out[2])
 
     def submitted(self, layer: int) -> int:
         return int(self.lib.jh_exchange_submitted(self.id, layer))

@@ -38,6 +38,7 @@ using CUdevice = int;
 using CUcontext = void*;
 using CUstream = void*;  // the same handle as cudaStream_t
 using CUdeviceptr = unsigned long long;
+using CUevent = void*;
 constexpr unsigned kHostAllocPortable = 0x01, kHostAllocDeviceMap = 0x02;
 constexpr unsigned kWaitGeq = 0x0;
 
@@ -58,6 +59,10 @@ struct Driver {
   CUresult (*WaitValue32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
   CUresult (*MemsetD32Async)(CUdeviceptr, unsigned, size_t, CUstream) = nullptr;
   CUresult (*GetErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*EventCreate)(CUevent*, unsigned) = nullptr;
+  CUresult (*EventDestroy)(CUevent) = nullptr;
+  CUresult (*EventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*EventElapsedTime)(float*, CUevent, CUevent) = nullptr;
 
   template <typename F>
   bool Resolve(void* lib, F& fn, const char* name, const char* fallback = nullptr) {
@@ -90,7 +95,9 @@ struct Driver {
              Resolve(lib, WriteValue32, "cuStreamWriteValue32_v2", "cuStreamWriteValue32") &&
              Resolve(lib, WaitValue32, "cuStreamWaitValue32_v2", "cuStreamWaitValue32") &&
              Resolve(lib, MemsetD32Async, "cuMemsetD32Async") &&
-             Resolve(lib, GetErrorString, "cuGetErrorString");
+             Resolve(lib, GetErrorString, "cuGetErrorString") && Resolve(lib, EventCreate, "cuEventCreate") &&
+             Resolve(lib, EventDestroy, "cuEventDestroy_v2", "cuEventDestroy") &&
+             Resolve(lib, EventRecord, "cuEventRecord") && Resolve(lib, EventElapsedTime, "cuEventElapsedTime");
     return loaded;
   }
 
@@ -122,6 +129,14 @@ struct Exchange {
   double timeout_s = 300.0;
   std::mutex message_mu;
   std::string message;      // the host side's error, once set
+  // Timing (GPU: events per slot; CPU: clocks): the exchange's own GPU time (copies, flag write)
+  // and the time the stream waited for the host, accumulated until jh_exchange_timing reads them.
+  bool timing = false;
+  std::vector<CUevent> events;  // per slot: submit start, submit end, wait start, wait end, collect end
+  std::mutex timing_mu;
+  double cpu_wait_s = 0.0;      // CPU path: seconds collects waited
+  long cpu_waits = 0;           // CPU path: collects timed
+  std::vector<char> recorded;   // per slot: events of the last step recorded
 
   // header: ready[n_slots], done[n_slots], failed (one 64-byte line each group)
   uint32_t* ready() { return reinterpret_cast<uint32_t*>(host); }
@@ -146,6 +161,8 @@ std::mutex g_create_mu;
 void Destroy(Exchange* ex) {
   if (ex == nullptr) return;
   if (ex->gpu) {
+    for (auto event : ex->events)
+      if (event != nullptr) driver().EventDestroy(event);
     driver().FreeHost(ex->host);
   } else {
     std::free(ex->host);
@@ -218,6 +235,16 @@ ffi::Error CollectCpuImpl(int64_t id, int64_t slot, ffi::RemainingArgs deps, ffi
   if (auto e = CheckBytes("lse", lse->size_bytes(), ex->lse_bytes); e.failure()) return e;
   uint32_t seq = ex->submitted[slot].load();
   auto start = std::chrono::steady_clock::now();
+  struct AddWait {
+    Exchange* ex;
+    std::chrono::steady_clock::time_point start;
+    ~AddWait() {
+      if (!ex->timing) return;
+      std::lock_guard<std::mutex> lock(ex->timing_mu);
+      ex->cpu_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      ex->cpu_waits += 1;
+    }
+  } add_wait{ex, start};
   for (long spin = 0;; ++spin) {
     uint32_t done = __atomic_load_n(ex->done() + slot, __ATOMIC_ACQUIRE);
     if (static_cast<int32_t>(done - seq) >= 0) break;
@@ -245,6 +272,7 @@ ffi::Error SubmitGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::AnyBuff
   if (!ex->gpu) return Invalid("host exchange " + std::to_string(id) + " was opened for the CPU");
   Driver& cu = driver();
   if (auto e = CheckBytes("q", q.size_bytes(), ex->q_bytes); e.failure()) return e;
+  if (ex->timing) cu.EventRecord(ex->events[5 * slot], stream);
   CUresult r = cu.MemcpyDtoHAsync(ex->host + ex->q_offset(slot), reinterpret_cast<CUdeviceptr>(q.untyped_data()),
                                   q.size_bytes(), stream);
   if (r != 0) return Internal(cu.Describe(r, "host exchange: query copy"));
@@ -261,6 +289,7 @@ ffi::Error SubmitGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::AnyBuff
   if (r != 0) return Internal(cu.Describe(r, "host exchange: stream write of the ready flag"));
   r = cu.MemsetD32Async(reinterpret_cast<CUdeviceptr>(token->untyped_data()), seq, 1, stream);
   if (r != 0) return Internal(cu.Describe(r, "host exchange: token write"));
+  if (ex->timing) cu.EventRecord(ex->events[5 * slot + 1], stream);
   return ffi::Error::Success();
 }
 
@@ -275,7 +304,9 @@ ffi::Error CollectGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::Remain
   if (auto e = CheckBytes("o", o->size_bytes(), ex->o_bytes); e.failure()) return e;
   if (auto e = CheckBytes("lse", lse->size_bytes(), ex->lse_bytes); e.failure()) return e;
   uint32_t seq = ex->submitted[slot].load();
+  if (ex->timing) cu.EventRecord(ex->events[5 * slot + 2], stream);
   CUresult r = cu.WaitValue32(stream, ex->device + ex->done_offset(slot), seq, kWaitGeq);
+  if (ex->timing) cu.EventRecord(ex->events[5 * slot + 3], stream);
   if (r != 0) return Internal(cu.Describe(r, "host exchange: stream wait on the done flag"));
   r = cu.MemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(o->untyped_data()), ex->host + ex->o_offset(slot),
                          o->size_bytes(), stream);
@@ -283,6 +314,10 @@ ffi::Error CollectGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::Remain
   r = cu.MemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(lse->untyped_data()), ex->host + ex->lse_offset(slot),
                          lse->size_bytes(), stream);
   if (r != 0) return Internal(cu.Describe(r, "host exchange: lse copy"));
+  if (ex->timing) {
+    cu.EventRecord(ex->events[5 * slot + 4], stream);
+    ex->recorded[slot] = 1;
+  }
   return ffi::Error::Success();
 }
 
@@ -337,8 +372,8 @@ __attribute__((visibility("default"))) int jh_exchange_reserve() {
 // Buffers for one batch under a reserved id (replacing the previous batch's). 0, or -1 with `err` set.
 __attribute__((visibility("default"))) int jh_exchange_open(int id, int n_slots, int64_t q_bytes, int64_t ids_bytes,
                                                             int64_t o_bytes, int64_t lse_bytes, int gpu,
-                                                            int device_ordinal, double timeout_s, char* err,
-                                                            int err_len) {
+                                                            int device_ordinal, double timeout_s, int timing,
+                                                            char* err, int err_len) {
   auto fail = [&](const std::string& what) {
     std::snprintf(err, err_len, "%s", what.c_str());
     return -1;
@@ -357,6 +392,8 @@ __attribute__((visibility("default"))) int jh_exchange_open(int id, int n_slots,
   ex->o_bytes = o_bytes;
   ex->lse_bytes = lse_bytes;
   ex->timeout_s = timeout_s;
+  ex->timing = timing != 0;
+  ex->recorded.assign(n_slots, 0);
   ex->submitted = std::vector<std::atomic<uint32_t>>(n_slots);
   ex->header_bytes = 3 * RoundUp(4 * size_t(n_slots));
   ex->slot_bytes = RoundUp(q_bytes) + RoundUp(ids_bytes) + RoundUp(o_bytes) + RoundUp(lse_bytes);
@@ -375,6 +412,11 @@ __attribute__((visibility("default"))) int jh_exchange_open(int id, int n_slots,
     r = cu.HostAlloc(&host, ex->total_bytes, kHostAllocPortable | kHostAllocDeviceMap);
     CUdeviceptr device = 0;
     if (r == 0) r = cu.HostGetDevicePointer(&device, host, 0);
+    if (r == 0 && ex->timing) {
+      ex->events.assign(5 * size_t(n_slots), nullptr);
+      for (auto& event : ex->events)
+        if (r == 0) r = cu.EventCreate(&event, 0);
+    }
     CUcontext popped;
     cu.CtxPop(&popped);
     if (r != 0) return fail(cu.Describe(r, "pinned host allocation (cuMemHostAlloc, mapped)"));
@@ -419,6 +461,37 @@ __attribute__((visibility("default"))) void jh_exchange_fail(int id, const char*
   __atomic_store_n(ex->failed(), 1u, __ATOMIC_RELEASE);
   for (int slot = 0; slot < ex->n_slots; ++slot)
     __atomic_store_n(ex->done() + slot, ex->submitted[slot].load() + (1u << 30), __ATOMIC_RELEASE);
+}
+
+// Timing of the steps since the last call (call once they have run): out[0] = milliseconds the
+// stream (or the CPU collects) waited for the host, out[1] = milliseconds of the exchange's own GPU
+// work (copies, flag write; GPU only), out[2] = layer exchanges timed. 0, or -1 when timing is off.
+__attribute__((visibility("default"))) int jh_exchange_timing(int id, double* out) {
+  Exchange* ex = Lookup(id);
+  if (ex == nullptr || !ex->timing) return -1;
+  out[0] = out[1] = out[2] = 0.0;
+  if (!ex->gpu) {
+    std::lock_guard<std::mutex> lock(ex->timing_mu);
+    out[0] = ex->cpu_wait_s * 1e3;
+    out[2] = double(ex->cpu_waits);
+    ex->cpu_wait_s = 0.0;
+    ex->cpu_waits = 0;
+    return 0;
+  }
+  Driver& cu = driver();
+  for (int slot = 0; slot < ex->n_slots; ++slot) {
+    if (!ex->recorded[slot]) continue;
+    CUevent* e = &ex->events[5 * size_t(slot)];
+    float submit = 0, wait = 0, collect = 0;
+    if (cu.EventElapsedTime(&submit, e[0], e[1]) != 0 || cu.EventElapsedTime(&wait, e[2], e[3]) != 0 ||
+        cu.EventElapsedTime(&collect, e[3], e[4]) != 0)
+      continue;  // not complete (or not recorded this step)
+    out[0] += wait;
+    out[1] += submit + collect;
+    out[2] += 1;
+    ex->recorded[slot] = 0;
+  }
+  return 0;
 }
 
 // Sequence number of the last submit enqueued for a slot (what its collect waits for).

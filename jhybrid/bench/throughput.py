@@ -276,6 +276,9 @@ def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> lis
     base = {"task": "throughput", "model": point.model.name, "layers": model.config.num_layers,
             "mode": offload.mode, "fill": bench.fill, "batch_spec": str(bench.batch),
             "context": bench.context}
+    if bench.split == "balanced" and offload.mode in ("scout", "topk"):  # the split chooses the budget
+        offload = dataclasses.replace(offload, budget=None)
+        point = dataclasses.replace(point, offload=offload)
     backend, window = backend_for(offload, bench.context)
     weights = params_bytes(model)
     start = time.perf_counter()
@@ -499,7 +502,18 @@ def _breakdown(step_s, hook_s, runtime) -> dict:
             "recall_ms": per("recall_s"), "transfer_ms": per("transfer_s"),
             "callbacks_per_step": round(c.get("n_callbacks", 0) / n, 2),
             "host_exchange": None if runtime is None else ("ffi" if runtime.worker is not None else "callback"),
-            "exchange_serve_ms": per("exchange_serve_s")}
+            "exchange_serve_ms": per("exchange_serve_s"), **_exchange_timing(c, n, step_ms)}
+
+
+def _exchange_timing(c: dict, steps: int, step_ms: float) -> dict:
+    """With exchange_timing: the share of the step the GPU stream waited for the host (gpu_idle_frac)
+    and the exchange's own GPU cost per layer (bridge_us_per_layer), from CUDA events."""
+    layers = c.get("exchange_timed_layers", 0)
+    if not layers:
+        return {}
+    wait_ms = 1e3 * c["exchange_wait_s"] / steps
+    return {"gpu_idle_frac": round(min(1.0, wait_ms / max(step_ms, 1e-9)), 4),
+            "bridge_us_per_layer": round(1e6 * c["exchange_gpu_s"] / layers, 2)}
 
 
 # ---------------------------------------------------------------------------- real prefill

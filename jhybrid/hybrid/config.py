@@ -29,7 +29,7 @@ DEFAULT_WINDOW_TOKENS = 1024  # an offloading mode given neither window_tokens n
 COMMON_SETTINGS = frozenset({"window_tokens", "gpu_ratio", "sink", "block_size", "ring_slack_blocks",
                              "eviction_lag_steps", "eviction_spread", "prefill_offloaded",
                              "prefill_upload_max_bytes", "host_threads", "host_memory_cap_bytes",
-                             "kernel_backend", "host_exchange", "exchange_timeout_s"})
+                             "kernel_backend", "host_exchange", "exchange_timeout_s", "exchange_timing"})
 
 
 def mode_names() -> tuple[str, ...]:
@@ -107,6 +107,8 @@ class OffloadConfig:
         library loads, else callback (logged once).
     exchange_timeout_s: a decode step's host part not answered within this many seconds is an error
         naming the layer (never a hang).
+    exchange_timing: the native exchange records CUDA events around its copies and its wait (counters
+        exchange_wait_s: the stream waiting for the host; exchange_gpu_s: the exchange's own GPU work).
     """
 
     mode: str = "full"
@@ -135,6 +137,7 @@ class OffloadConfig:
     kernel_backend: str | None = None
     host_exchange: str = "auto"
     exchange_timeout_s: float = 300.0
+    exchange_timing: bool = False
 
     def __post_init__(self):
         exact = self.scout_exact_layers
@@ -176,6 +179,7 @@ class OffloadConfig:
               "expected a fraction in [0, 1]")
         check("predict_query", isinstance(self.predict_query, bool), "expected true or false")
         check("eviction_spread", isinstance(self.eviction_spread, bool), "expected true or false")
+        check("exchange_timing", isinstance(self.exchange_timing, bool), "expected true or false")
         check("exchange", self.exchange in EXCHANGES, f"expected one of {EXCHANGES}")
         check("prefill_offloaded", self.prefill_offloaded in PREFILL_OFFLOADED,
               f"expected one of {PREFILL_OFFLOADED}")

@@ -116,7 +116,8 @@ class HostRuntime:
             device = jax.devices()[0]
             slots = native.open(self.n_layers, batch, self.hq, self.hkv, self.d, mode.max_block_ids(max_len),
                                 gpu=device.platform == "gpu", device_ordinal=device.id,
-                                timeout_s=config.exchange_timeout_s)
+                                timeout_s=config.exchange_timeout_s, timing=config.exchange_timing)
+            self.declare_counters("exchange_wait_s", "exchange_gpu_s", "exchange_timed_layers")
             self.worker = ExchangeWorker(native, slots, self.n_threads, self.scale, config.exchange_timeout_s)
         log.info("hybrid %s: %d layers x %d sequences, window %d (sink %d + %d x %d), host blocks <= %d",
                  config.mode, self.n_layers, batch, config.window_tokens, config.sink, config.blk_num,
@@ -252,6 +253,11 @@ class HostRuntime:
         self.bridge.raise_pending()
         if self.worker is not None:
             self.worker.raise_pending()
+            timing = self.native.timing()  # the steps that have run since the last step start
+            if timing is not None:
+                self.count("exchange_wait_s", timing[0] / 1e3)
+                self.count("exchange_gpu_s", timing[1] / 1e3)
+                self.count("exchange_timed_layers", timing[2])
         pos = np.asarray(positions).astype(np.int64)
         if pos.ndim != 2 or pos.shape[0] != self.batch:
             raise ValueError(f"positions of shape {pos.shape}; expected [B={self.batch}, T]")
