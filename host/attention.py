@@ -570,7 +570,10 @@ def attend_pages(queries, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens
     """`paged_attention` callable from nopython code (the native exchange's worker loop,
     host.exchange_worker): plans the pieces for `n_workers` (the calling thread's Numba thread
     count: numba.get_num_threads() inside nopython code would make it uncachable) and runs the
-    kernel. Inputs are trusted (built by nopython code from validated tables). -> (o, lse) float32."""
+    kernel. Inputs are trusted (built by nopython code from validated tables). Small work runs on
+    fewer threads (a piece per thread of at least MIN_PIECE_TOKENS * 4 tokens): waking all of them
+    costs more than it saves. -> (o, lse) float32."""
+    n_workers = max(1, min(n_workers, unit_tokens.sum() // (4 * MIN_PIECE_TOKENS)))
     piece_unit, lo, hi, unit_piece_ptr = _plan_pieces(unit_tokens, n_workers, MIN_PIECE_TOKENS,
                                                       min(_PIECE_ALIGN, MIN_PIECE_TOKENS))
     return _attention_kernel(queries, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, scale,

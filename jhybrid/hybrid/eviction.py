@@ -74,6 +74,7 @@ class Evictor:
         self.jobs: deque[EvictionJob] = deque()
         self._extra: deque[Future] = deque()  # other work on the eviction thread (hgca re-evaluation)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="jhybrid-evict")
+        self._compiled: dict = {}  # padded row count -> the gather compiled for this batch's cache
         runtime.declare_counters("evict_s", "evict_bg_s", "n_evict_waits", "evict_wait_s", "transfer_s",
                                  "bytes_to_host", "n_evicted_blocks")
 
@@ -165,7 +166,7 @@ class Evictor:
         seq[:n] = [r[0] for r in rows]
         blk[:n] = [r[1] for r in rows]
         seq_d, blk_d = jnp.asarray(seq), jnp.asarray(blk)
-        layers, k, v, maw = _gather_blocks(self.config, cache.layers, seq_d, blk_d)
+        layers, k, v, maw = self._gather(cache.layers, size)(cache.layers, seq_d, blk_d)
         if keep_on_device:  # a device-path prefill chunk extends its copies with them
             runtime.prefill.note_evicted(k, v, seq_d, blk_d, started - self.started)
         transfer = [_to_pinned(x) for x in (k, v, maw)]  # asynchronous on a GPU
@@ -174,6 +175,25 @@ class Evictor:
         self.started = started.copy()
         runtime.count("n_evicted_blocks", n * runtime.n_layers)
         return cache.replace(layers=layers)
+
+    def precompile(self, layers) -> None:
+        """Compile the gather for every padded row count a decode step can need (1 .. the batch's
+        power of two), so that no timed step compiles (called at the first decode step)."""
+        size = 1
+        while True:
+            self._gather(layers, size)
+            if size >= self.runtime.batch:
+                return
+            size *= 2
+
+    def _gather(self, layers, size: int):
+        """`_gather_blocks` compiled ahead of time for `size` padded rows and this cache's layout."""
+        if size not in self._compiled:
+            spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+            rows = jax.ShapeDtypeStruct((size,), jnp.int32)
+            self._compiled[size] = _gather_blocks.lower(self.config, jax.tree_util.tree_map(spec, layers),
+                                                        rows, rows).compile()
+        return self._compiled[size]
 
     def _store_job(self, transfer, seq: np.ndarray, blk: np.ndarray) -> None:
         """Background thread: wait for the transfer, append to the store, the mode's work."""
@@ -211,7 +231,7 @@ def _to_pinned(x: jax.Array):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
-def _gather_blocks(config: OffloadConfig, layers: tuple, seq: jax.Array, blk: jax.Array):
+def _gather_blocks(config: OffloadConfig, layers: tuple, seq: jax.Array, blk: jax.Array):  # noqa: D417
     """Gather ring blocks (seq[n], block number blk[n]) of every layer; write their key digests.
 
     Returns (layers, k, v [L, N, bs, Hkv, D], maw [L, N, bs, Hkv] float32). Padding rows have

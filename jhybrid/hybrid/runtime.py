@@ -277,6 +277,8 @@ class HostRuntime:
         after = self.n_tokens + n_new
         if np.any(after > self.max_len):
             raise ValueError(f"sequence lengths {after.tolist()} exceed the cache's max_len={self.max_len}")
+        if not prefill and self.decode_steps == 0:
+            self.evictor.precompile(cache.layers)  # no timed decode step compiles an eviction
         before = self.evictor.published.copy()
         device_prefill = prefill and self.prefill.uses_device(cache, after)
         cache, split = self.evictor.before_step(cache, after, prefill, device_prefill, self.decode_steps)
