@@ -230,22 +230,25 @@ def _answer(slots_o, slots_lse, done, layer, seq, o, lse):
 
 
 @njit(nogil=True, cache=True)
-def serve_context(layers, seqs, ready, done, abort, slots_q, slots_o, slots_lse, batch, hq, head_dim, hkv,
+def serve_context(layers, served, ready, done, abort, slots_q, slots_o, slots_lse, batch, hq, head_dim, hkv,
                   scale, n_threads, fmt, k_pages, v_pages, page_ptr, ptr_off, page_ids, ids_off, unit_tokens):
-    """hgca decode step: for each plan entry i (layer layers[i], expected seq seqs[i]) attention of
+    """hgca decode step: for each plan entry i (layer layers[i]; its submit's sequence number is
+    served[layer] + 1, and served[layer] is advanced once answered) attention of
     that layer's queries over its context-cache pages (k_pages[layer], v_pages[layer]: a tuple over
     layers; page_ptr / page_ids / unit_tokens concatenated over the plan, ptr_off / ids_off [n + 1]
     into them, unit_tokens B * Hkv per entry). Returns the entries served (< n: aborted)."""
     units = batch * hkv
     for i in range(layers.shape[0]):
         layer = layers[i]
-        if not _wait_ready(ready, layer, seqs[i], abort):
+        seq = np.uint32(served[layer] + np.uint32(1))
+        if not _wait_ready(ready, layer, seq, abort):
             return i
         q = slots_q[layer][:batch * hq * head_dim].reshape(batch, 1, hq, head_dim)
         o, lse = attend_pages(q, k_pages[layer], v_pages[layer], fmt, page_ptr[ptr_off[i]:ptr_off[i + 1]],
                               page_ids[ids_off[i]:ids_off[i + 1]], unit_tokens[i * units:(i + 1) * units],
                               hkv, scale, n_threads)
-        _answer(slots_o, slots_lse, done, layer, seqs[i], o, lse)
+        _answer(slots_o, slots_lse, done, layer, seq, o, lse)
+        served[layer] = seq
     return layers.shape[0]
 
 
@@ -276,7 +279,7 @@ def _block_pages(ids, slot_table, n_blocks, hkv, block_size):
 
 
 @njit(nogil=True, cache=True)
-def serve_blocks(layers, seqs, ready, done, abort, slots_q, slots_ids, slots_o, slots_lse, batch, hq, head_dim,
+def serve_blocks(layers, served, ready, done, abort, slots_q, slots_ids, slots_o, slots_lse, batch, hq, head_dim,
                  hkv, k, scale, n_threads, fmt, block_size, k_pages, v_pages, slot_tables, n_blocks, last_ids,
                  stats):
     """topk / scout decode step: for each plan entry i, attention of layer layers[i]'s queries over
@@ -286,7 +289,8 @@ def serve_blocks(layers, seqs, ready, done, abort, slots_q, slots_ids, slots_o, 
     Returns (entries served, -1 or the bad (sequence, block) code of the entry that stopped)."""
     for i in range(layers.shape[0]):
         layer = layers[i]
-        if not _wait_ready(ready, layer, seqs[i], abort):
+        seq = np.uint32(served[layer] + np.uint32(1))
+        if not _wait_ready(ready, layer, seq, abort):
             return i, -1
         q = slots_q[layer][:batch * hq * head_dim].reshape(batch, 1, hq, head_dim)
         ids = slots_ids[layer][:batch * hkv * k].reshape(batch, hkv, k)
@@ -297,7 +301,8 @@ def serve_blocks(layers, seqs, ready, done, abort, slots_q, slots_ids, slots_o, 
         stats[0] += unit_tokens.sum()
         o, lse = attend_pages(q, k_pages[layer], v_pages[layer], fmt, page_ptr, page_ids, unit_tokens, hkv, scale,
                               n_threads)
-        _answer(slots_o, slots_lse, done, layer, seqs[i], o, lse)
+        _answer(slots_o, slots_lse, done, layer, seq, o, lse)
+        served[layer] = seq
     return layers.shape[0], -1
 
 
@@ -366,14 +371,12 @@ class BlockPages:
 
 @dataclass
 class StepPlan:
-    """What one decode step asks of the host: layers int32 [n] in submission order, seqs uint32 [n]
-    (the sequence number each layer's submit will carry), and `pages()`: run on the worker thread
+    """What one decode step asks of the host: layers int32 [n] in submission order, and `pages()`: run on the worker thread
     before the step is served, it returns the pages to attend (ContextPages or BlockPages) and a
     function to call once the step is served (the store's reader bracket); it may first wait for
     host work that must precede the step (hgca's sparsification of the blocks just evicted)."""
 
     layers: np.ndarray
-    seqs: np.ndarray
     pages: object
 
 
@@ -392,6 +395,10 @@ class ExchangeWorker:
         self.last_ids = np.full((n_layers, max(1, batch * hkv * max_ids)), -1, np.int32)  # last step's ids
         self.stats = np.zeros(2, np.int64)  # [tokens attended (blocks kind), unused]
         self.served_any = False
+        # per layer: the sequence number of the last submit answered. The next submit of a layer
+        # carries served + 1 (submits of a layer are answered in order); counting here, not at
+        # arm time, keeps the worker right when the caller dispatches steps ahead of their execution.
+        self.served = np.zeros(n_layers, np.uint32)
         self._plans: queue.Queue = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -453,7 +460,7 @@ class ExchangeWorker:
     def _serve(self, plan: StepPlan, p) -> None:
         s = self.slots
         n_layers, batch, hq, hkv, head_dim, max_ids = s.shape
-        common = (plan.layers, plan.seqs, s.ready, s.done, self.abort, s.q)
+        common = (plan.layers, self.served, s.ready, s.done, self.abort, s.q)
         if isinstance(p, ContextPages):
             served = serve_context(*common, s.o, s.lse, batch, hq, head_dim, hkv, self.scale, self.n_threads, p.fmt,
                                    p.k_pages,

@@ -27,13 +27,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture
-def rng(request):
-    """A fresh NumPy generator per test, seeded from the test id and reported on failure."""
-    import numpy as np
+SEED_ENV = "JHYBRID_SEED"
+
+
+def seed_of(nodeid: str) -> int:
+    """The `rng` fixture's seed: crc32 of the test id, mixed with $JHYBRID_SEED when set (so a run
+    with fresh seeds is JHYBRID_SEED=<anything>, and a failure replays with the same value)."""
     import zlib
 
-    seed = int.from_bytes(os.urandom(4), "little")
+    return zlib.crc32(f"{nodeid}|{os.environ.get(SEED_ENV, '')}".encode())
+
+
+@pytest.fixture
+def rng(request):
+    """A NumPy generator per test, seeded from the test id (and $JHYBRID_SEED); the seed is
+    added to the failure report (see pytest_runtest_makereport)."""
+    import numpy as np
+
+    seed = seed_of(request.node.nodeid)
     request.node.user_properties.append(("seed", seed))
-    print(f"[rng seed {seed} for {request.node.nodeid} ({zlib.crc32(request.node.nodeid.encode())})]")
     return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that used `rng` reports its seed and how to replay it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        seeds = [v for k, v in item.user_properties if k == "seed"]
+        if seeds:
+            replay = os.environ.get(SEED_ENV, "")
+            report.sections.append(("rng seed", f"seed {seeds[0]} (replay: {SEED_ENV}={replay!r} "
+                                                f"pytest '{item.nodeid}')"))

@@ -52,3 +52,39 @@ def test_merge_rejects_mismatched_shapes():
         merge_partials([jnp.zeros((2, 4)), jnp.zeros((3, 4))], [jnp.zeros((2,)), jnp.zeros((3,))])
     with pytest.raises(ValueError, match="lses\\[0\\].shape"):
         merge_partials([jnp.zeros((2, 4))], [jnp.zeros((4,))])
+
+
+def _merge_f64(outputs, lses):
+    """Float64 oracle of the merge, with the max subtracted (the definition)."""
+    lse = np.stack([np.asarray(x, np.float64) for x in lses])
+    m = np.max(lse, axis=0)
+    safe = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(lse - safe)
+    total = w.sum(axis=0)
+    o = sum(w[i][..., None] * np.asarray(x, np.float64) for i, x in enumerate(outputs))
+    o = np.where(total[..., None] > 0, o / np.where(total > 0, total, 1.0)[..., None], 0.0)
+    return o, np.where(total > 0, safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+
+
+@pytest.mark.parametrize("scale", [1.0, 90.0, 1e4])
+def test_merge_under_extreme_lse_empty_parts_and_rows_empty_in_one_part(rng, scale):
+    """Large LSE (exp overflows float32 past ~88 without the max subtraction), N = 4 parts of which
+    one is empty everywhere, rows empty in some parts only, and an all-empty row."""
+    rows, d, parts = 7, 16, 4
+    outputs = [rng.standard_normal((rows, d)).astype(np.float32) for _ in range(parts)]
+    lses = [(rng.standard_normal(rows) * 3 + scale).astype(np.float32) for _ in range(parts)]
+    lses[1][:] = -np.inf  # an empty part
+    outputs[1][:] = 0.0
+    lses[2][[0, 3]] = -np.inf  # rows empty in one part only
+    outputs[2][[0, 3]] = 0.0
+    for i in range(parts):  # row 6: empty in every part
+        lses[i][6] = -np.inf
+        outputs[i][6] = 0.0
+    merged = merge_partials([jnp.asarray(x) for x in outputs], [jnp.asarray(x) for x in lses],
+                            out_dtype=jnp.float32)
+    o_ref, lse_ref = _merge_f64(outputs, lses)
+    o, lse = np.asarray(merged.o), np.asarray(merged.lse)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(lse[:6], lse_ref[:6], rtol=1e-6, atol=1e-4)
+    assert np.isneginf(lse[6]) and not o[6].any()

@@ -73,7 +73,8 @@ class Budget:
     window_tokens: int
     blocks_to_offload_per_layer: int
     blocks_to_offload_total: int
-    host_bytes: int
+    host_bytes: int              # everything the host store holds for the offloaded blocks
+    host_kv_bytes: int           # of which K and V
     gpu_kv_bytes_with_window: int
     max_batch_with_window: int
     max_window_for_batch: int
@@ -94,13 +95,19 @@ def kv_budget(name: str, config, context: int, batch: int, gpu_bytes: int, gpu_s
     window = window_for_share(context, gpu_share, sink, block_size)
     offloaded = context - window
     blocks = math.ceil(offloaded / block_size)
+    # Per offloaded block and layer the host store also keeps (host.kv_store): MAW float32 per token
+    # and KV head, positions int64 per token, key min / max float32 per KV head and channel.
+    hkv, d = config.num_kv_heads, config.head_dim
+    extra_per_block_layer = hkv * block_size * 4 + block_size * 8 + 2 * hkv * d * 4
+    host_kv = batch * blocks * block_size * per_token
     return Budget(
         model=name, context=context, batch=batch, gpu_bytes=gpu_bytes,
         kv_bytes_per_token=per_token, kv_bytes_per_request=per_request, weight_bytes=weights,
         free_gpu_bytes=free, max_batch_full_on_gpu=free // per_request,
         fits_fully_on_gpu=batch * per_request <= free, gpu_share=gpu_share, window_tokens=window,
         blocks_to_offload_per_layer=blocks, blocks_to_offload_total=blocks * batch * config.num_layers,
-        host_bytes=batch * offloaded * per_token, gpu_kv_bytes_with_window=batch * window * per_token,
+        host_bytes=host_kv + batch * blocks * config.num_layers * extra_per_block_layer, host_kv_bytes=host_kv,
+        gpu_kv_bytes_with_window=batch * window * per_token,
         max_batch_with_window=free // (window * per_token),
         max_window_for_batch=min(context, free // (batch * per_token)))
 
@@ -128,7 +135,7 @@ def format_budget(b: Budget) -> list[tuple[str, str]]:
         ("GPU KV with that window", gib(b.gpu_kv_bytes_with_window)),
         ("blocks to offload", f"{b.blocks_to_offload_per_layer:,} per layer and sequence, "
                               f"{b.blocks_to_offload_total:,} in all"),
-        ("host memory needed", gib(b.host_bytes)),
+        ("host memory needed", f"{gib(b.host_bytes)} (K/V {gib(b.host_kv_bytes)}, + MAW, positions, digests)"),
         ("max batch with that window", f"{b.max_batch_with_window}"),
         ("largest window for this batch", f"{b.max_window_for_batch:,} tokens"),
     ]

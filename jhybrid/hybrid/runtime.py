@@ -302,7 +302,6 @@ class HostRuntime:
         pages are snapshot on the worker thread once the host work queued before this step (hgca's
         sparsification and re-evaluation, on the executor's FIFO) is done."""
         layers = np.arange(self.n_layers, dtype=np.int32)
-        seqs = np.array([self.native.submitted(layer) + 1 for layer in range(self.n_layers)], np.uint32)
         barrier = self.executor.submit_task(lambda: None, what="exchange barrier")
         kind = self.mode.decode_host_kind()
         offloaded = self.evictor.published.copy()
@@ -315,7 +314,7 @@ class HostRuntime:
                 store.begin_read()
             return snapshot, store.end_read
 
-        return StepPlan(layers=layers, seqs=seqs, pages=pages)
+        return StepPlan(layers=layers, pages=pages)
 
     def _context_pages(self, published: np.ndarray) -> ContextPages:
         """hgca: every layer's kept tokens of the `published` [B] blocks (store lock held)."""

@@ -1,0 +1,267 @@
+"""The policies against NumPy oracles written from their definitions, not from the product code.
+
+Keep-everything runs cannot see a policy; these run real thresholds and budgets on a one-layer model
+whose queries and keys the test computes itself (the layer's own projections of the embeddings) and
+simulates, token by token in float64:
+
+  * the eviction schedule: which blocks the host owns at each step (copies started when due, spread
+    by sequence phase or when the ring's slack runs out, published `eviction_lag_steps` later);
+  * hgca: the moving-average attention weight of every ring token (reset when written, updated with
+    the window's probabilities at every step), the salience threshold beta / window at eviction, and
+    the re-evaluation after the prompt (the prompt's last queries over every stored token, threshold
+    beta / stored tokens): the kept token set of every KV head must match the product's;
+  * topk: the blocks selected at each step (Quest bound over the digests of the host-owned blocks,
+    top budget / block_size) must match `LayerState.selected`.
+Breaking any of these (e.g. the MAW update's alpha, the threshold's denominator, the eviction phase,
+the top-k order) fails a test here.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jhybrid.generation import make_step
+from jhybrid.hybrid import OffloadConfig, make_backend
+from jhybrid.models import create_model
+from tests.hybrid_support import TINY
+
+CONFIG = TINY.replace(num_layers=1)
+WINDOW = dict(window_tokens=40, block_size=16, sink=8, host_threads=1)
+CHUNK, PROMPT, STEPS, MAX_LEN = 16, 40, 70, 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(CONFIG, seed=2)
+
+
+def projections(model, tokens: np.ndarray):
+    """q [B, N, Hq, D], k [B, N, Hkv, D] float64 of every position, from the layer's projections."""
+    b, n = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    layer = model.layers[0]
+    x = layer.attention_input(model.embed(jnp.asarray(tokens)))
+    q = layer.attention.project_q(x, positions)
+    k, _ = layer.attention.project_kv(x, positions)
+    return np.asarray(q, np.float64), np.asarray(k, np.float64)
+
+
+def run(model, config: OffloadConfig, tokens: np.ndarray, observe=None):
+    """Prefill PROMPT tokens in chunks, then STEPS decode steps (teacher-forced). observe(step,
+    cache) after each decode step's before_step. -> the backend (left open)."""
+    b = tokens.shape[0]
+    backend = make_backend(config)
+    step, params = make_step(model, backend)
+    backend.open(model.config, b, MAX_LEN)
+    cache = model.init_cache(b, MAX_LEN, backend)
+    for s in range(0, PROMPT, CHUNK):
+        pos = s + np.arange(CHUNK)[None].repeat(b, 0)
+        pos = np.where(pos < PROMPT, pos, -1).astype(np.int32)
+        cache = backend.before_step(cache, pos)
+        _, cache = step(params, np.where(pos >= 0, tokens[:, np.maximum(pos[0], 0)], 0).astype(np.int32), pos, cache)
+    for t in range(STEPS):
+        pos = np.full((b, 1), PROMPT + t, np.int32)
+        cache = backend.before_step(cache, pos)
+        if observe is not None:
+            observe(t, cache)
+        _, cache = step(params, tokens[:, PROMPT + t:PROMPT + t + 1], pos, cache)
+    backend.runtime.evictor.publish_all()
+    backend.runtime.evictor.wait_background()
+    return backend
+
+
+class Schedule:
+    """The eviction schedule from its definition (jhybrid/hybrid/eviction.py's docstring)."""
+
+    def __init__(self, cfg: OffloadConfig, batch: int):
+        self.cfg, self.batch = cfg, batch
+        self.started = np.zeros(batch, np.int64)
+        self.published = np.zeros(batch, np.int64)
+        self.jobs = []  # (publish_step, started after the job)
+        self.starts = []  # (step, seq, first block, end block): the copies in start order
+
+    def target(self, n):
+        over = n - self.cfg.sink - (self.cfg.window_tokens - self.cfg.sink)
+        return np.maximum(0, -(-over // self.cfg.block_size))
+
+    def prefill(self, n_after, step):
+        """A prefill chunk on the host path: everything due starts and is published."""
+        self._start(self.target(n_after), step, None)
+        self.jobs.clear()
+        self.published = self.started.copy()
+
+    def decode(self, t, n_after):
+        cfg, bs = self.cfg, self.cfg.block_size
+        cap = cfg.window_tokens - cfg.sink + cfg.ring_slack_blocks * bs
+        while self.jobs and self.jobs[0][0] <= t:
+            self.published = np.maximum(self.published, self.jobs.pop(0)[1])
+        target = self.target(n_after)
+        phase = (t + np.arange(self.batch)) % bs == 0
+        soon = n_after + cfg.eviction_lag_steps + 1 - cfg.sink - cap
+        urgent = -(-np.maximum(soon, 0) // bs) > self.started
+        start = (target > self.started) & (phase | urgent)
+        if start.any():
+            self._start(np.where(start, target, self.started), t, t + cfg.eviction_lag_steps)
+        need = -(-np.maximum(n_after - cfg.sink - cap, 0) // bs)
+        if np.any(self.published < need):
+            self.published = self.started.copy()
+            self.jobs.clear()
+        return self.published.copy()
+
+    def _start(self, started, step, publish_step):
+        for b in range(self.batch):
+            if started[b] > self.started[b]:
+                self.starts.append((step, b, int(self.started[b]), int(started[b])))
+        self.started = started.copy()
+        self.jobs.append((publish_step, started.copy()))
+
+
+def test_eviction_schedule_matches_its_definition(model):
+    """Two sequences of different lengths: the host-owned blocks at every decode step."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 97, (2, PROMPT + STEPS)).astype(np.int32)
+    cfg = OffloadConfig(mode="streaming", **WINDOW)
+    seen = []
+    run(model, cfg, tokens, observe=lambda t, cache: seen.append(np.asarray(cache.meta.offloaded_blocks)))
+    oracle = Schedule(cfg.resolved(), 2)
+    for s in range(0, PROMPT, CHUNK):
+        oracle.prefill(np.full(2, min(PROMPT, s + CHUNK)), 0)
+    want = [oracle.decode(t, np.full(2, PROMPT + t + 1)) for t in range(STEPS)]
+    np.testing.assert_array_equal(np.stack(seen), np.stack(want))
+    assert np.stack(want)[-1].min() >= 3  # the run crossed several evictions
+    # the spreading: sequence 1 starts its copies one step before sequence 0 (phase (t + b) % bs)
+    firsts = {b: min(step for step, seq, *_ in oracle.starts if seq == b and step > 0) for b in (0, 1)}
+    assert firsts[0] != firsts[1]
+
+
+def test_hgca_kept_tokens_match_a_float64_simulation(model):
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 97, (1, PROMPT + STEPS)).astype(np.int32)
+    cfg = OffloadConfig(mode="hgca", beta=1.0, alpha=0.3, **WINDOW).resolved()
+    backend = run(model, cfg, tokens)
+    store = backend.runtime.store
+    got = [set(store.context.kept(0, 0, h)["token_index"].tolist()) for h in range(CONFIG.num_kv_heads)]
+    want = simulate_hgca(cfg, *projections(model, tokens))
+    assert sum(len(w) for w in want) > 0 and any(len(w) < store.n_tokens(0, 0) for w in want)  # a real threshold
+    for h in range(CONFIG.num_kv_heads):
+        assert got[h] == want[h], f"KV head {h}: product keeps {sorted(got[h] ^ want[h])[:12]} differently"
+
+
+def simulate_hgca(cfg: OffloadConfig, q, k):
+    """hgca's kept token indices per KV head (token_index = position - sink) for one sequence."""
+    s, bs, alpha, beta, window = cfg.sink, cfg.block_size, cfg.alpha, cfg.beta, cfg.window_tokens
+    hq, hkv = q.shape[2], k.shape[2]
+    g = hq // hkv
+    scale = CONFIG.attention_scale
+    schedule = Schedule(cfg, 1)
+    maw = {}  # position -> [Hkv] moving-average weight (ring tokens only)
+    kept = [set() for _ in range(hkv)]
+    reevaluated = False
+
+    def copy_started(blocks, into_kept=True):
+        for blk in blocks:
+            for j in range(bs):
+                pos = s + blk * bs + j
+                for h in range(hkv):
+                    if into_kept and maw[pos][h] > beta / window:
+                        kept[h].add(pos - s)
+
+    def window_probs(query_positions, published):
+        """MAW update of one step: per KV head, probabilities over the GPU tokens (sinks + ring from
+        the host's end), summed over the group, averaged over the step's queries."""
+        n = query_positions[-1] + 1
+        first_ring = s + published * bs
+        add = {}
+        for p in query_positions:
+            keys = [j for j in range(min(n, s))] + list(range(first_ring, p + 1))
+            for h in range(hkv):
+                scores = np.array([[q[0, p, h * g + i] @ k[0, j, h] * scale for j in keys] for i in range(g)])
+                probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+                probs /= probs.sum(axis=1, keepdims=True)
+                for idx, j in enumerate(keys):
+                    if j >= s:
+                        add.setdefault(j, np.zeros(hkv))[h] += probs[:, idx].sum() / len(query_positions)
+        return add
+
+    def update(add, positions_written):
+        for p in positions_written:
+            if p >= s:
+                maw[p] = np.zeros(hkv)  # written: reset
+        for j in maw:
+            if j >= s + schedule.published[0] * bs or j in add:
+                maw[j] = (1 - alpha) * maw[j] + alpha * add.get(j, np.zeros(hkv))
+
+    n = 0
+    for c in range(0, PROMPT, CHUNK):  # prefill chunks (host path: published before each chunk)
+        positions = list(range(c, min(PROMPT, c + CHUNK)))
+        before = schedule.started[0]
+        schedule.prefill(np.array([positions[-1] + 1]), 0)
+        copy_started(range(before, schedule.started[0]))
+        update(window_probs(positions, schedule.published[0]), positions)
+        n = positions[-1] + 1
+    turn = list(range(PROMPT - cfg.reevaluate_queries, PROMPT))
+    for t in range(STEPS):
+        p = PROMPT + t
+        before = schedule.started[0]
+        published = schedule.decode(t, np.array([p + 1]))[0]
+        new_blocks = range(before, schedule.started[0])
+        copy_started(new_blocks)
+        if not reevaluated and published > 0:  # the prompt's queries re-score every stored token
+            reevaluated = True
+            stored = list(range(s, s + schedule.started[0] * bs))
+            for h in range(hkv):
+                probs = np.zeros(len(stored))
+                for qp in turn:
+                    scores = np.array([[q[0, qp, h * g + i] @ k[0, j, h] * scale for j in stored] for i in range(g)])
+                    e = np.exp(scores - scores.max(axis=1, keepdims=True))
+                    probs += (e / e.sum(axis=1, keepdims=True)).sum(axis=0) / len(turn)
+                kept[h] = {j - s for j, pr in zip(stored, probs) if pr > beta / len(stored)}
+        update(window_probs([p], published), [p])
+    return kept
+
+
+def test_topk_selection_matches_numpy_top_k(model):
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 97, (1, PROMPT + STEPS)).astype(np.int32)
+    cfg = OffloadConfig(mode="topk", budget=32, **WINDOW).resolved()  # 2 of up to 5 blocks
+    q, k = projections(model, tokens)
+    selected, published = [], []
+
+    def observe(t, cache):
+        published.append(int(np.asarray(cache.meta.offloaded_blocks)[0]))
+
+    backend = make_backend(cfg)
+    step, params = make_step(model, backend)
+    backend.open(model.config, 1, MAX_LEN)
+    cache = model.init_cache(1, MAX_LEN, backend)
+    for s in range(0, PROMPT, CHUNK):
+        pos = (s + np.arange(CHUNK))[None]
+        pos = np.where(pos < PROMPT, pos, -1).astype(np.int32)
+        cache = backend.before_step(cache, pos)
+        _, cache = step(params, np.where(pos >= 0, tokens[:, np.maximum(pos[0], 0)], 0).astype(np.int32), pos, cache)
+    for t in range(STEPS):
+        pos = np.full((1, 1), PROMPT + t, np.int32)
+        cache = backend.before_step(cache, pos)
+        observe(t, cache)
+        _, cache = step(params, tokens[:, PROMPT + t:PROMPT + t + 1], pos, cache)
+        selected.append(np.asarray(cache.layers[0].selected)[0])  # [Hkv, k]
+    s, bs, hkv = cfg.sink, cfg.block_size, CONFIG.num_kv_heads
+    g = CONFIG.num_heads // hkv
+    checked = 0
+    for t in range(STEPS):
+        e, p = published[t], PROMPT + t
+        for h in range(hkv):
+            if e == 0:
+                assert (selected[t][h] == -1).all()
+                continue
+            blocks = k[0, s:s + e * bs, h].reshape(e, bs, -1)
+            kmin, kmax = blocks.min(axis=1), blocks.max(axis=1)
+            scores = sum(np.maximum(q[0, p, h * g + i] * kmin, q[0, p, h * g + i] * kmax).sum(axis=1)
+                         for i in range(g))
+            want = np.argsort(-scores, kind="stable")[:min(2, e)]
+            got = selected[t][h][:len(want)]
+            assert list(got) == list(want), f"step {t} head {h}: selected {got} != top-k {want} of {scores.round(3)}"
+            checked += 1
+    assert checked > 50 and max(published) >= 4
