@@ -151,3 +151,21 @@ def test_gpu_triton_kernels_keep_all(model, tokens, case):
         logits, backend, _, held = run_forced(model, backend_of(case, host_threads=None), *tokens)
     np.testing.assert_allclose(logits, reference, atol=2e-3, rtol=0)
     assert_nothing_lost(backend, held)
+
+
+@pytest.mark.parametrize("case", ["hgca", "topk", "scout-exact-query"])
+def test_keep_all_bf16_model_equals_full(case):
+    """The bf16 host store end to end: a bfloat16 model keeps bf16 KV on the host (bits as stored)
+    and the keep-all result equals full attention's to bf16 accuracy (a few bf16 ulps of the logits:
+    the two paths round the attention output at different points)."""
+    model16 = create_model(CONFIG.replace(dtype="bfloat16"), seed=0)
+    rng = np.random.default_rng(99)
+    prompt, cont = rng.integers(0, 97, (B, PROMPT)).astype(np.int32), rng.integers(0, 97, (B, 24)).astype(np.int32)
+    reference = run_forced(model16, make_backend("full"), prompt, cont)[0]
+    logits, backend, _, _ = run_forced(model16, backend_of(case), prompt, cont)
+    assert backend.runtime.store.config.kv_dtype == "bf16"
+    scale = np.abs(reference).max()
+    np.testing.assert_allclose(logits, reference, atol=8 * 2.0**-8 * scale, rtol=0)
+    assert (logits.argmax(-1) == reference.argmax(-1)).mean() > 0.9
+    streaming = run_forced(model16, backend_of("streaming"), prompt, cont)[0]  # control: the tolerance sees
+    assert np.abs(streaming - reference).max() > 8 * 2.0**-8 * scale          # a dropped offloaded part

@@ -15,7 +15,12 @@ from jax.experimental import pallas as pl
 from oracle import attention_f64, rel_err
 from pallas_kernels.window_attention import window_attention, window_attention_reference
 
-TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+# Tolerances from the arithmetic: inputs are rounded to the tested dtype before the float64 oracle
+# sees them, and the kernels compute in float32, so LSE and probabilities carry float32 rounding
+# only (observed <= 3e-7); o in bf16 is rounded once on output and the probabilities meet V in bf16:
+# two roundings of at most 2^-9 each -> 2^-8 relative (observed <= 2e-3).
+TOL_O = {"float32": 1e-5, "bfloat16": 2.0**-8}
+TOL_STATS = 1e-5  # LSE (relative to max(1, |lse|)) and probabilities (absolute), either dtype
 
 
 def _case(rng, b, tq, hq, hkv, w, d, dtype, sinks):
@@ -89,14 +94,33 @@ def test_window_attention_matches_float64(rng, backend, b, tq, hq, hkv, w, d, dt
                            block_k=32)
     o_ref, lse_ref, p_ref = _oracle(case, d**-0.5)
     assert out[0].dtype == jnp.dtype(dtype) and out[1].dtype == jnp.float32
-    assert rel_err(out[0], o_ref) < TOL[dtype]
+    assert rel_err(out[0], o_ref) < TOL_O[dtype]
     lse = np.asarray(out[1])
     assert np.array_equal(np.isinf(lse), np.isinf(lse_ref)), "empty windows must give lse = -inf exactly"
     fin = np.isfinite(lse_ref)
-    np.testing.assert_allclose(lse[fin], lse_ref[fin], rtol=TOL[dtype], atol=TOL[dtype])
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], rtol=TOL_STATS, atol=TOL_STATS)
     if probs:
         assert out[2].shape == (b, hkv, w) and out[2].dtype == jnp.float32
-        np.testing.assert_allclose(np.asarray(out[2]), p_ref, atol=TOL[dtype] * 10, rtol=TOL[dtype] * 10)
+        np.testing.assert_allclose(np.asarray(out[2]), p_ref, atol=TOL_STATS, rtol=0)
+
+
+def test_the_tolerances_catch_known_mistakes(rng):
+    """Controls: probabilities off by 25 %, a softmax scale off by 10 %, and a bf16 output with one
+    more rounding error than allowed all fail the checks above by a wide margin."""
+    case = _case(rng, 2, 1, 8, 2, 130, 128, "float32", True)
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    o, lse, p = window_attention(args["q"], args["k"], args["v"], args["lengths"], args["ring_start"],
+                                 sink_k=args["sink_k"], sink_v=args["sink_v"], sink_lengths=args["sink_lengths"],
+                                 return_probs=True, backend="reference")
+    o_ref, lse_ref, p_ref = _oracle(case, 128**-0.5)
+    assert np.max(np.abs(np.asarray(p) * 1.25 - p_ref)) > 100 * TOL_STATS
+    _, lse_bad, _ = window_attention(args["q"], args["k"], args["v"], args["lengths"], args["ring_start"],
+                                     sink_k=args["sink_k"], sink_v=args["sink_v"], sink_lengths=args["sink_lengths"],
+                                     scale=1.1 * 128**-0.5, return_probs=True, backend="reference")
+    fin = np.isfinite(lse_ref)
+    assert np.max(np.abs(np.asarray(lse_bad)[fin] - lse_ref[fin])) > 100 * TOL_STATS
+    coarse = np.asarray(jnp.asarray(o_ref, jnp.float32).astype(jnp.float8_e4m3fn).astype(jnp.float32))
+    assert rel_err(coarse, o_ref) > 4 * TOL_O["bfloat16"]  # an 8-bit output would not pass as bf16
 
 
 def test_window_attention_empty_window_is_zero_and_minus_inf(rng):

@@ -38,6 +38,22 @@ def test_prefill_logits_match(pair, rng):
     assert list(np.asarray(cache.lengths)) == [19, 19]
 
 
+def test_control_dropping_rope_is_far_outside_the_tolerance(pair, rng, monkeypatch):
+    """The parity tolerance can see a wrong model: without RoPE (rotary families) the logits move by
+    far more than ATOL."""
+    family, hf, ours = pair
+    if ours.config.position_type != "rope":
+        pytest.skip(f"{family} has no rotary positions")
+    import jhybrid.models.layers as layers
+
+    tokens = rng.integers(0, VOCAB, (2, 19))
+    expected = hf_logits(hf, tokens)
+    monkeypatch.setattr(layers, "apply_rope", lambda x, positions, config, local=False: x)
+    step, params = make_step(ours)
+    logits, _ = step(params, jnp.asarray(tokens, jnp.int32), _positions(2, 19), ours.init_cache(2, 32))
+    assert np.max(np.abs(np.asarray(logits) - expected)) > 100 * ATOL
+
+
 def test_step_by_step_decode_logits_match(pair, rng):
     family, hf, ours = pair
     tokens = rng.integers(0, VOCAB, (1, 24))

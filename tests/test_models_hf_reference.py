@@ -53,9 +53,15 @@ TINY_CONFIGS = {
 }
 
 
+# Query / key projections are scaled up so that attention is sharp (scores spanning several units):
+# with HF's 0.02 init the tiny models attend almost uniformly, and dropping RoPE moved the logits by
+# only ~1e-3 (tests/test_models_hf_parity.py keeps that control).
+SHARP = 6.0
+
+
 def make_hf_model(family: str, seed: int = 0):
     """A float32, eager-attention HF causal LM with random weights (biases and norms randomised
-    too, so a wrong mapping cannot hide behind zeros and ones)."""
+    too, so a wrong mapping cannot hide behind zeros and ones; Q/K projections scaled by SHARP)."""
     torch.manual_seed(seed)
     config = TINY_CONFIGS[family]()
     config._attn_implementation = "eager"
@@ -64,6 +70,8 @@ def make_hf_model(family: str, seed: int = 0):
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.add_(0.1 * torch.randn_like(param))
+            if any(key in name for key in ("q_proj.weight", "k_proj.weight", "query_key_value.weight")):
+                param.mul_(SHARP)
     return model.float().eval()
 
 
