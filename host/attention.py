@@ -36,7 +36,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from host.kv_store import FORMAT_CODE
+from host.store_format import FORMAT_CODE
 from host.numba_threads import configure_threading_layer
 from host._page_math import (PV_VEC, QK_VEC, accumulate1, accumulate4, atomic_fetch_add, bf16_lane_pos, exp_row,
                               prefetch, pv_rows, qk_rows, row_max, scores1, scores4)

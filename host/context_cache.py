@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.kv_store import (FORMAT_CODE, STORAGE_DTYPE, HostMemoryBudget, SlotArrays, SlotPool, StoreConfig,
-                           arrays_nbytes)
+from host.memory import HostMemoryBudget, SlotArrays, SlotPool, arrays_nbytes
+from host.store_format import FORMAT_CODE, STORAGE_DTYPE, StoreConfig
 from host.paged_view import PagedKV
 
 

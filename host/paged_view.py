@@ -22,7 +22,7 @@ import numpy as np
 class PagedKV:
     k_pages: np.ndarray      # [P, page_tokens, D] uint16 (bf16/fp16 bits) or float32
     v_pages: np.ndarray      # [P, page_tokens, D] same dtype as k_pages
-    fmt: int                 # host.kv_store.FORMAT_CODE of the storage
+    fmt: int                 # host.store_format.FORMAT_CODE of the storage
     page_ptr: np.ndarray     # int64 [U + 1]
     page_ids: np.ndarray     # int64 [page_ptr[-1]]
     unit_tokens: np.ndarray  # int64 [U]

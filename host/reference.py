@@ -63,7 +63,7 @@ def norm_relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
 def stored_tokens(store, layer: int, seq_id, block_numbers=None) -> tuple[list, list]:
     """float32 K and V of one sequence as the reference takes them: keys[h], values[h] [n, D] (all
     stored blocks in block-number order, or the given block numbers of every head)."""
-    from host.kv_store import from_storage
+    from host.store_format import from_storage
 
     d = store.read_blocks(layer, seq_id, block_numbers)
     kf, vf = from_storage(d["k"], store.config.kv_dtype), from_storage(d["v"], store.config.kv_dtype)
@@ -73,7 +73,7 @@ def stored_tokens(store, layer: int, seq_id, block_numbers=None) -> tuple[list, 
 
 def context_tokens(store, layer: int, seq_id) -> tuple[list, list]:
     """float32 K and V of one sequence's context cache: keys[h], values[h] [n_kept_h, D]."""
-    from host.kv_store import from_storage
+    from host.store_format import from_storage
 
     kept = [store.context.kept(layer, seq_id, h) for h in range(store.config.n_kv_heads)]
     dt = store.config.kv_dtype

@@ -3,7 +3,7 @@
 Rule, per (layer, sequence, KV head): keep token j iff  A_j > beta / A.size, strictly.
 
 - At eviction (`sparsify_evicted`), A_j is the token's MAW as stored with its block, and
-  **A.size = `window_tokens`, the GPU window size in tokens** (`RingConfig.window_tokens` = sink +
+  **A.size = `window_tokens`, the GPU window size in tokens** (`OffloadConfig.window_tokens` = sink +
   blk_num * block_size): the number of GPU-side entries the MAW was spread over. Only the newly
   evicted blocks are examined; their kept tokens are appended to the head's context cache.
 - At re-evaluation (`reevaluate`, after an append / new user turn), A_j is the new queries'

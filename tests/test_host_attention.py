@@ -216,7 +216,7 @@ def test_long_context_parity(rng):
 
 def _random_paged_view(rng, kv_dtype, d, page_tokens, unit_tokens, n_kv_heads, spare_pages=3):
     """A PagedKV over shuffled pages of random values; returns (view, keys[b][h], values[b][h])."""
-    from host.kv_store import FORMAT_CODE
+    from host.store_format import FORMAT_CODE
 
     pages_per_unit = [-(-n // page_tokens) for n in unit_tokens]
     n_pages = sum(pages_per_unit) + spare_pages

@@ -1,13 +1,11 @@
-"""KV store invariants under random evict/free sequences, memory cap, digests; the GPU eviction ring."""
+"""KV store invariants under random append/free sequences, memory cap, digests, arena growth."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from host import (HostMemoryCapError, KVStore, RingConfig, RingState, StoreConfig, commit, from_storage,
-                  plan_eviction, to_storage)
-from host.eviction import resident_ring_tokens
+from host import HostMemoryCapError, KVStore, StoreConfig, from_storage, to_storage
 
 
 def cfg(**kw):
@@ -20,9 +18,8 @@ def test_random_evict_free_sequences_keep_every_token(rng):
     """Tokens in == tokens stored, positions and values preserved, slots recycled after free."""
     c = cfg()
     store = KVStore(c)
-    ring = RingConfig(window_tokens=3 + 3 * c.block_size, block_size=c.block_size, sink=3)
+    sink = 3                           # positions start after a sink, as evicted blocks do
     expected: dict[tuple, list] = {}   # (layer, seq) -> list of (k, v, maw, positions) blocks
-    states: dict[tuple, RingState] = {}
     next_seq = 0
     live = []
     for step in range(150):
@@ -32,30 +29,25 @@ def test_random_evict_free_sequences_keep_every_token(rng):
             live.append(next_seq)
             for layer in range(c.n_layers):
                 expected[layer, next_seq] = []
-                states[layer, next_seq] = RingState()
             next_seq += 1
         elif action < 0.25 and len(live) > 1:
             s = live.pop(int(rng.integers(len(live))))
             store.free_sequence(s)
             for layer in range(c.n_layers):
-                del expected[layer, s], states[layer, s]
+                del expected[layer, s]
         else:
             s = live[int(rng.integers(len(live)))]
             layer = int(rng.integers(c.n_layers))
-            n_new = int(rng.integers(1, 12))
-            state = states[layer, s]
-            plan = plan_eviction(ring, state, n_new)
-            if plan.n_blocks:
-                n, bs = plan.n_blocks, c.block_size
-                k = rng.standard_normal((n, bs, c.n_kv_heads, c.head_dim)).astype(np.float32)
-                v = rng.standard_normal((n, bs, c.n_kv_heads, c.head_dim)).astype(np.float32)
-                maw = rng.random((n, bs, c.n_kv_heads)).astype(np.float32)
-                pos = plan.first_position[:, None] + np.arange(bs)
-                numbers = store.append_blocks(layer, s, k, v, maw, pos)
-                np.testing.assert_array_equal(numbers, plan.blocks)
+            n, bs = int(rng.integers(0, 4)), c.block_size
+            done = sum(x[0].shape[0] for x in expected[layer, s])
+            k = rng.standard_normal((n, bs, c.n_kv_heads, c.head_dim)).astype(np.float32)
+            v = rng.standard_normal((n, bs, c.n_kv_heads, c.head_dim)).astype(np.float32)
+            maw = rng.random((n, bs, c.n_kv_heads)).astype(np.float32)
+            pos = sink + (done + np.arange(n))[:, None] * bs + np.arange(bs)
+            numbers = store.append_blocks(layer, s, k, v, maw, pos)
+            np.testing.assert_array_equal(numbers, done + np.arange(n))   # block numbers count up per (layer, seq)
+            if n:
                 expected[layer, s].append((k, v, maw, pos))
-            commit(ring, state, plan, n_new)
-            assert resident_ring_tokens(ring, state) <= ring.ring_tokens
         # invariants
         total_in = 0
         for (layer, s), blocks in expected.items():
@@ -73,7 +65,7 @@ def test_random_evict_free_sequences_keep_every_token(rng):
         positions = np.concatenate([x[3] for x in blocks])
         np.testing.assert_array_equal(got["positions"], positions)
         # evicted positions are the ring's oldest non-sink tokens, contiguous from the sink on
-        np.testing.assert_array_equal(positions.reshape(-1), ring.sink + np.arange(positions.size))
+        np.testing.assert_array_equal(positions.reshape(-1), sink + np.arange(positions.size))
         kf = from_storage(got["k"], "bf16")
         np.testing.assert_array_equal(got["key_min"], kf.min(axis=1))
         np.testing.assert_array_equal(got["key_max"], kf.max(axis=1))
@@ -157,53 +149,6 @@ def test_bad_appends_name_the_problem(rng):
     assert store.n_blocks(0, 0) == 0
 
 
-def test_ring_plans_oldest_full_blocks_first():
-    ring = RingConfig(window_tokens=2 + 3 * 4, block_size=4, sink=2)
-    assert ring.blk_num == 3 and ring.ring_tokens == 12
-    state = RingState()
-    # prompt of 30 tokens: 28 non-sink; ring keeps 12 -> blocks 0..3 leave (16 tokens), all incoming
-    plan = plan_eviction(ring, state, 30)
-    np.testing.assert_array_equal(plan.blocks, [0, 1, 2, 3])
-    np.testing.assert_array_equal(plan.first_position, [2, 6, 10, 14])
-    assert plan.from_incoming.all()
-    commit(ring, state, plan, 30)
-    assert resident_ring_tokens(ring, state) == 12
-    # next token: ring full -> oldest block 4 (positions 18..21, in ring slot 1) leaves
-    plan = plan_eviction(ring, state, 1)
-    np.testing.assert_array_equal(plan.blocks, [4])
-    np.testing.assert_array_equal(plan.ring_slots, [1])
-    np.testing.assert_array_equal(plan.first_position, [18])
-    assert not plan.from_incoming.any()
-    commit(ring, state, plan, 1)
-    for _ in range(3):  # room for three more tokens before the next eviction
-        plan = plan_eviction(ring, state, 1)
-        assert plan.n_blocks == 0
-        commit(ring, state, plan, 1)
-    assert plan_eviction(ring, state, 1).n_blocks == 1
-    # short prompts stay in the sink without evicting
-    assert plan_eviction(ring, RingState(), 2).n_blocks == 0
-
-
-@pytest.mark.parametrize("kw,match", [
-    (dict(window_tokens=10, block_size=4, sink=0), "does not divide"),
-    (dict(window_tokens=10, block_size=4, sink=8), "sink=8 does not fit"),
-    (dict(window_tokens=16, block_size=0), "block_size=0"),
-    (dict(window_tokens=16, block_size=4, sink=-1), "sink=-1"),
-])
-def test_bad_ring(kw, match):
-    with pytest.raises(ValueError, match=match):
-        RingConfig(**kw)
-
-
-def test_commit_checks_order():
-    ring = RingConfig(window_tokens=8, block_size=4)
-    state = RingState()
-    plan = plan_eviction(ring, state, 12)
-    with pytest.raises(ValueError, match="n_new"):
-        commit(ring, state, plan, 13)
-    assert state == RingState()
-
-
 # ---- arena growth without copies; first touch ahead ------------------------------------------------
 
 def test_growth_is_a_view_of_the_reservation_and_keeps_contents(rng):
@@ -232,7 +177,7 @@ def test_growth_is_a_view_of_the_reservation_and_keeps_contents(rng):
 
 
 def test_growth_past_the_reservation_copies_and_says_so(rng, caplog):
-    from host.kv_store import SlotArrays
+    from host.memory import SlotArrays
 
     arrays = SlotArrays({"x": np.empty((1, 3), np.float32)}, 2, "test arena", reserve_bytes=0)
     assert arrays.max_slots == 2

@@ -90,7 +90,7 @@ def test_offloaded_prompt_copies_the_store_ragged():
     for layer in range(2):
         for seq, n in ((0, 48), (1, 16)):
             blocks = store.read_blocks(layer, seq)  # k [n, bs, Hkv, D] bf16 bits
-            from host.kv_store import from_storage
+            from host.store_format import from_storage
             want = from_storage(blocks["k"], "bf16").transpose(2, 0, 1, 3).reshape(2, n, 64)
             got = np.asarray(layers[layer][0][seq])
             np.testing.assert_array_equal(got[:, :n], want)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from host import KVStore, StoreConfig
-from host.kv_store import from_storage, to_storage
+from host.store_format import from_storage, to_storage
 from host.sparsify import sparsify_evicted
 from jhybrid.hybrid.runtime import KV_DTYPE_OF
 from jhybrid.hybrid.state import StepMeta

@@ -54,7 +54,7 @@ KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 def views_fmt(kv_dtype: str) -> int:
     """The attention kernels' storage format code of a store dtype."""
-    from host.kv_store import FORMAT_CODE
+    from host.store_format import FORMAT_CODE
 
     return FORMAT_CODE[kv_dtype]
 

@@ -14,7 +14,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from host.kv_store import from_storage
+from host.store_format import from_storage
 
 log = logging.getLogger("jhybrid.hybrid")
 _logged: set[str] = set()
