@@ -1,6 +1,7 @@
 """Benchmark of the host CPU attention kernels (issue 3): GB/s of attended KV bytes.
 
-For each point (D, B*Hkv units, selected tokens per unit), bf16 KV, G query heads per KV head:
+For each point (D, B*Hkv units, selected tokens per unit), each host KV format of `--kv-formats`
+(bf16, and int8 rows with their scale: host.store_format), G query heads per KV head:
   kernel a  context cache: pages of `--page-tokens` kept tokens, page order shuffled (as allocated)
   kernel c  chosen blocks: a store of `--block-size`-token blocks, head-major inside a block, a random
             subset (in random order) of 4/5 of each sequence's blocks attended
@@ -14,6 +15,9 @@ touched ahead) separately from first-touch appends and from one arena growth (se
 
     PYTHONPATH=. python3 benchmarks/bench_host_attention.py --out benchmarks/results/host-attention-TAG.json
     PYTHONPATH=. python3 benchmarks/bench_host_attention.py --quick     # small grid (2-core machine)
+
+Rows carry `kv_format` and `bf16_equiv_GBps` (tokens attended per second x the bytes they take in
+bf16: what 8-bit storage buys in attention throughput); the baselines run on bf16 points only.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import numba
 from numba import njit, prange
 
 BF16 = 1  # FORMAT_CODE["bf16"]
+INT8 = 3  # FORMAT_CODE["int8"]: rows of D int8 + a float32 scale (host.store_format)
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -57,6 +62,24 @@ def _fill_random_bf16(buf, seed):
         flat[i] = np.uint16(0x3E80 + (x & np.uint64(0xFF))) | np.uint16(((x >> np.uint64(8)) & np.uint64(1)) << np.uint64(15))
 
 
+@njit(parallel=True, cache=True)
+def _fill_random_int8(rows, seed):
+    """rows [n, D + 4] int8: random values in [-127, 127] (a hash of the index) and the scale
+    1/127 in the last 4 bytes (little-endian float32 0x3C010204); touches every page."""
+    d = rows.shape[1] - 4
+    for i in prange(rows.shape[0]):
+        for j in range(d):
+            x = np.uint64(i * rows.shape[1] + j) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed)
+            x ^= x >> np.uint64(31)
+            x *= np.uint64(0xBF58476D1CE4E5B9)
+            x ^= x >> np.uint64(29)
+            rows[i, j] = np.int8(np.int64(x % np.uint64(255)) - 127)
+        rows[i, d] = 0x04
+        rows[i, d + 1] = 0x02
+        rows[i, d + 2] = 0x01
+        rows[i, d + 3] = 0x3C
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _read_ceiling(k_pages, v_pages, page_ids, page_rows, out):
     """Raw read of the same bytes: integer sum over the attended rows of each K and V page."""
@@ -66,7 +89,7 @@ def _read_ceiling(k_pages, v_pages, page_ids, page_rows, out):
         total = np.uint32(0)
         for j in range(page_rows[i]):
             for d in range(k.shape[1]):
-                total += np.uint32(k[j, d]) + np.uint32(v[j, d])
+                total += np.uint32(np.uint8(k[j, d])) + np.uint32(np.uint8(v[j, d]))
         out[i] = total
 
 
@@ -76,16 +99,21 @@ def widen(bits: np.ndarray) -> np.ndarray:
 
 def unit_tokens_of(view: PagedKV, u: int, dense=True):
     """float32 K, V [n, D] of unit u (its pages in order)."""
+    from host.store_format import from_storage
+
     pages = view.page_ids[view.page_ptr[u]:view.page_ptr[u + 1]]
     n = int(view.unit_tokens[u])
-    d = view.k_pages.shape[2]
-    k = widen(view.k_pages[pages].reshape(-1, d)[:n])
-    v = widen(view.v_pages[pages].reshape(-1, d)[:n])
+    w = view.k_pages.shape[2]
+    fmt = "int8" if view.fmt == INT8 else "bf16"
+    k = from_storage(view.k_pages[pages].reshape(-1, w)[:n], fmt)
+    v = from_storage(view.v_pages[pages].reshape(-1, w)[:n], fmt)
     return k, v
 
 
 def make_view(kind: str, arena_k, arena_v, units: int, tokens: int, d: int, hkv: int, page_tokens: int,
-              block_size: int, rng) -> PagedKV:
+              block_size: int, rng, fmt: int = BF16) -> PagedKV:
+    """arena_k / arena_v: flat storage (uint16 bf16 bits, or int8 rows of d + 4)."""
+    d = d + 4 if fmt == INT8 else d  # the stored row width
     if kind == "a":  # context cache: units * tokens/page pages, shuffled
         per_unit = tokens // page_tokens
         n_pages = units * per_unit
@@ -107,7 +135,7 @@ def make_view(kind: str, arena_k, arena_v, units: int, tokens: int, d: int, hkv:
                 lists.append(slot_of[b, chosen] * hkv + h)
         page_ids = np.concatenate(lists).astype(np.int64)
     page_ptr = np.arange(units + 1, dtype=np.int64) * per_unit
-    return PagedKV(k, v, BF16, page_ptr, page_ids, np.full(units, tokens, np.int64), hkv)
+    return PagedKV(k, v, fmt, page_ptr, page_ids, np.full(units, tokens, np.int64), hkv)
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -243,6 +271,7 @@ def main(argv=None):
     p.add_argument("--group", type=int, default=4, help="query heads per KV head (G)")
     p.add_argument("--hkv", type=int, default=8, help="KV heads per sequence (B = batch_heads / hkv)")
     p.add_argument("--kernels", nargs="+", default=["a", "c"], choices=["a", "c"])
+    p.add_argument("--kv-formats", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
     p.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
     p.add_argument("--page-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=64)
@@ -276,42 +305,74 @@ def main(argv=None):
           f"active Numba threading layer: {numba.threading_layer()}", flush=True)
 
     rows, failures, measured = [], [], []
+    int8_arena = None
+    if "int8" in args.kv_formats:  # rows of D int8 + scale; sized for the widest D
+        max_rows = max(u * n * 5 // 4 for d, u, n in points) + 1
+        n8 = max_rows * (max(args.dims) + 4)
+        int8_arena = (np.empty(n8, np.int8), np.empty(n8, np.int8))
+        t0 = time.perf_counter()
     # Pass 1: our kernel and the read ceiling for every point. Baselines run in pass 2, so that
     # torch's / BLAS's spinning OpenMP threads never compete with Numba's during our timings.
-    for d, units, tokens in points:
-        for kind in args.kernels:
-            view = make_view(kind, arena_k, arena_v, units, tokens, d, args.hkv, args.page_tokens,
-                             args.block_size, rng)
-            b = units // args.hkv
-            q = rng.standard_normal((b, 1, args.hkv * args.group, d)).astype(np.float32)
-            nbytes = view.attended_bytes()
-            o, lse = paged_attention(q, view)
-            # correctness: float64 reference on two units
-            for u in (0, units - 1):
-                k, v = unit_tokens_of(view, u)
-                bi, h = divmod(u, args.hkv)
-                heads = slice(h * args.group, (h + 1) * args.group)
-                ro, rl = reference_attention(q[bi:bi + 1, :, heads], [[k]], [[v]], 1)
-                err = max(norm_relative_error(o[bi:bi + 1, :, heads], ro),
-                          norm_relative_error(lse[bi:bi + 1, :, heads], rl))
-                if err > 1e-4:
-                    failures.append(f"kernel {kind} D={d} units={units} tokens={tokens} unit {u}: rel err {err:.2e}")
-            t_ours, t_ours_min, reps = timeit(lambda: paged_attention(q, view), args.min_seconds, 10)
-            page_rows = np.full(view.page_ids.shape[0], view.page_tokens, np.int64)  # all pages full here
-            sums = np.empty(view.page_ids.shape[0], np.uint32)
-            t_read, _, _ = timeit(lambda: _read_ceiling(view.k_pages, view.v_pages, view.page_ids, page_rows, sums),
-                                  args.min_seconds, 10)
-            row = {"kernel": {"a": "context_cache", "c": "chosen_blocks"}[kind], "batch_heads": units,
-                   "tokens": tokens, "D": d, "G": args.group, "dtype": "bf16",
-                   "median_us": t_ours * 1e6, "min_us": t_ours_min * 1e6, "repeats": reps,
-                   "achieved_GBps": nbytes / t_ours / 1e9, "read_ceiling_GBps": nbytes / t_read / 1e9,
-                   "numpy_us": None, "torch_us": None, "bytes": nbytes}
-            row["fraction_of_ceiling"] = row["achieved_GBps"] / row["read_ceiling_GBps"]
-            rows.append(row)
-            measured.append((row, view, q, o))
-            print(f"{row['kernel']:>14} D={d:3d} batch_heads={units:3d} tokens={tokens:6d} bf16: {t_ours * 1e6:9.0f} us "
-                  f"{row['achieved_GBps']:6.1f} GB/s (read ceiling {row['read_ceiling_GBps']:6.1f} GB/s, "
-                  f"fraction {row['fraction_of_ceiling']:.2f})", flush=True)
+    filled_int8_d = None
+    for fmt_name in args.kv_formats:
+        fmt = INT8 if fmt_name == "int8" else BF16
+        for d, units, tokens in points:
+            if fmt == INT8:
+                arena_k_f, arena_v_f = int8_arena
+                if filled_int8_d != d:  # every page written (first touch) before timing
+                    rows_n = arena_k_f.shape[0] // (d + 4)
+                    _fill_random_int8(arena_k_f[:rows_n * (d + 4)].reshape(rows_n, d + 4), 1)
+                    _fill_random_int8(arena_v_f[:rows_n * (d + 4)].reshape(rows_n, d + 4), 2)
+                    filled_int8_d = d
+            else:
+                arena_k_f, arena_v_f = arena_k, arena_v
+            for kind in args.kernels:
+                view = make_view(kind, arena_k_f, arena_v_f, units, tokens, d, args.hkv, args.page_tokens,
+                                 args.block_size, rng, fmt)
+                b = units // args.hkv
+                q = rng.standard_normal((b, 1, args.hkv * args.group, d)).astype(np.float32)
+                nbytes = view.attended_bytes()
+                o, lse = paged_attention(q, view)
+                # correctness: float64 reference on two units (over the dequantized values for int8)
+                for u in (0, units - 1):
+                    k, v = unit_tokens_of(view, u)
+                    bi, h = divmod(u, args.hkv)
+                    heads = slice(h * args.group, (h + 1) * args.group)
+                    ro, rl = reference_attention(q[bi:bi + 1, :, heads], [[k]], [[v]], 1)
+                    err = max(norm_relative_error(o[bi:bi + 1, :, heads], ro),
+                              norm_relative_error(lse[bi:bi + 1, :, heads], rl))
+                    if err > 1e-4:
+                        failures.append(f"kernel {kind} {fmt_name} D={d} units={units} tokens={tokens} unit {u}: "
+                                        f"rel err {err:.2e}")
+                t_ours, t_ours_min, reps = timeit(lambda: paged_attention(q, view), args.min_seconds, 10)
+                page_rows = np.full(view.page_ids.shape[0], view.page_tokens, np.int64)  # all pages full here
+                sums = np.empty(view.page_ids.shape[0], np.uint32)
+                t_read, _, _ = timeit(lambda: _read_ceiling(view.k_pages, view.v_pages, view.page_ids, page_rows,
+                                                            sums), args.min_seconds, 10)
+                bf16_bytes = units * tokens * 2 * d * 2
+                row = {"kernel": {"a": "context_cache", "c": "chosen_blocks"}[kind], "batch_heads": units,
+                       "tokens": tokens, "D": d, "G": args.group, "dtype": fmt_name, "kv_format": fmt_name,
+                       "median_us": t_ours * 1e6, "min_us": t_ours_min * 1e6, "repeats": reps,
+                       "achieved_GBps": nbytes / t_ours / 1e9, "read_ceiling_GBps": nbytes / t_read / 1e9,
+                       "bf16_equiv_GBps": bf16_bytes / t_ours / 1e9,
+                       "numpy_us": None, "torch_us": None, "bytes": nbytes}
+                row["fraction_of_ceiling"] = row["achieved_GBps"] / row["read_ceiling_GBps"]
+                rows.append(row)
+                if fmt == BF16:
+                    measured.append((row, view, q, o))
+                print(f"{row['kernel']:>14} D={d:3d} batch_heads={units:3d} tokens={tokens:6d} {fmt_name}: "
+                      f"{t_ours * 1e6:9.0f} us {row['achieved_GBps']:6.1f} GB/s, bf16-equivalent "
+                      f"{row['bf16_equiv_GBps']:6.1f} GB/s (read ceiling {row['read_ceiling_GBps']:6.1f} GB/s, "
+                      f"fraction {row['fraction_of_ceiling']:.2f})", flush=True)
+    del int8_arena
+    if len(args.kv_formats) > 1:  # the int8 / bf16 ratio of bf16-equivalent throughput, point by point
+        by_point = {(r["kernel"], r["D"], r["batch_heads"], r["tokens"], r["kv_format"]): r for r in rows}
+        for (kernel, d, units, tokens, fmt_name), r in list(by_point.items()):
+            base = by_point.get((kernel, d, units, tokens, "bf16"))
+            if fmt_name == "int8" and base is not None:
+                r["speedup_vs_bf16"] = r["bf16_equiv_GBps"] / base["bf16_equiv_GBps"]
+                print(f"{kernel:>14} D={d:3d} batch_heads={units:3d} tokens={tokens:6d}: int8 / bf16 = "
+                      f"{r['speedup_vs_bf16']:.2f}x ({base['bytes'] / 2**20:.0f} MiB of bf16 KV)", flush=True)
 
     # Pass 2: NumPy and torch on dense [B, Hkv, N, D] copies of the same values.
     try:
@@ -362,7 +423,7 @@ def main(argv=None):
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "config": {"group": args.group, "hkv": args.hkv, "page_tokens": args.page_tokens,
                    "block_size": args.block_size, "threads": n_threads, "threading_layer": numba.threading_layer(),
-                   "kv_dtype": "bf16", "Tq": 1, "quick": args.quick, "max_gib": args.max_gib,
+                   "kv_formats": args.kv_formats, "Tq": 1, "quick": args.quick, "max_gib": args.max_gib,
                    "timing": f"median of >= 10 calls and >= {args.min_seconds} s after 2 warm-up calls",
                    "bytes": "K+V bytes of the attended tokens", "numpy": "bf16 widened in NumPy + einsum",
                    "torch": "F.scaled_dot_product_attention bf16 dense [B, Hq, 1, D] x [B, Hkv, N, D], enable_gqa",

@@ -1,7 +1,9 @@
 """Inner loops of the CPU attention kernel (host.attention) over one chunk of a K/V page.
 
 bf16 K and V are widened in registers (`bits << 16`, reinterpreted as float32) right where they are
-used, so no float32 copy of the page is written and read back; float32 storage is used as is.
+used, so no float32 copy of the page is written and read back; int8 values are converted in
+registers the same way (their per-row scales are applied to the scores and probabilities by the
+caller); float32 storage is used as is.
 Scores are computed for up to four query rows per K row read (q . k reduced per token), and the
 value accumulation adds four tokens to four rows per pass over D (D innermost: vertical FMAs).
 
@@ -27,7 +29,7 @@ FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
 
 
 @intrinsic
-def _f32_from_bits(typingctx, x):
+def f32_from_bits(typingctx, x):
     """float32 whose bit pattern is the low 32 bits of integer x."""
     if not isinstance(x, types.Integer):
         return None
@@ -50,7 +52,7 @@ def kv_value(x):
 @overload(kv_value, inline="always")
 def _kv_value(x):
     if isinstance(x, types.Integer):  # bf16 bits (fp16 pages are widened before, see attention)
-        return lambda x: _f32_from_bits(np.uint32(x) << np.uint32(16))
+        return lambda x: f32_from_bits(np.uint32(x) << np.uint32(16))
     return lambda x: np.float32(x)
 
 
@@ -274,8 +276,15 @@ def _row_ptr(context, builder, aryty, ary, index, col=None):
 
 def _load_pair(builder, ptr, dtype, offset, width):
     """Two float32 <width x float> vectors from the 2 * width elements at ptr + offset: for bf16
-    bits the even and the odd elements (see bf16 lane order), for float32 the two halves."""
+    bits the even and the odd elements (see bf16 lane order), for float32 and int8 the two halves."""
     vt = ir.VectorType(_F32, width)
+    if dtype == types.int8:  # int8 values (their row scale is applied by the caller)
+        raw = builder.load(builder.bitcast(builder.gep(ptr, [offset]), ir.VectorType(ir.IntType(8), 2 * width)
+                                           .as_pointer()), align=1)
+        f = builder.sitofp(raw, ir.VectorType(_F32, 2 * width))
+        lo = builder.shuffle_vector(f, f, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+        hi = builder.shuffle_vector(f, f, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
+        return lo, hi
     if isinstance(dtype, types.Integer):  # bf16 bits
         it = ir.VectorType(_I32, width)
         words = builder.load(builder.bitcast(builder.gep(ptr, [offset]), it.as_pointer()), align=2)
@@ -315,7 +324,7 @@ def qk_rows(typingctx, qs, r, k, j, n, s, rows):
     tree (pairs of vectors: 2 shuffles + 1 add), not one by one."""
     n_r = _n_rows_literal(rows)
     if n_r is None or not _simd_args_ok(qs, k, s) or qs.dtype != types.float32 \
-            or s.dtype != types.float32 or k.dtype not in (types.float32, types.uint16):
+            or s.dtype != types.float32 or k.dtype not in (types.float32, types.uint16, types.int8):
         return None
 
     def codegen(context, builder, signature, args):
@@ -383,7 +392,7 @@ def pv_rows(typingctx, p, r, v, n, acc, rows):
     stay in registers over all n tokens (each output element loaded and stored once per call)."""
     n_r = _n_rows_literal(rows)
     if n_r is None or not _simd_args_ok(p, v, acc) or p.dtype != types.float32 \
-            or acc.dtype != types.float32 or v.dtype not in (types.float32, types.uint16):
+            or acc.dtype != types.float32 or v.dtype not in (types.float32, types.uint16, types.int8):
         return None
 
     def codegen(context, builder, signature, args):

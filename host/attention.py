@@ -34,12 +34,13 @@ import math
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from host.store_format import FORMAT_CODE
 from host.numba_threads import configure_threading_layer
 from host._page_math import (PV_VEC, QK_VEC, accumulate1, accumulate4, atomic_fetch_add, bf16_lane_pos, exp_row,
-                              prefetch, pv_rows, qk_rows, row_max, scores1, scores4)
+                              f32_from_bits, prefetch, pv_rows, qk_rows, row_max, scores1, scores4)
 from host.paged_view import PagedKV
 
 THREADING_LAYER = configure_threading_layer()
@@ -65,14 +66,26 @@ _PREFETCH_ROWS = 64
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _widen_rows(src, n, fmt, dst):
-    """dst[:n] = float32 values of src[:n] ([page_tokens, D]); fmt 0 fp32, 1 bf16 bits, 2 fp16 bits."""
-    d_size = src.shape[1]
+    """dst[:n] = float32 values of src[:n] ([page_tokens, W]); fmt 0 fp32, 1 bf16 bits, 2 fp16 bits,
+    3 int8 rows of D values + their float32 scale in the last 4 bytes (W = D + 4; host.store_format)."""
+    d_size = dst.shape[1]
     if fmt == 0:
         for j in range(n):
             for d in range(d_size):
                 dst[j, d] = np.float32(src[j, d])
         return
     bits = dst.view(np.uint32)
+    if fmt == 3:
+        for j in range(n):
+            # the scale's bytes, little-endian, assembled into its float32 bit pattern in dst[j, 0]
+            sb = np.uint32(0)
+            for i in range(4):
+                sb |= (np.uint32(src[j, d_size + i]) & np.uint32(0xFF)) << np.uint32(8 * i)
+            bits[j, 0] = sb
+            row_scale = dst[j, 0]
+            for d in range(d_size):
+                dst[j, d] = np.float32(src[j, d]) * row_scale
+        return
     if fmt == 1:
         for j in range(n):
             for d in range(d_size):
@@ -91,6 +104,21 @@ def _widen_rows(src, n, fmt, dst):
             if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):
                 b = np.uint32(0x7F800000) | ((h & np.uint32(0x3FF)) << 13)
             bits[j, d] = b | ((h & np.uint32(0x8000)) << 16)
+
+
+def _rows_in_place(pages, page, c0, n):
+    """pages[page, c0:c0 + n], for the kernels that read rows in place (fp32, bf16)."""
+    return pages[page, c0:c0 + n]
+
+
+@overload(_rows_in_place, inline="always")
+def _rows_in_place_typed(pages, page, c0, n):
+    # Numba types both branches of `if fmt >= 2` for every page dtype; int8 rows (with their scale
+    # at the end) are always widened first, so their in-place branch is typed on an empty float32
+    # block and never runs.
+    if pages.dtype == types.int8:
+        return lambda pages, page, c0, n: np.empty((0, pages.shape[2] - 4), np.float32)
+    return lambda pages, page, c0, n: pages[page, c0:c0 + n]
 
 
 @njit(inline="always", nogil=True)
@@ -144,6 +172,36 @@ def _softmax_update(s, n, acc, run_max, run_sum):
             for d in range(d_size):
                 acc[r, d] *= corr
         run_sum[r] += total
+
+
+@njit(inline="always", nogil=True)
+def _row_scale(rows, j, d_size):
+    """The float32 scale stored little-endian in rows[j, d_size:d_size + 4] (int8 rows)."""
+    b = np.uint32(0)
+    for i in range(4):
+        b |= (np.uint32(rows[j, d_size + i]) & np.uint32(0xFF)) << np.uint32(8 * i)
+    return f32_from_bits(b)
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _attend_chunk_int8(qs, k, v, n, acc, run_max, run_sum, s, k_scale, v_scale):
+    """`_attend_chunk` for int8 rows [n, D + 4] read in place by the SIMD micro-kernels (values
+    converted in registers): the raw dot products are scaled by each key row's scale, and the
+    probabilities by each value row's scale after the softmax sums (the sums are of the true
+    probabilities). Exactly the attention over the dequantized rows, to float32 rounding."""
+    n_rows, d_size = qs.shape
+    for j in range(n):
+        k_scale[j] = _row_scale(k, j, d_size)
+        v_scale[j] = _row_scale(v, j, d_size)
+    _scores_simd(qs, k, n, s)
+    for r in range(n_rows):
+        for j in range(n):
+            s[r, j] *= k_scale[j]
+    _softmax_update(s, n, acc, run_max, run_sum)
+    for r in range(n_rows):
+        for j in range(n):
+            s[r, j] *= v_scale[j]
+    _values_simd(s, v, n, acc)
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -244,9 +302,10 @@ def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, 
     Phase 2: exact LSE merge of each unit's pieces into o, lse (no piece: o = 0, lse = -inf).
 
     Pages are processed in chunks of about `_CHUNK_BYTES` of K (16-128 tokens); near the end of
-    page i of a piece, the first rows of its page i + 1 (K and V) are prefetched. bf16 and float32
-    pages are read in place (widened in registers); fp16 chunks are first converted into float32
-    scratch.
+    page i of a piece, the first rows of its page i + 1 (K and V) are prefetched. bf16, float32
+    and (with the SIMD micro-kernels) int8 pages are read in place (widened in registers; int8 row
+    scales applied to scores and probabilities, `_attend_chunk_int8`); fp16 chunks, and int8 ones
+    without SIMD, are first converted into float32 scratch.
     """
     n_batch, tq, hq, d_size = q.shape
     group = hq // n_kv_heads
@@ -256,7 +315,7 @@ def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, 
     chunk = min(128, max(16, _CHUNK_BYTES // max(1, row_bytes)))
     # explicit SIMD micro-kernels where D is a multiple of 2 vectors and rows are unit-stride; for
     # bf16 pages read in place, queries and accumulators are kept in its permuted lane order
-    simd = d_size % (2 * max(QK_VEC, PV_VEC)) == 0 and (fmt == 2 or (k_pages.strides[2] == k_pages.itemsize
+    simd = d_size % (2 * max(QK_VEC, PV_VEC)) == 0 and (fmt >= 2 or (k_pages.strides[2] == k_pages.itemsize
                                                      and v_pages.strides[2] == v_pages.itemsize))
     perm = simd and fmt == 1
     n_pieces = piece_unit.shape[0]
@@ -271,8 +330,9 @@ def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, 
         run_max = stats[0]
         run_sum = stats[1]
         s = np.empty((n_rows, chunk + 4), np.float32)
-        kf = np.empty((chunk if fmt == 2 else 0, d_size), np.float32)
-        vf = np.empty((chunk if fmt == 2 else 0, d_size), np.float32)
+        kf = np.empty((chunk if fmt == 2 or (fmt == 3 and not simd) else 0, d_size), np.float32)
+        vf = np.empty((chunk if fmt == 2 or (fmt == 3 and not simd) else 0, d_size), np.float32)
+        row_scales = np.empty((2, chunk if fmt == 3 else 0), np.float32)
         while True:
             p = atomic_fetch_add(counter, 0, 1)
             if p >= n_pieces:
@@ -309,13 +369,16 @@ def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, 
                     for off in range(p_lo * row_bytes, p_hi * row_bytes, 64):
                         prefetch(k_pages, next_page, off)
                         prefetch(v_pages, next_page, off)
-                    if fmt == 2:
+                    if fmt == 3 and simd:
+                        _attend_chunk_int8(qs, k_pages[page, c0:c0 + n], v_pages[page, c0:c0 + n], n, acc,
+                                           run_max, run_sum, s, row_scales[0], row_scales[1])
+                    elif fmt >= 2:
                         _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf)
                         _widen_rows(v_pages[page, c0:c0 + n], n, fmt, vf)
                         _attend_chunk(qs, kf, vf, n, acc, run_max, run_sum, s, simd)
                     else:
-                        _attend_chunk(qs, k_pages[page, c0:c0 + n], v_pages[page, c0:c0 + n], n, acc,
-                                      run_max, run_sum, s, simd)
+                        _attend_chunk(qs, _rows_in_place(k_pages, page, c0, n), _rows_in_place(v_pages, page, c0, n),
+                                      n, acc, run_max, run_sum, s, simd)
             for r in range(n_rows):
                 part_max[p, r] = run_max[r]
                 part_sum[p, r] = run_sum[r]
@@ -444,8 +507,9 @@ def paged_attention(queries: np.ndarray, view: PagedKV, scale: float | None = No
         raise ValueError(f"{view.n_units} (sequence, KV head) units for a batch of {b} x Hkv={view.n_kv_heads}")
     if hq % view.n_kv_heads:
         raise ValueError(f"queries have Hq={hq} heads; expected a multiple of Hkv={view.n_kv_heads}")
-    if view.k_pages.shape[2] != d:
-        raise ValueError(f"queries head dim {d}; the pages have D={view.k_pages.shape[2]}")
+    view.check_format()
+    if view.head_dim != d:
+        raise ValueError(f"queries head dim {d}; the pages have D={view.head_dim}")
     if view.unit_tokens.shape[0] and (view.unit_tokens.min() < 0 or np.any(
             view.unit_tokens > np.diff(view.page_ptr) * view.page_tokens)):
         raise ValueError("unit_tokens exceed the units' pages (or are negative): "
@@ -509,7 +573,7 @@ def _store_view_locked(store, layer: int, seq_ids, block_ids=None) -> PagedKV:
         counts = valid.sum(axis=-1).reshape(-1).astype(np.int64)
     page_ptr = np.zeros(counts.shape[0] + 1, np.int64)
     np.cumsum(counts, out=page_ptr[1:])
-    d = cfg.head_dim
+    d = cfg.row_width
     return PagedKV(arrays["k"].reshape(-1, bs, d), arrays["v"].reshape(-1, bs, d), FORMAT_CODE[cfg.kv_dtype],
                    page_ptr, page_ids.astype(np.int64, copy=False), counts * bs, hkv)
 

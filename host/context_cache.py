@@ -30,7 +30,7 @@ class _PageArena:
     def __init__(self, cfg: StoreConfig, budget: HostMemoryBudget, layer: int):
         self.budget, self.layer = budget, layer
         self.pool = SlotPool()
-        p, d = cfg.context_page_tokens, cfg.head_dim
+        p, d = cfg.context_page_tokens, cfg.row_width
         n = max(4, cfg.initial_blocks_per_layer * cfg.n_kv_heads * cfg.block_size // p)
         sd = STORAGE_DTYPE[cfg.kv_dtype]
         templates = {"k": np.empty((1, p, d), sd), "v": np.empty((1, p, d), sd),

@@ -2,10 +2,12 @@
 
 Layout (one `_LayerArena` per layer; a *slot* holds one offloaded block of one sequence):
 
-    k, v        [slots, Hkv, block_size, D]   storage dtype (uint16 bit patterns for bf16 / fp16, float32 for fp32)
+    k, v        [slots, Hkv, block_size, W]   storage dtype (uint16 bit patterns for bf16 / fp16, float32 for
+                                              fp32; W = D, or D + 4 int8 with the row's scale for int8)
     maw         [slots, Hkv, block_size]      float32   moving-average attention weight per token and KV head
     positions   [slots, block_size]           int64     absolute token position
-    key_min/max [slots, Hkv, D]               float32   per-block key digest (ScoutAttention / Quest block selection)
+    key_min/max [slots, Hkv, D]               float32   per-block key digest (Quest-style block selection),
+                                              only with StoreConfig.key_digests
 
 Head-major inside a block, so the `block_size x D` rows of one (block, head) are contiguous: the
 attention kernels read them as one "page" (see `host.attention`). A sequence owns an ordered list of
@@ -51,14 +53,16 @@ class _LayerArena:
     def _templates(self) -> dict[str, np.ndarray]:
         c = self.cfg
         sd = STORAGE_DTYPE[c.kv_dtype]
-        return {
-            "k": np.empty((1, c.n_kv_heads, c.block_size, c.head_dim), sd),
-            "v": np.empty((1, c.n_kv_heads, c.block_size, c.head_dim), sd),
+        shapes = {
+            "k": np.empty((1, c.n_kv_heads, c.block_size, c.row_width), sd),
+            "v": np.empty((1, c.n_kv_heads, c.block_size, c.row_width), sd),
             "maw": np.empty((1, c.n_kv_heads, c.block_size), np.float32),
             "positions": np.empty((1, c.block_size), np.int64),
-            "key_min": np.empty((1, c.n_kv_heads, c.head_dim), np.float32),
-            "key_max": np.empty((1, c.n_kv_heads, c.head_dim), np.float32),
         }
+        if c.key_digests:
+            shapes["key_min"] = np.empty((1, c.n_kv_heads, c.head_dim), np.float32)
+            shapes["key_max"] = np.empty((1, c.n_kv_heads, c.head_dim), np.float32)
+        return shapes
 
     @property
     def capacity(self) -> int:
@@ -138,6 +142,8 @@ class KVStore:
         """Store `n` evicted blocks of one sequence; returns their block numbers (int64 [n]).
 
         k, v:      [n, block_size, Hkv, D]  float32 / float16 / bfloat16, or uint16 bits in kv_dtype
+                                            (quantized here for an int8 store, which also
+                                            takes int8 rows [.., D + 4] as stored)
         maw:       [n, block_size, Hkv]     float-like; the token's MAW per KV head (for GQA, the
                                             sum over the group's query heads; see host.sparsify)
         positions: [n, block_size]          integer absolute positions
@@ -145,9 +151,10 @@ class KVStore:
         c = self.config
         k, v = np.asarray(k), np.asarray(v)
         maw, positions = np.asarray(maw), np.asarray(positions)
-        if k.ndim != 4 or k.shape[1:] != (c.block_size, c.n_kv_heads, c.head_dim):
+        width = c.row_width if k.dtype == np.int8 else c.head_dim  # int8: stored rows, scale included
+        if k.ndim != 4 or k.shape[1:] != (c.block_size, c.n_kv_heads, width):
             raise ValueError(f"k has shape {k.shape}; expected [n, block_size={c.block_size}, "
-                             f"Hkv={c.n_kv_heads}, D={c.head_dim}]")
+                             f"Hkv={c.n_kv_heads}, D={width}]")
         n = k.shape[0]
         if v.shape != k.shape:
             raise ValueError(f"v has shape {v.shape}; expected the shape of k {k.shape}")
@@ -160,8 +167,9 @@ class KVStore:
         if not (np.issubdtype(maw.dtype, np.floating) or maw.dtype == ml_dtypes.bfloat16):
             raise ValueError(f"maw dtype {maw.dtype}; expected a float dtype")
         ks, vs = to_storage(k, c.kv_dtype), to_storage(v, c.kv_dtype)
-        kf = from_storage(ks, c.kv_dtype)  # digests are of the values actually stored
-        key_min, key_max = kf.min(axis=1), kf.max(axis=1)  # [n, Hkv, D]
+        if c.key_digests:
+            kf = from_storage(ks, c.kv_dtype)  # digests are of the values actually stored
+            key_min, key_max = kf.min(axis=1), kf.max(axis=1)  # [n, Hkv, D]
         with self.lock:
             self.check_layer(layer)
             self.check_sequence(seq_id)
@@ -173,8 +181,9 @@ class KVStore:
             a["v"][slots] = vs.transpose(0, 2, 1, 3)
             a["maw"][slots] = maw.astype(np.float32).transpose(0, 2, 1)
             a["positions"][slots] = positions
-            a["key_min"][slots] = key_min
-            a["key_max"][slots] = key_max
+            if c.key_digests:
+                a["key_min"][slots] = key_min
+                a["key_max"][slots] = key_max
             table = self._slots[seq_id][layer]
             count = int(self._n_blocks[seq_id][layer])
             if count + n > table.shape[0]:
@@ -215,8 +224,10 @@ class KVStore:
             return self._slots[seq_id][layer][: self._n_blocks[seq_id][layer]].copy()
 
     def read_blocks(self, layer: int, seq_id: int, block_numbers=None) -> dict[str, np.ndarray]:
-        """Copies of stored blocks in the append layout: k, v [n, bs, Hkv, D] (storage dtype),
-        maw [n, bs, Hkv] float32, positions [n, bs] int64, key_min/key_max [n, Hkv, D] float32."""
+        """Copies of stored blocks in the append layout: k, v [n, bs, Hkv, W] (storage dtype; W = D,
+        or D + 4 for int8: `host.store_format.from_storage` gives the values),
+        maw [n, bs, Hkv] float32, positions [n, bs] int64, and with StoreConfig.key_digests
+        key_min/key_max [n, Hkv, D] float32."""
         with self.lock:
             slots = self.block_slots(layer, seq_id)
             if block_numbers is not None:
@@ -227,17 +238,22 @@ class KVStore:
                                      f"expected [0, {slots.shape[0]})")
                 slots = slots[block_numbers]
             a = self.layers[layer].arrays
-            return {
+            out = {
                 "k": a["k"][slots].transpose(0, 2, 1, 3).copy(),
                 "v": a["v"][slots].transpose(0, 2, 1, 3).copy(),
                 "maw": a["maw"][slots].transpose(0, 2, 1).copy(),
                 "positions": a["positions"][slots].copy(),
-                "key_min": a["key_min"][slots].copy(),
-                "key_max": a["key_max"][slots].copy(),
             }
+            if self.config.key_digests:
+                out["key_min"] = a["key_min"][slots].copy()
+                out["key_max"] = a["key_max"][slots].copy()
+            return out
 
     def key_digests(self, layer: int, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-block channel-wise key (min, max), each float32 [n_blocks, Hkv, D]."""
+        if not self.config.key_digests:
+            raise ValueError("key_digests: this store was built with StoreConfig.key_digests=False; "
+                             "expected key_digests=True to keep per-block key digests")
         d = self.read_blocks(layer, seq_id)
         return d["key_min"], d["key_max"]
 

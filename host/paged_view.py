@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from host.store_format import FORMAT_CODE, INT8_SCALE_BYTES, KV_DTYPES, STORAGE_DTYPE
+
 
 @dataclass(frozen=True)
 class PagedKV:
-    k_pages: np.ndarray      # [P, page_tokens, D] uint16 (bf16/fp16 bits) or float32
-    v_pages: np.ndarray      # [P, page_tokens, D] same dtype as k_pages
+    k_pages: np.ndarray      # [P, page_tokens, W] uint16 (bf16/fp16 bits), float32, or int8 rows + scale
+    v_pages: np.ndarray      # [P, page_tokens, W] same dtype as k_pages (W = D, or D + 4 for int8)
     fmt: int                 # host.store_format.FORMAT_CODE of the storage
     page_ptr: np.ndarray     # int64 [U + 1]
     page_ids: np.ndarray     # int64 [page_ptr[-1]]
@@ -33,8 +35,23 @@ class PagedKV:
         return self.k_pages.shape[1]
 
     @property
+    def head_dim(self) -> int:
+        """D: the row width less int8's inline scale (host.store_format)."""
+        return self.k_pages.shape[2] - (INT8_SCALE_BYTES if self.fmt == FORMAT_CODE["int8"] else 0)
+
+    @property
     def n_units(self) -> int:
         return self.unit_tokens.shape[0]
+
+    def check_format(self) -> None:
+        """fmt names a known format and the pages hold its storage dtype (else a ValueError)."""
+        names = {code: name for name, code in FORMAT_CODE.items()}
+        if self.fmt not in names:
+            raise ValueError(f"fmt={self.fmt!r}; expected a FORMAT_CODE of {KV_DTYPES}")
+        want = STORAGE_DTYPE[names[self.fmt]]
+        if self.k_pages.dtype != want or self.v_pages.dtype != want:
+            raise ValueError(f"pages of dtype {self.k_pages.dtype} / {self.v_pages.dtype} for format "
+                             f"{names[self.fmt]!r}; expected {want}")
 
     def attended_bytes(self) -> int:
         """Bytes of K and V the kernel reads (attended tokens only)."""

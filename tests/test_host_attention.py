@@ -38,7 +38,7 @@ def queries(rng, b, tq, hq, d):
     return (rng.standard_normal((b, tq, hq, d)) * 1.5).astype(np.float32)
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32", "int8"])
 @pytest.mark.parametrize("group,tq", [(1, 1), (4, 3), (8, 1)])
 def test_all_tokens_matches_reference(rng, kv_dtype, group, tq):
     hkv, d = 2, 32
@@ -68,10 +68,11 @@ def test_given_scale_is_used(rng):
     assert norm_relative_error(o, ro) < TOL and norm_relative_error(lse, rl) < TOL
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
 @pytest.mark.parametrize("group", [1, 4])
-def test_chosen_blocks_random_ragged_sets(rng, group):
+def test_chosen_blocks_random_ragged_sets(rng, group, kv_dtype):
     hkv, d, bs = 4, 64, 8
-    store, seqs = make_store(rng, n_seq=3, hkv=hkv, d=d, bs=bs, blocks=[7, 1, 5])
+    store, seqs = make_store(rng, n_seq=3, hkv=hkv, d=d, bs=bs, blocks=[7, 1, 5], kv_dtype=kv_dtype)
     width = 5
     block_ids = np.full((len(seqs), hkv, width), -1, np.int64)
     for b, s in enumerate(seqs):
@@ -99,9 +100,10 @@ def test_chosen_blocks_random_ragged_sets(rng, group):
     assert np.all(lse[1, :, :group] == -np.inf) and np.all(o[1, :, :group] == 0)
 
 
-def test_context_cache_random_index_sets(rng):
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_context_cache_random_index_sets(rng, kv_dtype):
     hkv, d, bs = 2, 32, 8
-    store, seqs = make_store(rng, hkv=hkv, d=d, bs=bs, blocks=[6, 3, 4])
+    store, seqs = make_store(rng, hkv=hkv, d=d, bs=bs, blocks=[6, 3, 4], kv_dtype=kv_dtype)
     layer = 1
     for s in seqs:
         nb = store.n_blocks(layer, s)
@@ -228,19 +230,24 @@ def _random_paged_view(rng, kv_dtype, d, page_tokens, unit_tokens, n_kv_heads, s
     page_ptr = np.zeros(len(unit_tokens) + 1, np.int64)
     np.cumsum(pages_per_unit, out=page_ptr[1:])
     page_ids = order[:page_ptr[-1]].astype(np.int64)
+    if kv_dtype == "int8":  # the kernel must read each row's own scale: make them differ widely
+        row_scale = np.float32(2.0) ** rng.integers(-6, 7, size=(n_pages, page_tokens, 1)).astype(np.float32)
+        ks, vs = to_storage(k * row_scale, kv_dtype), to_storage(v * row_scale[::-1], kv_dtype)
+        kf, vf = from_storage(ks, kv_dtype), from_storage(vs, kv_dtype)
     keys, values = [], []
     for u, n in enumerate(unit_tokens):
         if u % n_kv_heads == 0:
             keys.append([])
             values.append([])
         pages = page_ids[page_ptr[u]:page_ptr[u + 1]]
-        keys[-1].append(kf[pages].reshape(-1, d)[:n])
+        keys[-1].append(kf[pages].reshape(-1, d)[:n])  # kf: dequantized values, [.., D] for every format
         values[-1].append(vf[pages].reshape(-1, d)[:n])
     view = PagedKV(ks, vs, FORMAT_CODE[kv_dtype], page_ptr, page_ids, np.asarray(unit_tokens, np.int64), n_kv_heads)
     return view, keys, values
 
 
-@pytest.mark.parametrize("kv_dtype,d", [("bf16", 128), ("bf16", 64), ("fp16", 64), ("fp32", 128)])
+@pytest.mark.parametrize("kv_dtype,d", [("bf16", 128), ("bf16", 64), ("fp16", 64), ("fp32", 128), ("int8", 128),
+                                        ("int8", 32), ("int8", 16)])  # int8 D=16: the widening (non-SIMD) path
 @pytest.mark.parametrize("group,tq", [(4, 1), (2, 3), (3, 1), (1, 2)])
 def test_large_pages_ragged_units_row_blocks(rng, kv_dtype, d, group, tq):
     """Pages of 256 tokens (several kernel chunks and prefetch windows per page), ragged unit sizes
@@ -302,7 +309,7 @@ def test_plan_pieces_split_few_units_over_all_threads(tokens):
     assert sizes.max() <= -(-tokens * 8 // 32) + 16       # no piece above 1/(2*threads) of the work
 
 
-@pytest.mark.parametrize("kv_dtype,d", [("bf16", 128), ("fp16", 64), ("fp32", 32)])
+@pytest.mark.parametrize("kv_dtype,d", [("bf16", 128), ("fp16", 64), ("fp32", 32), ("int8", 64)])
 @pytest.mark.parametrize("group,tq", [(4, 1), (3, 2), (1, 1)])
 def test_split_path_matches_reference(rng, kv_dtype, d, group, tq):
     """8 units (B=2, Hkv=4) with ragged sizes (empty, 1 token, off the 16-token alignment, several

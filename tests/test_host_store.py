@@ -16,7 +16,7 @@ def cfg(**kw):
 
 def test_random_evict_free_sequences_keep_every_token(rng):
     """Tokens in == tokens stored, positions and values preserved, slots recycled after free."""
-    c = cfg()
+    c = cfg(key_digests=True)
     store = KVStore(c)
     sink = 3                           # positions start after a sink, as evicted blocks do
     expected: dict[tuple, list] = {}   # (layer, seq) -> list of (k, v, maw, positions) blocks
@@ -79,7 +79,7 @@ def test_bytes_used_and_reserved_and_cap(rng):
     assert store.bytes_used() == 0
     k = rng.standard_normal((3, 4, 2, 16)).astype(np.float32)
     store.append_blocks(0, 0, k, k, np.ones((3, 4, 2)), np.zeros((3, 4), np.int64))
-    per_block = 2 * (2 * 4 * 16 * 2) + 2 * 4 * 4 + 4 * 8 + 2 * 2 * 16 * 4
+    per_block = 2 * (2 * 4 * 16 * 2) + 2 * 4 * 4 + 4 * 8  # K + V bf16, MAW float32, positions int64
     assert store.bytes_used() == 3 * per_block
     assert store.bytes_reserved() >= r0 + 2 * per_block
     store.free_sequence(0)
@@ -111,7 +111,7 @@ def test_freed_slots_wait_for_readers():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(block_size=0), "block_size=0"),
-    (dict(kv_dtype="int8"), "kv_dtype='int8'"),
+    (dict(kv_dtype="q4"), "kv_dtype='q4'"),
     (dict(head_dim=-4), "head_dim=-4"),
     (dict(host_memory_cap_bytes=-1), "host_memory_cap_bytes=-1"),
 ])

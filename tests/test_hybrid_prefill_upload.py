@@ -70,8 +70,9 @@ def test_offloaded_attention_matches_float64(hq, hkv):
     assert np.all(np.isneginf(np.asarray(lse)[2])) and not np.asarray(o)[2].any()
 
 
-def test_offloaded_prompt_copies_the_store_ragged():
-    cfg = StoreConfig(n_layers=2, n_kv_heads=2, head_dim=64, block_size=16, kv_dtype="bf16")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_offloaded_prompt_copies_the_store_ragged(kv_dtype):
+    cfg = StoreConfig(n_layers=2, n_kv_heads=2, head_dim=64, block_size=16, kv_dtype=kv_dtype)
     store = KVStore(cfg)
     rng = np.random.default_rng(0)
     for seq, n in ((0, 3), (1, 1), (2, 0)):
@@ -89,9 +90,9 @@ def test_offloaded_prompt_copies_the_store_ragged():
     assert offloaded_prompt_bytes(store, 3, 4) == 2 * 2 * 3 * 2 * 64 * 64 * 4
     for layer in range(2):
         for seq, n in ((0, 48), (1, 16)):
-            blocks = store.read_blocks(layer, seq)  # k [n, bs, Hkv, D] bf16 bits
+            blocks = store.read_blocks(layer, seq)  # k [n, bs, Hkv, W] storage (bf16 bits / int8 + scale)
             from host.store_format import from_storage
-            want = from_storage(blocks["k"], "bf16").transpose(2, 0, 1, 3).reshape(2, n, 64)
+            want = from_storage(blocks["k"], kv_dtype).transpose(2, 0, 1, 3).reshape(2, n, 64)
             got = np.asarray(layers[layer][0][seq])
             np.testing.assert_array_equal(got[:, :n], want)
             assert not got[:, n:].any()
@@ -146,6 +147,24 @@ def test_device_and_host_prefill_agree_for_hgca_with_a_threshold(model):
     np.testing.assert_allclose(runs["device"][0], runs["host"][0], atol=1e-5, rtol=1e-5)
     assert runs["device"][1]["n_reevaluations"] == runs["host"][1]["n_reevaluations"] > 0
     assert runs["device"][1]["n_prefill_device_chunks"] > 0 == runs["host"][1]["n_prefill_device_chunks"]
+
+
+@pytest.mark.parametrize("mode,extra", [("hgca", dict(beta=1e-30)), ("topk", dict(budget=16))])
+def test_int8_store_device_and_host_prefill_agree(model, mode, extra):
+    """With an int8 store both paths must attend the stored (dequantized) rows: the device path may
+    not extend its copies with the evicted blocks' unquantized values (that gives differences of
+    1e-2 from the first decode step). The two paths' float32 rounding differs (~1e-7 in K), and a
+    value on an int8 rounding boundary then moves a whole step: later steps agree to 1e-3 only."""
+    runs = {}
+    for where in ("host", "device"):
+        backend = make_backend(OffloadConfig(mode=mode, prefill_offloaded=where, host_kv_dtype="int8",
+                                            **WINDOW, **extra))
+        logits, backend, _, _ = forced(model, backend)
+        runs[where] = (logits, backend.counters())
+    np.testing.assert_allclose(runs["device"][0][:, :2], runs["host"][0][:, :2], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(runs["device"][0], runs["host"][0], atol=1e-3, rtol=0)
+    assert runs["device"][1]["n_prefill_device_chunks"] >= 2
+    assert runs["device"][1]["n_prefill_extends"] == 0
 
 
 def run_ragged(model, backend, lengths=(70, 37), steps=6, chunk=16, seed=7):

@@ -21,6 +21,20 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
+# OffloadConfig.host_kv_dtype names (host.store_format) -> the dtype names used here
+HOST_KV_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def host_bytes_per_value(config, host_kv_dtype: str | None) -> float:
+    """Host-store bytes per offloaded K or V value: the model dtype's (None), a store format's
+    (bf16 / fp16 / fp32), or int8's 1 byte plus its per-row float32 scale spread over head_dim."""
+    if host_kv_dtype == "int8":
+        return (config.head_dim + 4) / config.head_dim
+    if host_kv_dtype in HOST_KV_DTYPE_NAMES:
+        return dtype_bytes(HOST_KV_DTYPE_NAMES[host_kv_dtype])
+    return dtype_bytes(host_kv_dtype or config.dtype)
+
+
 def kv_bytes_per_token(config, kv_dtype: str | None = None) -> int:
     """Bytes of K and V of one token over all layers (GQA: num_kv_heads, not num_heads)."""
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(kv_dtype or config.dtype)
@@ -82,8 +96,9 @@ class Budget:
 
 def kv_budget(name: str, config, context: int, batch: int, gpu_bytes: int, gpu_share: float = 0.25,
               sink: int = 16, block_size: int = 16, kv_dtype: str | None = None,
-              reserve_bytes: int = 0) -> Budget:
-    """The numbers of `jhybrid budget`. reserve_bytes: device memory kept for activations etc."""
+              reserve_bytes: int = 0, host_kv_dtype: str | None = None) -> Budget:
+    """The numbers of `jhybrid budget`. reserve_bytes: device memory kept for activations etc.
+    host_kv_dtype: the host store's format (OffloadConfig.host_kv_dtype; None: as kv_dtype)."""
     if context <= 0 or batch <= 0 or gpu_bytes <= 0:
         raise ValueError("context, batch and gpu memory must be positive")
     if not 0.0 < gpu_share <= 1.0:
@@ -96,10 +111,14 @@ def kv_budget(name: str, config, context: int, batch: int, gpu_bytes: int, gpu_s
     offloaded = context - window
     blocks = math.ceil(offloaded / block_size)
     # Per offloaded block and layer the host store also keeps (host.kv_store): MAW float32 per token
-    # and KV head, positions int64 per token, key min / max float32 per KV head and channel.
+    # and KV head, positions int64 per token.
     hkv, d = config.num_kv_heads, config.head_dim
-    extra_per_block_layer = hkv * block_size * 4 + block_size * 8 + 2 * hkv * d * 4
-    host_kv = batch * blocks * block_size * per_token
+    extra_per_block_layer = hkv * block_size * 4 + block_size * 8
+    if host_kv_dtype is None:
+        host_per_token = per_token
+    else:
+        host_per_token = int(2 * config.num_layers * hkv * d * host_bytes_per_value(config, host_kv_dtype))
+    host_kv = batch * blocks * block_size * host_per_token
     return Budget(
         model=name, context=context, batch=batch, gpu_bytes=gpu_bytes,
         kv_bytes_per_token=per_token, kv_bytes_per_request=per_request, weight_bytes=weights,
@@ -135,7 +154,7 @@ def format_budget(b: Budget) -> list[tuple[str, str]]:
         ("GPU KV with that window", gib(b.gpu_kv_bytes_with_window)),
         ("blocks to offload", f"{b.blocks_to_offload_per_layer:,} per layer and sequence, "
                               f"{b.blocks_to_offload_total:,} in all"),
-        ("host memory needed", f"{gib(b.host_bytes)} (K/V {gib(b.host_kv_bytes)}, + MAW, positions, digests)"),
+        ("host memory needed", f"{gib(b.host_bytes)} (K/V {gib(b.host_kv_bytes)}, + MAW, positions)"),
         ("max batch with that window", f"{b.max_batch_with_window}"),
         ("largest window for this batch", f"{b.max_window_for_batch:,} tokens"),
     ]
@@ -154,7 +173,7 @@ def format_budget(b: Budget) -> list[tuple[str, str]]:
 #   + per sequence: decode activations (logits float32 twice; full: the float32 score rows of the
 #     jnp attention, 4 x Hq x max_len x 4 bytes of one layer at a time)
 #   host, per layer and sequence (e = offloaded blocks at the end of the run)
-#     store   e x (K + V + MAW float32 + positions int64 + key min/max float32)  (host.kv_store)
+#     store   e x (K + V + MAW float32 + positions int64)  (host.kv_store)
 #     hgca    + kept tokens (hgca_keep x e x block) x Hkv x (K + V + weight + position + index)
 #     recall  + the NumPy mirror of nb x block tokens (K + V) uploaded every step
 
@@ -270,7 +289,7 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
     topk's selected blocks per (sequence, KV head) (None: every block). weights: parameter
     bytes (None: estimated from the shape). The limits are the capacities to check against."""
     it = dtype_bytes(config.dtype)
-    st = dtype_bytes(host_kv_dtype or config.dtype)
+    st = host_bytes_per_value(config, host_kv_dtype)
     hkv, d, n_layers, bs = config.num_kv_heads, config.head_dim, config.num_layers, block_size
     nb = max(1, -(-max(0, max_len - sink) // bs))
     logits = 2 * config.vocab_size * 4
@@ -297,11 +316,11 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
         activations = logits
         over = max_len - window
         e = max(0, -(-over // bs))
-        block = 2 * hkv * bs * d * st + hkv * bs * 4 + bs * 8 + 2 * hkv * d * 4
+        block = int(2 * hkv * bs * d * st) + hkv * bs * 4 + bs * 8
         host_layer = e * block
         if mode == "hgca":
             kept = -(-int(hgca_keep * e * bs) // 256) * 256  # whole 256-token pages per head
-            host_layer += kept * hkv * (2 * d * st + 4 + 8 + 8)
+            host_layer += kept * hkv * (int(2 * d * st) + 4 + 8 + 8)
         if mode == "recall":
             host_layer += 2 * nb * bs * hkv * d * it
     weights = weight_bytes(config) if weights is None else weights

@@ -103,7 +103,7 @@ class HostShape:
     n_kv_heads: int
     head_dim: int
     block_size: int
-    kv_dtype: str  # host store format: bf16 / fp16 / fp32
+    kv_dtype: str  # host store format: bf16 / fp16 / fp32 / int8
     dtype: str  # model dtype (recall's mirror)
 
 
@@ -116,7 +116,7 @@ class HostContext:
         hkv, bs, d = shape.n_kv_heads, shape.block_size, shape.head_dim
         k = rng.standard_normal((POOL, hkv, bs, d), dtype=np.float32)
         v = rng.standard_normal((POOL, hkv, bs, d), dtype=np.float32)
-        self.pool_k = to_storage(k, shape.kv_dtype)  # [P, Hkv, bs, D] head-major, storage dtype
+        self.pool_k = to_storage(k, shape.kv_dtype)  # [P, Hkv, bs, W] head-major, storage dtype
         self.pool_v = to_storage(v, shape.kv_dtype)
         self.pool_maw = np.where(rng.random((POOL, bs, hkv)) < keep, 1.0, 0.0).astype(np.float32)
         kf = from_storage(self.pool_k, shape.kv_dtype)
@@ -223,6 +223,8 @@ class HostContext:
         for name in ("k", "v"):
             arr = template[name]  # the runtime's own (lazily zeroed) mirror: written, then kept
             pool = getattr(self, "pool_" + name)  # storage bits = the model dtype's bits
+            if s.kv_dtype == "int8":  # the mirror holds the dequantized values in the model dtype
+                pool = from_storage(pool, "int8").astype(dtype)
             if pool.dtype.itemsize != arr.dtype.itemsize:
                 raise ValueError(f"recall mirror dtype {arr.dtype} does not match the store's {s.kv_dtype}")
             bits = arr.view(pool.dtype)
@@ -295,11 +297,14 @@ def _calibrate(kmin, kmax, hot):
             jnp.where(mask, a, 0.25 * kmax.astype(jnp.float32)).astype(kmax.dtype))
 
 
-def host_shape(model_config, block_size: int) -> HostShape:
+def host_shape(model_config, block_size: int, host_kv_dtype: str | None = None) -> HostShape:
+    """The host store's shape for a model; host_kv_dtype: OffloadConfig.host_kv_dtype (None: the
+    model dtype's format)."""
     dtype = jnp.dtype(model_config.dtype).name
     kv = KV_DTYPE_OF.get(dtype)
     if kv is None:
         raise ValueError(f"synthetic fill: model dtype {dtype} has no host KV format ({sorted(KV_DTYPE_OF)})")
+    kv = host_kv_dtype or kv
     return HostShape(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, block_size,
                      kv, dtype)
 

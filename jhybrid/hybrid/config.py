@@ -20,6 +20,7 @@ import math
 
 EXCHANGES = ("split", "sync")
 HOST_EXCHANGES = ("auto", "ffi", "callback")
+HOST_KV_DTYPES = (None, "bf16", "fp16", "fp32", "int8")
 PREFILL_OFFLOADED = ("auto", "device", "host")
 KERNEL_BACKENDS = (None, "triton", "interpret", "reference")
 DEFAULT_WINDOW_TOKENS = 1024  # an offloading mode given neither window_tokens nor gpu_ratio
@@ -28,7 +29,7 @@ DEFAULT_WINDOW_TOKENS = 1024  # an offloading mode given neither window_tokens n
 # own fields are listed by its class (`OffloadMode.settings`).
 COMMON_SETTINGS = frozenset({"window_tokens", "gpu_ratio", "sink", "block_size", "ring_slack_blocks",
                              "eviction_lag_steps", "eviction_spread", "prefill_offloaded",
-                             "prefill_upload_max_bytes", "host_threads", "host_memory_cap_bytes",
+                             "prefill_upload_max_bytes", "host_threads", "host_memory_cap_bytes", "host_kv_dtype",
                              "kernel_backend", "host_exchange", "exchange_timeout_s", "exchange_timing"})
 
 
@@ -100,6 +101,9 @@ class OffloadConfig:
         would exceed this many bytes uses the host path instead (logged). None = no limit.
     host_threads: Numba threads of the host worker (None: all cores but one).
     host_memory_cap_bytes: cap of the host store; a context that cannot fit is a ValueError.
+    host_kv_dtype: how the host store keeps offloaded K / V: None = the model's dtype (bf16 / fp16 /
+        fp32), or "int8" = 8-bit rows with a per-(token, head) float32 scale (half the host bytes and
+        half the bytes the CPU reads; host.store_format). The GPU window keeps the model's dtype.
     kernel_backend: pallas_kernels backend (None: triton on GPU, jnp reference elsewhere, logged).
     host_exchange: how decode steps reach the host: "ffi" = XLA FFI custom calls into the native
         library (stream-ordered, no Python per layer; built by scripts/setup.sh), "callback" =
@@ -134,6 +138,7 @@ class OffloadConfig:
     prefill_upload_max_bytes: int | None = 8 * 2**30
     host_threads: int | None = None
     host_memory_cap_bytes: int | None = None
+    host_kv_dtype: str | None = None
     kernel_backend: str | None = None
     host_exchange: str = "auto"
     exchange_timeout_s: float = 300.0
@@ -188,6 +193,7 @@ class OffloadConfig:
               "expected None or an int >= 0")
         check("kernel_backend", self.kernel_backend in KERNEL_BACKENDS, f"expected one of {KERNEL_BACKENDS}")
         check("host_exchange", self.host_exchange in HOST_EXCHANGES, f"expected one of {HOST_EXCHANGES}")
+        check("host_kv_dtype", self.host_kv_dtype in HOST_KV_DTYPES, f"expected one of {HOST_KV_DTYPES}")
         check("exchange_timeout_s", _is_number(self.exchange_timeout_s) and self.exchange_timeout_s > 0,
               "expected a positive number of seconds")
         bad += self._exact_layer_problems()

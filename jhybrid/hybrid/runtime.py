@@ -60,9 +60,13 @@ def views_fmt(kv_dtype: str) -> int:
 
 
 def required_host_bytes(config: OffloadConfig, n_layers: int, batch: int, max_len: int, n_kv_heads: int,
-                        head_dim: int, itemsize: int) -> int:
-    """KV bytes the host store needs for contexts of max_len tokens (K + V, storage dtype)."""
-    return n_layers * batch * config.host_blocks(max_len) * config.block_size * n_kv_heads * head_dim * 2 * itemsize
+                        head_dim: int, kv_dtype: str) -> int:
+    """KV bytes the host store needs for contexts of max_len tokens (K + V in the store's format
+    `kv_dtype`, int8 scales included)."""
+    from host.store_format import bytes_per_value
+
+    values = n_layers * batch * config.host_blocks(max_len) * config.block_size * n_kv_heads * head_dim * 2
+    return int(values * bytes_per_value(kv_dtype, head_dim))
 
 
 class HostRuntime:
@@ -83,7 +87,8 @@ class HostRuntime:
         if kv_dtype is None:
             raise ValueError(f"hybrid attention: model dtype {self.dtype} is not supported "
                              f"(expected one of {sorted(KV_DTYPE_OF)})")
-        need = required_host_bytes(config, self.n_layers, batch, max_len, self.hkv, self.d, self.dtype.itemsize)
+        kv_dtype = config.host_kv_dtype or kv_dtype
+        need = required_host_bytes(config, self.n_layers, batch, max_len, self.hkv, self.d, kv_dtype)
         cap = config.host_memory_cap_bytes
         if cap is not None and cap < need:
             raise ValueError(f"host memory cap of {cap} bytes cannot hold the offloaded KV of {batch} sequence(s) "
@@ -170,6 +175,9 @@ class HostRuntime:
             if (c.n_layers, c.block_size, c.n_kv_heads, c.head_dim) != (self.n_layers, self.config.block_size,
                                                                         self.hkv, self.d):
                 raise ValueError("adopt: the store's layers / block size / heads differ from this runtime's")
+            if c.kv_dtype != self.store.config.kv_dtype:
+                raise ValueError(f"adopt: the store keeps K/V as {c.kv_dtype!r}; this runtime's host_kv_dtype "
+                                 f"resolves to {self.store.config.kv_dtype!r}")
             self.executor.close(wait=True)
             self.store = store
             self._start_workers()
@@ -226,7 +234,7 @@ class HostRuntime:
     def host_kv_bytes(self) -> int:
         """Host bytes of this batch's offloaded K/V (+ hgca's sparse copies, + recall's mirror)."""
         c = self.store.config
-        block = 2 * c.n_kv_heads * c.block_size * c.head_dim * self.dtype.itemsize
+        block = 2 * c.n_kv_heads * c.block_size * c.row_width * self.store.layers[0].arrays["k"].itemsize
         blocks = sum(self.store.n_blocks(layer, b) for layer in range(self.n_layers) for b in range(self.batch))
         extra = getattr(self.mode_host, "mirror_bytes", lambda: 0)()
         return blocks * block + self.store.context.bytes_used() + extra
@@ -335,8 +343,8 @@ class HostRuntime:
         c = self.store.config
         arenas = [self.store.layers[layer].arrays for layer in range(self.n_layers)]
         return BlockPages(k=self.mode.max_block_ids(self.max_len), fmt=views_fmt(c.kv_dtype), block_size=c.block_size,
-                          k_pages=tuple(a["k"].reshape(-1, c.block_size, c.head_dim) for a in arenas),
-                          v_pages=tuple(a["v"].reshape(-1, c.block_size, c.head_dim) for a in arenas),
+                          k_pages=tuple(a["k"].reshape(-1, c.block_size, c.row_width) for a in arenas),
+                          v_pages=tuple(a["v"].reshape(-1, c.block_size, c.row_width) for a in arenas),
                           slot_tables=self.slot_tables.copy(),
                           n_blocks=np.broadcast_to(offloaded, (self.n_layers, self.batch)).copy())
 

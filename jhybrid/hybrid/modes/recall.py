@@ -14,6 +14,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from host.store_format import from_storage, to_storage
+
 from jhybrid.hybrid.modes.base import DecodeStep, ModeHost, OffloadMode
 from jhybrid.hybrid.state import DeviceCopy, LayerState
 from jhybrid.hybrid.transfer import to_device
@@ -53,6 +55,10 @@ class RecallHost(ModeHost):
 
     def blocks_stored(self, layer, seq, numbers, k, v):
         bs = self.runtime.config.block_size
+        kv_dtype = self.runtime.store.config.kv_dtype
+        if kv_dtype == "int8":  # the mirror holds what the host store holds: the dequantized values
+            k, v = from_storage(to_storage(np.asarray(k), kv_dtype), kv_dtype), \
+                from_storage(to_storage(np.asarray(v), kv_dtype), kv_dtype)
         for j, block in enumerate(numbers):
             lo = int(block) * bs
             self.mirror_k[layer, seq, :, lo:lo + bs] = np.asarray(k[j]).transpose(1, 0, 2).astype(self.mirror_k.dtype)

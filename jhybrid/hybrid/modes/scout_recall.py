@@ -108,7 +108,7 @@ def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, 
     n = plan.n
     size = max(8, next_pow2(n))
     dtype = np.dtype(dtype)
-    k_st = np.zeros((size, c.block_size, c.head_dim), store.layers[plan.layer].arrays["k"].dtype)
+    k_st = np.zeros((size, c.block_size, c.row_width), store.layers[plan.layer].arrays["k"].dtype)
     v_st = np.zeros_like(k_st)
     arena_slot = np.zeros(n, np.int64)
     for b in np.unique(plan.b):
