@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
@@ -137,6 +138,7 @@ def _generate(args) -> int:
     load_seconds = time.perf_counter() - start
     text = args.prompt if args.raw else pretrained.chat_prompt(args.prompt)
     prompt_ids = pretrained.encode(text)
+    check_limits(offload, len(prompt_ids), args.max_tokens, pretrained.model.config.max_position_embeddings)
     backend = make_backend(offload, context=len(prompt_ids) + args.max_tokens)
     device = jax.devices()[0]
     print(f"[{pretrained.source} loaded in {load_seconds:.1f} s on {device.platform}: "
@@ -156,8 +158,17 @@ def _generate(args) -> int:
                 shown = full
 
     generator = Generator(pretrained.model, backend, prefill_chunk=args.prefill_chunk)
-    result = generator.generate([prompt_ids], max_new_tokens=args.max_tokens, sampling=sampling,
-                                stop_tokens=pretrained.stop_token_ids, on_tokens=stream)
+    start = time.perf_counter()
+    try:
+        result = generator.generate([prompt_ids], max_new_tokens=args.max_tokens, sampling=sampling,
+                                    stop_tokens=pretrained.stop_token_ids, on_tokens=stream)
+    except KeyboardInterrupt:
+        seconds = time.perf_counter() - start
+        print(f"\n[interrupted: {len(produced)} tokens in {seconds:.1f} s (compile "
+              f"{generator.compile_seconds:.1f} s included)]", file=sys.stderr)
+        return 130
+    finally:
+        backend.close()
     print()
     print(f"[prefill: {result.prompt_tokens} tokens, {result.prefill_tokens_per_second:.1f} tok/s | "
           f"decode: {len(result.tokens[0])} tokens, {result.decode_tokens_per_second:.1f} tok/s | "
@@ -166,9 +177,24 @@ def _generate(args) -> int:
     return 0
 
 
+def check_limits(offload, prompt_tokens: int, max_tokens: int, context: int) -> None:
+    """The run's lengths against the model's context (ValueError naming the number)."""
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
+    if prompt_tokens + max_tokens > context:
+        raise ValueError(f"prompt {prompt_tokens} + --max-tokens {max_tokens} = {prompt_tokens + max_tokens} "
+                         f"tokens; expected at most the model's context of {context}")
+    window = getattr(offload, "window_tokens", None)
+    if window is not None and window > context:
+        raise ValueError(f"--window-tokens {window}; expected at most the model's context of {context}")
+
+
 def _convert(args) -> int:
+    import os
     import time
 
+    if os.path.exists(args.output) and not (os.path.isdir(args.output) and not os.listdir(args.output)):
+        raise ValueError(f"output {args.output!r} exists; expected a new or empty folder")
     start = time.perf_counter()
     pretrained = _load_with_progress(args.model, None)
     loaded = time.perf_counter()
@@ -202,6 +228,8 @@ def _add_budget(sub) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--sink", type=int, default=16)
     p.add_argument("--kv-dtype", default=None, help="KV element type (default: the model's dtype)")
+    p.add_argument("--host-kv-dtype", default=None, choices=["bf16", "fp16", "fp32", "int8"],
+                   help="host store format of the offloaded KV (default: as --kv-dtype; int8 = 8-bit rows + scale)")
     p.add_argument("--reserve", default="0", help="GPU memory kept for activations (same units)")
 
 
@@ -222,9 +250,11 @@ def _bench(args) -> int:
                 print(point.key)
         return 0
     outcome = run_sweep(run, output_dir=args.output_dir, argv=args.argv, only=args.only)
-    print(f"{outcome.ran} points run, {outcome.resumed} resumed, {outcome.skipped} skipped; wrote "
+    print(f"{outcome.ran} points run, {outcome.resumed} resumed, {outcome.skipped} skipped, {outcome.errors} failed; wrote "
           + ", ".join(outcome.paths), file=sys.stderr)
-    return 130 if outcome.interrupted else 0
+    if outcome.interrupted:
+        return 130
+    return 1 if outcome.errors else 0
 
 
 def _budget(args) -> int:
@@ -233,11 +263,43 @@ def _budget(args) -> int:
 
     budget = kv_budget(args.model, model_config_for(args.model), args.context, args.batch,
                        parse_bytes(args.gpu_mem), gpu_share=args.gpu_share, sink=args.sink,
-                       block_size=args.block_size, kv_dtype=args.kv_dtype,
+                       block_size=args.block_size, kv_dtype=args.kv_dtype, host_kv_dtype=args.host_kv_dtype,
                        reserve_bytes=parse_bytes(args.reserve) if args.reserve != "0" else 0)
     width = max(len(label) for label, _ in format_budget(budget))
     for label, value in format_budget(budget):
         print(f"{label.ljust(width)}  {value}")
+    return 0
+
+
+def _add_sessions(sub) -> None:
+    p = sub.add_parser("sessions", help="list / delete saved HCache sessions, collect orphaned data")
+    p.add_argument("--root", required=True, help="the session store (an HCacheEngine's root)")
+    actions = p.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="sessions, their generations, tokens and bytes")
+    delete = actions.add_parser("delete", help="remove a session (refused while it is open for writing)")
+    delete.add_argument("session_id")
+    actions.add_parser("gc", help="remove chunk data no committed save refers to")
+
+
+def _sessions(args) -> int:
+    from jhybrid.hcache import collect_garbage, delete_session, list_sessions
+
+    if args.action == "list":
+        infos = list_sessions(args.root)
+        print(f"{'session':34s} {'generations':>11s} {'tokens':>8s} {'MiB':>8s}  problem")
+        for i in infos:
+            tokens = "-" if i.num_tokens is None else str(i.num_tokens)
+            print(f"{i.session_id:34s} {','.join(map(str, i.generations)) or '-':>11s} {tokens:>8s} "
+                  f"{i.data_bytes / 2**20:8.2f}  {i.problem or ''}")
+        print(f"{len(infos)} session(s) under {args.root}", file=sys.stderr)
+    elif args.action == "delete":
+        delete_session(args.root, args.session_id)
+        print(f"deleted session {args.session_id}", file=sys.stderr)
+    else:
+        r = collect_garbage(args.root)
+        print(f"removed {len(r.orphan_data_dirs)} orphaned chunk folder(s), {len(r.stale_tail_files)} stale tail "
+              f"file(s), {r.prefix_entries} prefix entr(ies); skipped (being written): "
+              f"{', '.join(r.skipped_locked) or 'none'}", file=sys.stderr)
     return 0
 
 
@@ -249,19 +311,28 @@ def main(argv: list[str] | None = None) -> int:
     _add_convert(sub)
     _add_bench(sub)
     _add_budget(sub)
+    _add_sessions(sub)
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in results files
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's INFO lines per checkpoint operation
     if args.command == "version":
         import jhybrid
 
         print(jhybrid.__version__)
         return 0
+    from jhybrid.hcache import HCacheError
+
     try:
-        commands = {"generate": _generate, "convert": _convert, "bench": _bench, "budget": _budget}
+        commands = {"generate": _generate, "convert": _convert, "bench": _bench, "budget": _budget,
+                    "sessions": _sessions}
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ValueError, OSError, HCacheError) as error:  # bad values, files and stores: one line
+        logging.getLogger("jhybrid").debug("jhybrid %s failed", args.command, exc_info=True)
+        print(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

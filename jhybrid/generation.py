@@ -190,6 +190,16 @@ class Generator:
             raise ValueError("every prompt needs at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        vocab = self.config.vocab_size
+        for row, prompt in enumerate(prompts):
+            ids = np.asarray(prompt)
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise ValueError(f"prompt {row} has {ids.dtype} entries; expected integer token ids")
+            bad = (ids < 0) | (ids >= vocab)
+            if bad.any():
+                at = int(np.argmax(bad))
+                raise ValueError(f"prompt {row} token {at} is id {int(ids[at])}; expected ids in "
+                                 f"[0, {vocab}) (the model's vocabulary)")
         longest = max(len(p) for p in prompts)
         context = self.config.max_position_embeddings
         if self.backend.handles_long_context:

@@ -76,9 +76,57 @@ def test_rerun_resumes_and_runs_only_missing_points(first_run, monkeypatch):
                         lambda *a, **k: called.append(a[2].key) or real(*a, **k))
     outcome = runner.run_sweep(load_config(str(path)), output_dir=str(results), argv=[],
                                show_progress=False)
-    assert called == ["offload.mode=hgca"]
-    assert outcome.ran == 1 and outcome.resumed == 4 and not outcome.interrupted
+    # the missing point, and the skipped one (its cause may be gone); measured points are kept
+    assert sorted(called) == ["offload.mode=hgca", "offload.mode=topk,offload.budget=4096"]
+    assert outcome.ran == 1 and outcome.skipped == 1 and outcome.resumed == 3 and not outcome.interrupted
     assert len(json.loads(json_path.read_text())["rows"]) == 5
+
+
+def test_rerun_with_a_changed_setting_runs_again_and_rows_keep_their_config(first_run, monkeypatch, tmp_path):
+    folder, path, _ = first_run
+    results = tmp_path / "results"
+    import shutil
+    shutil.copytree(folder / "results", results)
+    called = []
+    real = runner.TASKS["perplexity"]
+    monkeypatch.setitem(runner.TASKS, "perplexity", lambda *a, **k: called.append(a[2].key) or real(*a, **k))
+    before = json.loads((results / "tiny-bench.json").read_text())
+    run = load_config(str(path), overrides=["benchmark.scored_tokens=24"])
+    only_full = runner.run_sweep(run, output_dir=str(results), argv=[], only=["offload.mode=full"],
+                                 show_progress=False)
+    # same keys, new config: both points whose key contains the filter run again
+    assert called == ["offload.mode=full"] and only_full.ran == 2
+    doc = json.loads((results / "tiny-bench.json").read_text())
+    hashes = {r["point"]: r["config_hash"] for r in doc["rows"]}
+    old = {r["point"]: r["config_hash"] for r in before["rows"]}
+    assert hashes["offload.mode=full"] != old["offload.mode=full"]
+    assert hashes["offload.mode=hgca"] == old["offload.mode=hgca"]  # not rerun: its own config kept
+    assert doc["configs"][hashes["offload.mode=full"]]["benchmark"]["scored_tokens"] == 24
+    assert doc["configs"][hashes["offload.mode=hgca"]]["benchmark"]["scored_tokens"] != 24
+
+
+def test_bench_exits_non_zero_when_a_point_fails_and_checks_models_first(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(CONFIG)
+
+    def boom(model, pretrained, point, on_step=None, deadline=None):
+        raise RuntimeError("the kernel fell over")
+
+    monkeypatch.setitem(runner.TASKS, "perplexity", boom)
+    assert cli.main(["bench", str(path), "--output-dir", str(tmp_path / "out"), "--only", "offload.mode=full"]) == 1
+    err = capsys.readouterr().err
+    assert "1 failed" in err and "offload.mode=full: RuntimeError: the kernel fell over" in err
+    monkeypatch.undo()
+    bad = tmp_path / "bad-model.yaml"
+    bad.write_text(CONFIG.replace("model: {name: tiny}", "model: {name: no-such-model}"))
+    calls = []
+    monkeypatch.setattr(runner, "load_model", lambda spec: calls.append(spec))
+    assert cli.main(["bench", str(bad), "--output-dir", str(tmp_path / "out2")]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err and not calls
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("x")
+    assert cli.main(["bench", str(path), "--output-dir", str(blocked / "sub")]) == 2
+    assert "is not writable" in capsys.readouterr().err
 
 
 def test_bench_list_and_bad_config_exit_code(tmp_path, capsys):
@@ -127,8 +175,11 @@ def test_only_runs_a_part_and_parallel_parts_share_one_file(tmp_path, monkeypatc
 
     def other_process_writes(model, pretrained, point, on_step=None, deadline=None):
         # Another process finishes the full point while this one is busy with its own point.
+        full = next(p for p in runner.expand_sweep(run) if p.key == "offload.mode=full")
         runner._publish(str(json_path), str(tmp_path / "tiny-bench.csv"), "tiny-bench", {}, "other",
-                        [{**row("full", 1.0), "point": "offload.mode=full"}])
+                        [{**row("full", 1.0), "point": full.key,
+                          "config_hash": runner.point_config_hash(full)}],
+                        {runner.point_config_hash(full): runner.point_config(full)})
         return [row(point.offload.mode, 2.0)]
 
     monkeypatch.setitem(runner.TASKS, "perplexity", other_process_writes)
@@ -161,3 +212,88 @@ def test_hgca_rows_report_the_kept_share(first_run):
     assert 0.0 <= rows["offload.mode=hgca"]["kept_share"] <= 1.0
     assert rows["offload.mode=hgca,offload.beta=1e-30"]["kept_share"] == 1.0  # keep-everything
     assert "kept_share" not in rows["offload.mode=full"]
+
+
+def test_summary_fits_100_columns_and_leaves_out_empty_columns():
+    """A 32-layer throughput sweep's rows (every field the runner writes) print without truncation
+    at 100 columns; columns empty in every row (CPU: no GPU idle share) are left out."""
+    import io
+
+    from rich.console import Console
+
+    from jhybrid.bench.results import print_summary
+
+    path = "benchmarks/results/throughput-h100-l32-int8.json"
+    rows = [r for r in json.loads(open(path).read())["rows"]]
+    assert any(not r.get("skipped") for r in rows) and len(rows[0]) > 30
+    for r in rows:
+        r.pop("gpu_idle_frac", None)
+    out = io.StringIO()
+    print_summary(rows, Console(file=out, width=100, force_terminal=False))
+    text = out.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "…" not in text  # nothing cut (long points and reasons wrap)
+    assert "GPU idle" not in text and "tok/s" in text and "host kv" in text and "int8" in text
+
+
+def test_perplexity_plot_puts_only_hgca_beta_sweeps_on_a_beta_axis(tmp_path):
+    from jhybrid.bench.plots import _beta_sweeps, plot_perplexity
+
+    def row(mode, ppl, beta=None, ratio=0.25):
+        return {"task": "perplexity", "text": "t", "tokens": 64, "mode": mode, "ppl": ppl, "beta": beta,
+                "gpu_ratio": ratio, "window": 16, "point": f"offload.mode={mode}"}
+
+    rows = [row("full", 10.0, ratio=None), row("scout", 11.0), row("hgca", 12.0, beta=1.0)]
+    assert _beta_sweeps(rows) == {}  # one beta is no sweep: every row is a labelled bar only
+    swept = rows + [row("hgca", 11.5, beta=0.5), row("hgca", 13.0, beta=1.0, ratio=0.5)]
+    assert {k: [r["beta"] for r in g] for k, g in _beta_sweeps(swept).items()} == {"hgca ratio 0.25": [0.5, 1.0]}
+    assert plot_perplexity(swept, str(tmp_path / "p.png")) and (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_a_run_killed_during_a_point_leaves_a_trace_the_next_run_reports(tmp_path):
+    """kill -9 (as the kernel's OOM killer does) in the middle of a point: no row could be written,
+    so the next run names the point it died in, records an error row, and runs it again."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(CONFIG)
+    script = textwrap.dedent(f"""
+        import os, signal
+        from jhybrid.bench import runner
+        from jhybrid.config import load_config
+        runner.load_model = lambda spec: (None, None)
+        def die(*a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        runner.TASKS["perplexity"] = die
+        runner.run_sweep(load_config({str(path)!r}), output_dir={str(tmp_path)!r}, argv=[],
+                         show_progress=False, only=["offload.mode=full"])
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=".", capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+    markers = list(tmp_path.glob("tiny-bench.running.*.json"))
+    assert len(markers) == 1 and json.loads(markers[0].read_text())["point"] == "offload.mode=full"
+
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    seen = []
+    real = runner.TASKS["perplexity"]
+    try:
+        runner.TASKS["perplexity"] = lambda model, pretrained, point, **k: seen.append(point.key) or [
+            {"task": "perplexity", "mode": point.offload.mode, "text": "random", "tokens": 96, "ppl": 1.0}]
+        runner.load_model, old_load = (lambda spec: (None, None)), runner.load_model
+        outcome = runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path), argv=[], show_progress=False,
+                                   only=["offload.mode=hgca,offload.beta"], console=Console(file=out, width=200))
+    finally:
+        runner.TASKS["perplexity"] = real
+        runner.load_model = old_load
+    text = out.getvalue()
+    assert "the previous run died during offload.mode=full" in text and "died during this point" in text
+    assert seen == ["offload.mode=hgca,offload.beta=1e-30"] and outcome.ran == 1
+    rows = {r["point"]: r for r in json.loads((tmp_path / "tiny-bench.json").read_text())["rows"]}
+    assert "killed from outside" in rows["offload.mode=full"]["error"]  # the trace stays until it reruns
+    assert not list(tmp_path.glob("tiny-bench.running.*"))

@@ -24,8 +24,9 @@ OFFLOAD = {"gpu_ratio": 0.25, "sink": 16, "block_size": 16, "budget": 32, "recal
            "host_threads": 1}
 
 
-def point(mode="hgca", batch=1, context=256, **bench):
-    run = config_from_dict({"name": "t", "model": {"name": "tiny"}, "offload": {**OFFLOAD, "mode": mode},
+def point(mode="hgca", batch=1, context=256, offload=None, **bench):
+    run = config_from_dict({"name": "t", "model": {"name": "tiny"},
+                            "offload": {**OFFLOAD, "mode": mode, **(offload or {})},
                             "benchmark": {"task": "throughput", "fill": "synthetic", "batch": batch,
                                           "context": context, "decode_tokens": 3, "warmup_steps": 1,
                                           **bench}})
@@ -50,18 +51,29 @@ def test_predicted_device_bytes_equal_the_real_cache(tiny, mode):
     assert pred.device_cache_per_seq * 3 == real
 
 
-def test_predicted_host_store_bytes_equal_the_filled_store(tiny):
-    p = point("scout", batch=2, context=512)
+@pytest.mark.parametrize("host_kv_dtype", [None, "int8"])
+def test_predicted_host_store_bytes_equal_the_filled_store(tiny, host_kv_dtype):
+    p = point("scout", batch=2, context=512, offload={"host_kv_dtype": host_kv_dtype})
     backend, window = backend_for(p.offload, 512)
     max_len = max_len_for(p.benchmark)
-    pred = point_memory(tiny.config, "scout", 2, 512, max_len, window, sink=16, block_size=16)
+    pred = point_memory(tiny.config, "scout", 2, 512, max_len, window, sink=16, block_size=16,
+                        host_kv_dtype=host_kv_dtype)
     e_end = int(evicted_blocks(np.int64(max_len), backend.config))  # blocks held at the end of the run
-    host = synthetic.HostContext(synthetic.host_shape(tiny.config, 16), sink=16, keep=0.1)
+    host = synthetic.HostContext(synthetic.host_shape(tiny.config, 16, host_kv_dtype), sink=16, keep=0.1)
     host.prepare(2, e_end, slack_blocks=0)
     assert host.store.bytes_used() == pred.host_per_seq * 2
     assert host.store.n_blocks(1, 1) == e_end
-    kv_only = (max_len - window) * kv_bytes_per_token(tiny.config)
+    kv_only = (max_len - window) * kv_bytes_per_token(tiny.config, "int8" if host_kv_dtype else None)
     assert pred.host_per_seq > kv_only * 0.9  # KV + digests, MAW, positions
+
+
+@pytest.mark.parametrize("mode", ["hgca", "scout", "recall"])
+def test_int8_host_store_points_run_and_hold_fewer_bytes(tiny, mode):
+    rows = {fmt: run_throughput(tiny, None, point(mode, batch=2, context=256, offload={"host_kv_dtype": fmt}))[0]
+            for fmt in (None, "int8")}
+    assert rows["int8"]["decode_tok_s"] > 0 and rows["int8"]["host_kv_dtype"] == "int8"
+    if mode != "recall":  # recall's mirror stays in the model dtype
+        assert rows["int8"]["host_kv_bytes"] < 0.8 * rows[None]["host_kv_bytes"]
 
 
 def test_llama3_8b_on_h100_full_runs_out_of_device_hgca_of_host():
@@ -275,3 +287,16 @@ def test_synthetic_hybrid_fill_frees_each_zero_array_it_replaces(tiny):
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(filled))
     assert float(np.abs(np.asarray(filled.layers[0].window.k_ring, np.float32)).max()) > 0
     backend.close()
+
+
+def test_host_memory_is_checked_before_the_host_context_is_written(tiny, monkeypatch):
+    """Not enough free host memory now (earlier points' leftovers, other processes): the point is a
+    skipped row naming the bytes, not a process the kernel's OOM killer ends without a word."""
+    from jhybrid.bench import throughput
+
+    throughput._HOST_CONTEXT.clear()
+    monkeypatch.setattr(throughput, "host_available_bytes", lambda: 64 * 2**20)
+    with pytest.raises(PointSkipped, match=r"host memory: the host context needs .* available now"):
+        run_throughput(tiny, None, point("hgca", batch=2, context=256))
+    monkeypatch.setattr(throughput, "host_available_bytes", lambda: 64 * GIB)
+    assert run_throughput(tiny, None, point("hgca", batch=2, context=256))[0]["decode_tok_s"] > 0

@@ -101,3 +101,29 @@ def test_sweep_groups_are_cartesian_products_run_in_order():
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
 def test_shipped_configs_load(path):
     assert expand_sweep(load_config(path))
+
+
+def test_text_is_a_builtin_name_or_the_users_own_file(tmp_path):
+    from types import SimpleNamespace
+
+    from jhybrid.bench.texts import load_text, text_tokens
+
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my own words, " * 50, encoding="utf-8")
+    run = load_config(write(tmp_path, f"name: x\nbenchmark: {{text: {mine}}}\n"))
+    assert run.benchmark.text == str(mine)
+    chars = SimpleNamespace(encode=lambda s: [ord(c) for c in s])
+    assert text_tokens(chars, str(mine), 20).tolist() == [ord(c) for c in ("my own words, " * 2)[:20]]
+    with pytest.raises(ValueError, match="has only 700 tokens, 5000 asked"):
+        text_tokens(chars, str(mine), 5000)
+    with pytest.raises(ConfigError, match=r"'benchmark.text' = 'nope.txt': expected one of paul_graham, squad "
+                                          r"or the path of a UTF-8 text file \(no such file\)"):
+        load_config(write(tmp_path, "name: x\nbenchmark: {text: nope.txt}\n"))
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        load_text(str(binary))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_text(str(empty))

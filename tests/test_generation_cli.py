@@ -23,3 +23,54 @@ def test_generate_streams_text_and_speeds(capsys):
     captured = capsys.readouterr()
     assert "Paris" in captured.out
     assert "prefill" in captured.err and "decode" in captured.err and "tok/s" in captured.err
+
+
+def test_lengths_are_checked_against_the_model_context(capsys):
+    pytest.importorskip("gguf")
+    assert main(["generate", "--max-tokens", "9000", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens 9000" in err and "context of 8192" in err and "Traceback" not in err
+    assert main(["generate", "--mode", "hgca", "--window-tokens", "9232", "--max-tokens", "4", "hello"]) == 2
+    assert "--window-tokens 9232; expected at most the model's context of 8192" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_generate_prints_what_was_made(capsys, monkeypatch):
+    pytest.importorskip("gguf")
+    import numpy as np
+
+    from jhybrid import generation
+
+    def interrupted(self, prompts, max_new_tokens=64, sampling=None, stop_tokens=(), on_tokens=None):
+        for token in (504, 3575):  # two tokens stream, then the user presses Ctrl-C
+            on_tokens(np.array([token]), np.array([True]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generation.Generator, "generate", interrupted)
+    assert main(["generate", "--max-tokens", "8", "hello"]) == 130
+    captured = capsys.readouterr()
+    assert "[interrupted: 2 tokens in" in captured.err and "Traceback" not in captured.err
+    assert captured.out  # the streamed text stays
+
+
+def test_convert_onto_an_existing_path_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    from jhybrid import cli
+
+    monkeypatch.setattr(cli, "_load_with_progress", lambda *a: pytest.fail("loaded before checking"))
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "file").write_text("x")
+    assert main(["convert", "smollm2", str(taken)]) == 2
+    assert f"output '{taken}' exists; expected a new or empty folder" in capsys.readouterr().err
+    assert (taken / "file").read_text() == "x"
+
+
+def test_out_of_vocabulary_prompt_ids_are_an_error():
+    from jhybrid.generation import Generator
+    from jhybrid.models import create_model
+    from tests.hybrid_support import TINY
+
+    generator = Generator(create_model(TINY, seed=0))
+    with pytest.raises(ValueError, match=rf"prompt 1 token 2 is id {TINY.vocab_size}; expected ids in \[0, {TINY.vocab_size}\)"):
+        generator.generate([[1, 2, 3], [4, 5, TINY.vocab_size]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 0 token 0 is id -1"):
+        generator.generate([[-1, 2]], max_new_tokens=2)

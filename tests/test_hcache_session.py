@@ -99,6 +99,7 @@ def test_prefix_reuse_restores_the_shared_prefix(model, prompts, tmp_path):
     assert fresh.generate(question, 6) == reply and fresh.prefix_tokens_reused == 0
     # The reusing session saved the prefix too: it restores on its own.
     reuse_id = reuse.save()
+    reuse.close()  # one writer per session id: the saved session is restored once closed
     assert engine.restore(reuse_id).generate(prompts[2], 4) == fresh.generate(prompts[2], 4)
 
 
@@ -169,6 +170,7 @@ def test_full_disk_keeps_earlier_saves_intact(model, prompts, never_evicted, tmp
     with pytest.raises(StorageFull, match=f"disk full .*session {session_id}.*earlier saves are intact"):
         session.save()
     monkeypatch.undo()
+    session.close()  # the writer gives up (or its process dies): its lock goes with it
     restored = engine.restore(session_id)  # the first save, untouched
     assert restored.generate(prompts[1], 6) == never_evicted[1]
 
@@ -188,6 +190,7 @@ def test_crash_during_manifest_write_keeps_earlier_save(model, prompts, never_ev
     with pytest.raises(StorageFull):
         session.save()
     monkeypatch.undo()
+    session.close()
     assert storage.committed_generations(str(tmp_path), session_id) == [0]
     assert engine.restore(session_id).generate(prompts[1], 6) == never_evicted[1]
 
@@ -226,7 +229,9 @@ def test_sampled_continuation_and_empty_session(model, prompts, tmp_path):
     expected = [reference.generate(p, 5, sampling) for p in prompts[:2]]
     session = engine.new_session()
     assert session.generate(prompts[0], 5, sampling) == expected[0]
-    restored = engine.restore(session.save())
+    saved_id = session.save()
+    session.close()
+    restored = engine.restore(saved_id)
     assert restored.generate(prompts[1], 5, sampling) == expected[1]
     empty_id = engine.new_session().save()
     assert engine.restore(empty_id).generate(prompts[1], 6) == engine.new_session().generate(prompts[1], 6)

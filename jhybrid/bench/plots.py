@@ -1,7 +1,7 @@
 """PNG plots of a results file's rows (matplotlib, Agg backend: no display needed).
 
-perplexity: ppl vs beta, one line per GPU ratio (hgca), full attention as a dashed line, the other
-modes as labelled markers. niah: one retrieved/not heat map (depth x length) per mode.
+perplexity: every configuration's ppl as a labelled bar, full attention as a dashed line, and where
+hgca was swept over beta a panel of ppl vs beta (hgca only). niah: one retrieved/not heat map (depth x length) per mode.
 throughput: decode tokens/s vs context (one line per mode and batch) and vs batch, per model;
 breakdown: each throughput point's mean decode step split into its parts.
 """
@@ -29,43 +29,66 @@ def _ok(rows, task):
 
 
 def plot_perplexity(rows: list[dict], path: str) -> str | None:
+    """Per text: every configuration's perplexity as a labelled bar (a categorical axis: modes are not
+    placed on a beta axis they do not have), full attention as a dashed line; where hgca was swept
+    over beta, a second panel with ppl vs beta (log axis) for the hgca rows only."""
     rows = _ok(rows, "perplexity")
     if not rows:
         return None
     texts = sorted({(r["text"], r["tokens"]) for r in rows})
-    fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4.5), squeeze=False)
-    for ax, (text, tokens) in zip(axes[0], texts):
-        sel = [r for r in rows if r["text"] == text and r["tokens"] == tokens]
+    sweeps = {key: _beta_sweeps([r for r in rows if (r["text"], r["tokens"]) == key]) for key in texts}
+    columns = 2 if any(sweeps.values()) else 1
+    fig, axes = plt.subplots(len(texts), columns, figsize=(7 * columns, 0.8 + 0.32 * max(
+        sum(1 for r in rows if (r["text"], r["tokens"]) == key) for key in texts) + 1.5 * (columns - 1)
+        + 1.5), squeeze=False)
+    for row_axes, (text, tokens) in zip(axes, texts):
+        sel = sorted((r for r in rows if r["text"] == text and r["tokens"] == tokens), key=lambda r: r["ppl"])
         full = [r["ppl"] for r in sel if r["mode"] == "full"]
+        ax = row_axes[0]
+        labels = [_tag(r) for r in sel]
+        ax.barh(range(len(sel)), [r["ppl"] for r in sel], color=["black" if r["mode"] == "full" else "C0"
+                                                                  for r in sel])
+        ax.set_yticks(range(len(sel)), labels, fontsize=7)
+        for i, r in enumerate(sel):
+            ax.text(r["ppl"], i, f" {r['ppl']:.3f}", va="center", fontsize=7)
         if full:
-            ax.axhline(full[0], color="black", ls="--", label=f"full {full[0]:.3f}")
-            ax.axhspan(full[0], full[0] * 1.01, color="grey", alpha=0.15, label="full +1%")
-        by_ratio = defaultdict(list)
-        for r in sel:
-            if r["mode"] == "hgca" and r["beta"] is not None and r["beta"] >= 1e-6:
-                ratio = r["gpu_ratio"] if r["gpu_ratio"] is not None else f"w{r['window']}"
-                by_ratio[(ratio, r.get("keep_after") or 0)].append(r)
-        for (ratio, after), group in sorted(by_ratio.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
-            group.sort(key=lambda r: r["beta"])
-            spans = f" keep_after {after}" if after else ""
-            ax.plot([r["beta"] for r in group], [r["ppl"] for r in group], "o-" if not after else "^:",
-                    label=f"hgca ratio {ratio}{spans}")
-        keep_all = [r for r in sel if r["mode"] == "hgca" and r["beta"] is not None and r["beta"] < 1e-6]
-        others = keep_all + [r for r in sel if r["mode"] not in ("full", "hgca")]
-        for i, r in enumerate(others):
-            tag = r["mode"] + (" keep-all" if r in keep_all else "") + \
-                (f" b{r['budget']}" if r.get("budget") else "") + \
-                (f" r{r['gpu_ratio']}" if r.get("gpu_ratio") else "") + \
-                (" exact-q" if "predict_query=False" in r.get("point", "") else "")
-            ax.plot([1.05 + 0.03 * i], [r["ppl"]], "s", label=f"{tag}: {r['ppl']:.3f}")
-        ax.set_xlabel("beta (hgca); other modes at the right")
-        ax.set_ylabel("perplexity")
+            ax.axvline(full[0], color="black", ls="--", lw=0.8, label=f"full {full[0]:.3f}")
+            ax.legend(fontsize=7, loc="lower right")
+        lo = min(r["ppl"] for r in sel)
+        ax.set_xlim(lo * 0.95, max(r["ppl"] for r in sel) * 1.08)
+        ax.set_xlabel("perplexity (lower is better)")
         ax.set_title(f"{text}, {tokens} tokens")
-        ax.legend(fontsize=7)
+        if columns == 2:
+            ax = row_axes[1]
+            for label, group in sweeps[(text, tokens)].items():
+                ax.plot([r["beta"] for r in group], [r["ppl"] for r in group], "o-", label=label)
+            if full:
+                ax.axhline(full[0], color="black", ls="--", label=f"full {full[0]:.3f}")
+            if sweeps[(text, tokens)]:
+                ax.set_xscale("log")
+                ax.set_xlabel("beta (hgca's threshold: larger keeps fewer tokens)")
+                ax.set_ylabel("perplexity")
+                ax.set_title("hgca over beta")
+                ax.legend(fontsize=7)
+            else:
+                ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _beta_sweeps(rows: list[dict]) -> dict[str, list[dict]]:
+    """hgca rows swept over beta (>= 2 values > 0 at one GPU share and keep_after), by label."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r["mode"] == "hgca" and r.get("beta") is not None and r["beta"] > 0:
+            ratio = r["gpu_ratio"] if r.get("gpu_ratio") is not None else f"w{r.get('window')}"
+            label = f"hgca ratio {ratio}" + (f" keep_after {r['keep_after']}" if r.get("keep_after") else "")
+            label += f" host {r['host_kv_dtype']}" if r.get("host_kv_dtype") not in (None, "model") else ""
+            groups[label].append(r)
+    return {k: sorted(g, key=lambda r: r["beta"]) for k, g in groups.items()
+            if len({r["beta"] for r in g}) >= 2}
 
 
 def _tag(r):
@@ -80,6 +103,9 @@ def _tag(r):
         tag += f" k{r['budget']}"
     if "predict_query=False" in r.get("point", ""):
         tag += " exact-q"
+    if r.get("host_kv_dtype") not in (None, "model") or "host_kv_dtype=" in r.get("point", ""):
+        kv = r.get("host_kv_dtype") or r["point"].split("host_kv_dtype=")[1].split(",")[0]
+        tag += f" host-{kv}"
     return tag
 
 

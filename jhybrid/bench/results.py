@@ -78,12 +78,18 @@ def write_csv(path: str, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+# The printed summary: (row key, column label) per task, chosen to fit 100 columns; columns empty in
+# every row are left out. Every other field is in the CSV / JSON.
 SUMMARY_KEYS = {
-    "perplexity": ["mode", "text", "tokens", "window", "gpu_ratio", "beta", "keep_after", "budget", "kept_share", "ppl"],
-    "niah": ["mode", "length", "depth", "window", "retrieved", "answer"],
-    "throughput": ["model", "layers", "mode", "fill", "context", "batch", "window", "decode_tok_s", "tbt_p50_ms",
-                   "tbt_p99_ms", "ttft_s", "between_steps_ms", "callback_ms", "compute_ms",
-                   "device_in_use_bytes", "host_rss_bytes", "fill_s", "compile_s"],
+    "perplexity": [("mode", "mode"), ("text", "text"), ("tokens", "tokens"), ("window", "window"),
+                   ("gpu_ratio", "gpu"), ("beta", "beta"), ("keep_after", "keep_after"), ("budget", "budget"),
+                   ("host_kv_dtype", "host kv"), ("kept_share", "kept"), ("ppl", "ppl")],
+    "niah": [("mode", "mode"), ("length", "length"), ("depth", "depth"), ("window", "window"),
+             ("host_kv_dtype", "host kv"), ("retrieved", "retrieved"), ("answer", "answer")],
+    "throughput": [("model", "model"), ("layers", "L"), ("mode", "mode"), ("host_kv_dtype", "host kv"),
+                   ("fill", "fill"), ("context", "ctx"), ("batch", "batch"), ("window", "window"),
+                   ("decode_tok_s", "tok/s"), ("tbt_p50_ms", "p50 ms"), ("tbt_p99_ms", "p99 ms"),
+                   ("ttft_s", "ttft s"), ("gpu_idle_frac", "GPU idle")],
 }
 
 
@@ -101,10 +107,10 @@ def capacity_table(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r.get("task") != "throughput" or r.get("context") is None:
             continue
-        key = (r.get("model"), r.get("layers"), r.get("mode"), r.get("context"))
+        key = (r.get("model"), r.get("layers"), r.get("mode"), r.get("host_kv_dtype"), r.get("context"))
         groups.setdefault(key, []).append(r)
     out = []
-    for (model, layers, mode, context), group in groups.items():
+    for (model, layers, mode, host_kv_dtype, context), group in groups.items():
         ran = [r["batch"] for r in group if not r.get("skipped") and r.get("batch") is not None]
         failed = sorted((r for r in group if r.get("skipped") and _capacity_reason(r) and r.get("batch")),
                         key=lambda r: r["batch"])
@@ -112,7 +118,8 @@ def capacity_table(rows: list[dict]) -> list[dict]:
         timed_out = sorted({r.get("batch") or r.get("batch_spec") for r in group
                             if str(r.get("skipped", "")).startswith("time budget")}, key=str)
         pred = next((r for r in group if r.get("pred_max_batch") is not None), {})
-        out.append({"model": model, "layers": layers or pred.get("layers"), "mode": mode, "context": context,
+        out.append({"model": model, "layers": layers or pred.get("layers"), "mode": mode,
+                    "host_kv_dtype": host_kv_dtype, "context": context,
                     "max_batch_run": max(ran) if ran else None,
                     "pred_max_batch": pred.get("pred_max_batch"), "limited_by": pred.get("limited_by"),
                     "first_batch_over": failed[0]["batch"] if failed else None,
@@ -128,30 +135,33 @@ def print_summary(rows: list[dict], console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    for task, keys in SUMMARY_KEYS.items():
+    for task, labelled in SUMMARY_KEYS.items():
         selected = [r for r in rows if r.get("task") == task and not r.get("skipped")]
         if not selected:
             continue
-        table = Table(title=task)
-        for key in keys:
-            table.add_column(key, justify="right")
+        labelled = [(k, label) for k, label in labelled if any(r.get(k) is not None for r in selected)]
+        table = Table(title=f"{task} (every field: the CSV / JSON)")
+        for _, label in labelled:
+            table.add_column(label, justify="right")
         for row in selected:
-            table.add_row(*(_fmt(row.get(k), k) for k in keys))
+            table.add_row(*(_fmt(row.get(k), k) for k, _ in labelled))
         console.print(table)
     capacity = capacity_table(rows)
     if capacity:
-        keys = ["model", "layers", "mode", "context", "measured", "max_batch_run", "pred_max_batch",
-                "limited_by", "first_batch_over"]
+        labelled = [("model", "model"), ("layers", "L"), ("mode", "mode"), ("host_kv_dtype", "host kv"),
+                    ("context", "ctx"),
+                    ("measured", "measured"), ("max_batch_run", "max run"), ("pred_max_batch", "pred. max"),
+                    ("limited_by", "limited by"), ("first_batch_over", "first over")]
         table = Table(title="largest batch per mode and context (measured / predicted)")
-        for key in keys:
-            table.add_column(key, justify="right")
+        for _, label in labelled:
+            table.add_column(label, justify="right")
         for row in capacity:
-            table.add_row(*(_fmt(row.get(k), k) for k in keys))
+            table.add_row(*(_fmt(row.get(k), k) for k, _ in labelled))
         console.print(table)
     failed = [r for r in rows if r.get("error")]
     if failed:
         table = Table(title="failed points (a rerun tries them again)")
-        table.add_column("point")
+        table.add_column("point", overflow="fold")
         table.add_column("error")
         for row in failed:
             table.add_row(row.get("point", "?"), row["error"])
@@ -159,7 +169,7 @@ def print_summary(rows: list[dict], console=None) -> None:
     skipped = [r for r in rows if r.get("skipped") and not str(r["skipped"]).startswith("prediction only")]
     if skipped:
         table = Table(title="skipped points")
-        table.add_column("point")
+        table.add_column("point", overflow="fold")
         table.add_column("reason")
         for row in skipped:
             table.add_row(row["point"], row["skipped"])

@@ -11,13 +11,20 @@ disjoint parts of one sweep (e.g. one text each on a 2-core machine) fill one re
 Wall-clock budget (benchmark.time_budget_s of the base config): once spent, every point left gets a
 row {skipped: "time budget: ..."} without running; tasks also get the deadline (a throughput point
 shortens its timed steps or skips a host fill it cannot finish). A point that raises any other
-error gets a row {error: "Type: message"} (traceback in the log) and the sweep goes on. Rows
-skipped for time and error rows are not "done": a rerun runs those points again (with any missing).
+error gets a row {error: "Type: message"} (traceback in the log) and the sweep goes on.
+
+Resume: every row carries `config_hash`, the hash of its point's whole configuration (model,
+offload and benchmark sections after the sweep's overrides and --set); the JSON keeps each hash's
+configuration under `configs`. A point is done only if a row has its key AND its hash and is a
+measurement: skipped and error rows are tried again by a rerun (their cause may be gone), and a
+changed setting runs the point again. Models and the output folder are checked before any point.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -29,7 +36,7 @@ from jhybrid.bench.perplexity import run_perplexity
 from jhybrid.bench.plots import render_plots
 from jhybrid.bench.results import (capacity_table, command_line, print_summary, read_rows, write_csv,
                                    write_json)
-from jhybrid.bench.shapes import load_model
+from jhybrid.bench.shapes import check_model_spec, load_model
 from jhybrid.bench.throughput import predict_throughput, run_throughput
 from jhybrid.config import RunConfig, config_to_dict, expand_sweep
 
@@ -57,7 +64,30 @@ def results_stem(run: RunConfig, output_dir: str | None = None) -> str:
 TIME_BUDGET = "time budget"
 
 
-def _publish(json_path, csv_path, name, config, command, mine: list[dict]) -> list[dict]:
+# Settings of how a sweep runs, not of what a point measures: changing them does not rerun points.
+RUN_ONLY_SETTINGS = ("time_budget_s", "output_dir")
+
+
+def point_config_hash(point) -> str:
+    """Hash of a point's whole configuration (what its rows were measured with)."""
+    return hashlib.sha256(json.dumps(point_config(point), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def point_config(point) -> dict:
+    bench = {k: v for k, v in dataclasses.asdict(point.benchmark).items() if k not in RUN_ONLY_SETTINGS}
+    return {"model": dataclasses.asdict(point.model), "offload": dataclasses.asdict(point.offload),
+            "benchmark": bench}
+
+
+def _read_configs(json_path: str) -> dict:
+    try:
+        with open(json_path) as f:
+            return json.load(f).get("configs", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def _publish(json_path, csv_path, name, config, command, mine: list[dict], configs: dict) -> list[dict]:
     """Merge this process's rows into the results file (under an exclusive lock: another process
     may be running other points of the same sweep) and return every row now in it. A point's rows
     from this process replace any older rows of that point; rows of points that did not finish
@@ -69,21 +99,92 @@ def _publish(json_path, csv_path, name, config, command, mine: list[dict]) -> li
         fcntl.flock(lock, fcntl.LOCK_EX)
         ours = {r.get("point") for r in mine}
         rows = [r for r in read_rows(json_path) if r.get("point") not in ours] + mine
-        write_json(json_path, name, config, rows, command, _extra(rows))
+        known = {**_read_configs(json_path), **configs}
+        kept = {r.get("config_hash") for r in rows}
+        write_json(json_path, name, config, rows, command,
+                   {**_extra(rows), "configs": {h: c for h, c in known.items() if h in kept}})
         write_csv(csv_path, rows)
     return rows
 
 
+# While a point runs, <stem>.running.<pid>.json names it: a run killed from outside (the kernel's
+# OOM killer, kill -9) cannot write a row, so the next run finds the marker of a dead pid and
+# records an error row for that point (and runs it again).
+
+def _marker(stem: str, pid: int) -> str:
+    return f"{stem}.running.{pid}.json"
+
+
+def _mark_running(stem: str, point_key: str | None) -> None:
+    path = _marker(stem, os.getpid())
+    if point_key is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "point": point_key, "started": time.time()}, f)
+    os.replace(tmp, path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _rows_of_dead_runs(stem: str, hashes: dict) -> list[dict]:
+    """Error rows for the points that runs of this sweep were in when they died (markers removed)."""
+    import glob
+
+    rows = []
+    for path in glob.glob(_marker(stem, 0).replace(".0.json", ".*.json")):
+        try:
+            with open(path) as f:
+                marker = json.load(f)
+            pid, key = int(marker["pid"]), str(marker["point"])
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("unreadable run marker %s removed", path)
+            os.remove(path)
+            continue
+        if _pid_alive(pid):
+            continue  # a parallel run (--only) still at work
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(marker.get("started", 0)))
+        rows.append({"point": key, "config_hash": hashes.get(key),
+                     "error": f"the run (pid {pid}) died during this point, started {started}, without "
+                              "writing a row: killed from outside (out of host memory? the kernel log "
+                              "says) -- a rerun tries it again"})
+        os.remove(path)
+    return rows
+
+
 def is_done(row: dict) -> bool:
-    """A row that a rerun keeps (everything but points skipped for lack of time or failed with an
-    error: a rerun tries those again)."""
-    return not str(row.get("skipped", "")).startswith(TIME_BUDGET) and "error" not in row
+    """A measured row (skipped and error rows are tried again by a rerun)."""
+    return "skipped" not in row and "error" not in row
+
+
+def check_output_dir(json_path: str) -> None:
+    """The results folder exists (or can be made) and takes a file: found before any point runs."""
+    folder = os.path.dirname(os.path.abspath(json_path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".jhybrid-write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise OSError(f"output folder {folder} is not writable: {err.strerror or err}") from None
 
 
 def point_fields(point) -> dict:
     """The identifying fields of a point, for rows that say why it did not run."""
     b = point.benchmark
     return {"task": b.task, "model": point.model.name, "mode": point.offload.mode,
+            "host_kv_dtype": point.offload.host_kv_dtype or "model",
             **({"batch_spec": str(b.batch), "context": b.context, "fill": b.fill} if b.task == "throughput" else {})}
 
 
@@ -107,9 +208,20 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
     points = expand_sweep(run)
     if only:
         points = [p for p in points if any(text in p.key for text in only)]
+    check_output_dir(json_path)
+    for spec in {p.model for p in points}:
+        check_model_spec(spec)
+    hashes = {p.key: point_config_hash(p) for p in points}
+    configs = {hashes[p.key]: point_config(p) for p in points}
+    died = _rows_of_dead_runs(stem, hashes)
+    if died:
+        for row in died:
+            console.print(f"[red]the previous run died[/] during {row['point']}: {row['error']}",
+                          highlight=False)
+        _publish(json_path, csv_path, run.name, config_to_dict(run), command_line(argv), died, configs)
     rows = [r for r in read_rows(json_path) if is_done(r)]
-    done = {r.get("point") for r in rows}
-    todo = [p for p in points if p.key not in done]
+    done = {(r.get("point"), r.get("config_hash")) for r in rows}
+    todo = [p for p in points if (p.key, hashes[p.key]) not in done]
     mine: list[dict] = []  # the rows this process produced
     if len(todo) < len(points):
         console.print(f"resuming {json_path}: {len(points) - len(todo)} of {len(points)} points already there")
@@ -128,6 +240,7 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
         try:
             for point in todo:
                 progress.update(steps, description=point.key[:60], completed=0, total=None, visible=True)
+                _mark_running(stem, point.key)
                 start = time.perf_counter()
                 try:
                     if deadline is not None and start >= deadline:
@@ -157,6 +270,7 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                     errors += 1
                 for row in new:
                     row["point"] = point.key
+                    row["config_hash"] = hashes[point.key]
                     row.setdefault("point_seconds", round(time.perf_counter() - start, 2))
                     if not row.get("skipped") and not row.get("error"):
                         measure = ", ".join(f"{k} {row[k]}" for k in ("ppl", "retrieved", "decode_tok_s",
@@ -164,18 +278,23 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                                             if row.get(k) is not None)
                         console.print(f"[green]done[/] {point.key}: {measure} ({row['point_seconds']} s)")
                 mine.extend(new)
-                rows = _publish(json_path, csv_path, run.name, config, command, mine)
+                rows = _publish(json_path, csv_path, run.name, config, command, mine, configs)
                 progress.advance(overall)
         except KeyboardInterrupt:
             interrupted = True
             console.print(f"[red]interrupted[/]: {len(rows)} rows kept in {json_path}; rerun to resume")
+        finally:
+            _mark_running(stem, None)
     if mine or read_rows(json_path):
-        rows = _publish(json_path, csv_path, run.name, config, command, mine)
+        rows = _publish(json_path, csv_path, run.name, config, command, mine, configs)
     paths = [json_path, csv_path] if rows else []
     if rows:
         paths += render_plots(rows, stem)
         print_summary(rows, console)
     if errors:
-        console.print(f"[red]{errors} point(s) failed[/]: their rows say why; a rerun tries them again")
+        console.print(f"[red]{errors} point(s) failed[/] (a rerun tries them again):")
+        for row in mine:
+            if "error" in row:
+                console.print(f"  {row['point']}: {row['error']}", highlight=False, markup=False)
     return RunOutcome(rows=rows, ran=ran, resumed=len(points) - len(todo), skipped=skipped,
                       interrupted=interrupted, paths=paths, errors=errors)

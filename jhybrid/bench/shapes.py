@@ -73,6 +73,17 @@ def uses_real_weights(spec) -> bool:
     return real_source
 
 
+def check_model_spec(spec) -> None:
+    """Fails at once (ValueError naming the model) for a spec `load_model` could never load: an
+    unknown shape with random weights, or real weights asked of a bare shape. Cheap: nothing is
+    loaded (missing weight files are found when the model loads)."""
+    if uses_real_weights(spec):
+        return
+    if not (spec.name in SHAPES or spec.name.endswith(".json") or os.path.isdir(spec.name)):
+        raise ValueError(f"unknown model {spec.name!r}: expected one of {', '.join(REAL_WEIGHTS + tuple(SHAPES))}, "
+                         "a checkpoint folder or a config.json path")
+
+
 def load_model(spec):
     """(model, pretrained or None) for a ModelSpec. Real weights when the name is 'smollm2',
     'gemma3' or an existing path other than a config.json (and weights is not 'random'); random

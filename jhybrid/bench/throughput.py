@@ -71,6 +71,33 @@ def host_memory_bytes() -> int:
     return total
 
 
+def host_available_bytes() -> int | None:
+    """Memory the kernel can still give this process (Linux MemAvailable), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+HOST_HEADROOM = 2 * GIB  # kept free when a host context is allocated (the process's other growth)
+
+
+def check_host_available(needed: int, released: int) -> None:
+    """PointSkipped when the host cannot give `needed` bytes now (counting the `released` bytes the
+    previous host context frees first): a clear row instead of the kernel's OOM killer."""
+    available = host_available_bytes()
+    if available is None:
+        return
+    if needed + HOST_HEADROOM > available + released:
+        raise PointSkipped(f"host memory: the host context needs {human_bytes(needed)} (+ "
+                           f"{human_bytes(HOST_HEADROOM)} headroom); {human_bytes(available)} available now "
+                           f"+ {human_bytes(released)} the previous context frees")
+
+
 def host_rss_bytes() -> int | None:
     """Current resident set size of this process (Linux /proc), None elsewhere."""
     try:
@@ -220,6 +247,7 @@ def predict(model, point, batch: int, window: int | None, weights: int) -> Point
                         device_reserve=int(bench.device_reserve_gib * GIB),
                         host_reserve=int(bench.host_reserve_gib * GIB),
                         predict_query=offload.predict_query, ring_slack_blocks=offload.ring_slack_blocks,
+                        host_kv_dtype=offload.host_kv_dtype,
                         topk_blocks=offload.topk_blocks if offload.mode in ("scout", "topk") else None)
 
 
@@ -275,7 +303,7 @@ def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> lis
     bench, offload = point.benchmark, point.offload
     base = {"task": "throughput", "model": point.model.name, "layers": model.config.num_layers,
             "mode": offload.mode, "fill": bench.fill, "batch_spec": str(bench.batch),
-            "context": bench.context}
+            "context": bench.context, "host_kv_dtype": offload.host_kv_dtype or "model"}
     if bench.split == "balanced" and offload.mode in ("scout", "topk"):  # the split chooses the budget
         offload = dataclasses.replace(offload, budget=None)
         point = dataclasses.replace(point, offload=offload)
@@ -374,7 +402,7 @@ def _times(seconds: list[float], batch: int) -> dict:
 # ---------------------------------------------------------------------------- synthetic context
 
 def _host_context(model_config, offload, keep: float):
-    shape = synthetic.host_shape(model_config, offload.block_size)
+    shape = synthetic.host_shape(model_config, offload.block_size, offload.host_kv_dtype)
     key = (shape, offload.sink, keep)
     if key not in _HOST_CONTEXT:
         _HOST_CONTEXT.clear()  # one at a time: free the previous shape's store first
@@ -404,6 +432,10 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
                                    f"would take ~{seconds:.0f} s to write at the rate measured so far; "
                                    f"{max(left, 0):.0f} s left")
         slack = -(-(max_len - bench.context) // offload.block_size) + 1
+        if not reusable:
+            held = host.store.bytes_reserved() if host.store is not None else 0
+            held = min(held, host_rss_bytes() or held)  # reserved address space is not all resident
+            check_host_available(batch * memory.host_per_seq, held)
         host.prepare(batch, e, slack)
         backend.open(model.config, batch, max_len)
         cache = model.init_cache(batch, max_len, backend)

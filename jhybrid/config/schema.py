@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from jhybrid.bench.texts import TEXT_FILES
+from jhybrid.bench.texts import TEXT_FILES, check_text
 from jhybrid.hybrid.config import InvalidOffloadConfig, OffloadConfig
 
 TASKS = ("perplexity", "niah", "throughput")
@@ -56,7 +56,8 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class BenchmarkSpec:
-    """task perplexity: teacher-forced over the first `tokens` tokens of `text`, the last
+    """task perplexity: teacher-forced over the first `tokens` tokens of `text` (a built-in text name
+    or the path of a UTF-8 text file; also niah's haystack), the last
     `scored_tokens` predicted by decode steps. task niah: a needle at `niah_depth` (0..1) of a
     `niah_length`-token haystack, `answer_tokens` greedy tokens. task throughput: `batch` random
     prompts of `context` tokens, `decode_tokens` decode steps. prefill_chunk: tokens per prefill step.
@@ -92,7 +93,7 @@ class BenchmarkSpec:
           is spent get rows "skipped: time budget ..."; a rerun runs them (resume)."""
 
     task: str = dataclasses.field(default="perplexity", metadata=_choices(*TASKS))
-    text: str = dataclasses.field(default="paul_graham", metadata=_choices(*TEXTS))
+    text: str = "paul_graham"  # a built-in text (TEXTS) or the path of a UTF-8 text file
     tokens: int = 2048
     scored_tokens: int = 256
     niah_length: int = 2048
@@ -185,6 +186,11 @@ def build_section(section: str, values) -> typing.Any:
             raise ConfigError(f"'{section}.{key}' = {value!r}: expected a positive number")
         if key in NON_NEGATIVE and number and value < 0:
             raise ConfigError(f"'{section}.{key}' = {value!r}: expected a number >= 0")
+        if key == "text" and isinstance(value, str):
+            try:
+                check_text(value)
+            except ValueError as error:
+                raise ConfigError(f"'{section}.{key}' = {value!r}: {str(error).split(': ', 1)[1]}") from None
         if key == "batch" and isinstance(value, str) and value not in BATCH_WORDS:
             raise ConfigError(f"'{section}.{key}' = {value!r}: expected a positive int or one of "
                               f"{', '.join(repr(w) for w in BATCH_WORDS)}")

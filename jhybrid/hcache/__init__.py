@@ -6,6 +6,7 @@
   jhybrid.hcache.restorer  pipelined layer-wise restore (hidden / kv / recompute) into a KV sink
   jhybrid.hcache.planner   per-layer costs profiled on this machine -> bubble-free restore plan
   jhybrid.hcache.session   HCacheEngine / Session: generate, save, restore, prefix reuse
+  jhybrid.hcache.admin     list / delete sessions, collect orphaned data (no model needed)
 """
 
 from jhybrid.hcache.planner import (LayerCosts, RestorePlan, confirm_plan, estimate_seconds, plan_restore,
@@ -13,10 +14,12 @@ from jhybrid.hcache.planner import (LayerCosts, RestorePlan, confirm_plan, estim
 from jhybrid.hcache.restorer import (CollectingSink, FullCacheWriter, HostMemorySource, LayerKernels,
                                      SessionFileSource, bytes_per_token, recompute_kv, restore_kv)
 from jhybrid.hcache.session import HCacheEngine, Session
-from jhybrid.hcache.storage import (CorruptSession, HCacheError, ModelMismatch, SessionNotFound,
+from jhybrid.hcache.admin import collect_garbage, delete_session, list_sessions
+from jhybrid.hcache.storage import (CorruptSession, HCacheError, ModelMismatch, SessionLocked, SessionNotFound,
                                     StorageFull)
 
 __all__ = ["HCacheEngine", "Session", "LayerCosts", "RestorePlan", "confirm_plan", "estimate_seconds", "plan_restore",
            "profile_costs", "CollectingSink", "FullCacheWriter", "HostMemorySource", "LayerKernels",
            "SessionFileSource", "bytes_per_token", "recompute_kv", "restore_kv", "CorruptSession",
-           "HCacheError", "ModelMismatch", "SessionNotFound", "StorageFull"]
+           "HCacheError", "ModelMismatch", "SessionLocked", "SessionNotFound", "StorageFull",
+           "collect_garbage", "delete_session", "list_sessions"]

@@ -175,11 +175,31 @@ class HCacheEngine:
         return Session(self, uuid.uuid4().hex, methods=self.methods)
 
     def restore(self, session_id: str) -> "Session":
-        """Loads the latest save of a session and rebuilds its KV on the device."""
-        manifest = storage.load_manifest(self.root, session_id)
-        self._check_model(manifest)
-        session = Session(self, session_id, methods=tuple(manifest["methods"]), manifest=manifest)
-        return session
+        """Loads the latest intact save of a session and rebuilds its KV on the device.
+
+        If the newest generation cannot be read (manifest or data corrupt), the next older one is
+        restored instead, with a warning naming what was wrong; CorruptSession if none is intact.
+        A different model is ModelMismatch at once (no older save would fit either)."""
+        storage.check_session_id(session_id)
+        generations = storage.committed_generations(self.root, session_id)
+        if not generations:
+            storage.load_manifest(self.root, session_id)  # raises SessionNotFound with its reason
+        problems = []
+        for generation in reversed(generations):
+            try:
+                manifest = storage.load_manifest(self.root, session_id, generation)
+                self._check_model(manifest)
+                session = Session(self, session_id, methods=tuple(manifest["methods"]), manifest=manifest)
+            except CorruptSession as err:
+                problems.append(str(err))
+                log.warning("hcache: generation %d of session %s is unusable (%s); trying an older one",
+                            generation, session_id, err)
+                continue
+            if problems:
+                log.warning("hcache: restored session %s from generation %d, not the newest", session_id,
+                            generation)
+            return session
+        raise CorruptSession(f"session {session_id}: no intact save ({'; '.join(problems)})")
 
     def _check_model(self, manifest: dict) -> None:
         sid = manifest["session_id"]
@@ -198,8 +218,9 @@ class HCacheEngine:
                                 f"{self.layout.chunk_tokens}")
 
     def layout_of(self, manifest: dict) -> ChunkLayout:
-        """Where a saved session's chunks are: the stripe directories it was saved with."""
-        return ChunkLayout(stripe_dirs=tuple(manifest["stripe_dirs"]),
+        """Where a saved session's chunks are: the stripe directories it was saved with (relative
+        ones under this engine's root, so a moved or copied store reads its own files)."""
+        return ChunkLayout(stripe_dirs=storage.resolve_stripe_dirs(self.root, manifest["stripe_dirs"]),
                            chunk_tokens=manifest["chunk_tokens"])
 
     def _find_prefix(self, prompt: list[int]) -> tuple[dict, int] | None:
@@ -275,7 +296,13 @@ class Session:
         self.generation = 0              # number of the next save
         self.prefix_tokens_reused = 0
         self.closed = False
-        engine._claim(self)
+        engine._claim(self)  # this engine's own rule first: its message names the open session
+        try:
+            self._lock = storage.SessionLock(engine.root, session_id)  # one writer per id (SessionLocked)
+        except BaseException:
+            if engine.open_hybrid_session is self:
+                engine.open_hybrid_session = None
+            raise
         try:
             if manifest is None:
                 self.cache = engine.new_cache()
@@ -285,6 +312,7 @@ class Session:
         except BaseException:
             if engine.open_hybrid_session is self:
                 engine.open_hybrid_session = None
+            self._lock.release()
             raise
 
     # -- restore --
@@ -441,7 +469,7 @@ class Session:
             "format": storage.MANIFEST_FORMAT, "session_id": self.id, "generation": gen,
             "config_hash": engine.config_hash, "config": engine.config.to_json(),
             "weights_fingerprint": engine.weights_fingerprint, "dtype": engine.dtype.name,
-            "chunk_tokens": chunk, "stripe_dirs": list(self.layout.stripe_dirs),
+            "chunk_tokens": chunk, "stripe_dirs": storage.stored_stripe_dirs(engine.root, self.layout.stripe_dirs),
             "num_tokens": n, "tokens": list(self.tokens), "pending_tokens": list(self.pending),
             "methods": list(self.methods), "row_values": self.row_values,
             "num_full_chunks": full_chunks if full_chunks is not None else n // chunk,
@@ -487,6 +515,7 @@ class Session:
             self.writer.close()
             self.cache = None
             self.closed = True
+            self._lock.release()
             if self.engine.open_hybrid_session is self:
                 self.engine.open_hybrid_session = None
 

@@ -12,6 +12,14 @@ Layout under an engine's `root` (S = number of stripe directories, default 1 = `
                                              so a layer restores with one sequential read per stripe.
   <stripe_dir[0]>/<session_id>/tail-<g>.bin  the partial last chunk of every layer at save g.
   root/prefix/<hash>.json                    prefix index: chained chunk hash -> session id.
+  root/locks/<session_id>.lock               held (flock) by the one process writing the session.
+
+Stripe directories inside `root` are recorded relative to it, so a moved or copied store restores
+from its own files; directories outside `root` are recorded as given (absolute).
+
+One writer per session id: a Session takes the session's lock when it is created or restored and
+holds it until closed; another process (or another Session in this one) gets SessionLocked. A
+killed process's lock goes with it (flock).
 
 Crash safety: data files are append-only and a full chunk, once written, never changes. A manifest
 names how many chunks it covers (and their crc32 checksums), so a save becomes visible only when
@@ -54,6 +62,10 @@ class SessionNotFound(HCacheError, KeyError):
 
 class CorruptSession(HCacheError):
     """A checksum or size did not match what the manifest recorded."""
+
+
+class SessionLocked(HCacheError):
+    """Another process (or Session) is writing this session id."""
 
 
 class ModelMismatch(HCacheError):
@@ -262,6 +274,62 @@ def verify_chunks(buf: np.ndarray, chunk_tokens: int, expected: list[int], what:
             raise CorruptSession(f"{what}: chunk {c} checksum {g:08x} != saved {e:08x}")
 
 
+# ----------------------------------------------------------------------------- writer lock
+
+
+class SessionLock:
+    """The exclusive writer lock of one session id (`root/locks/<id>.lock`, flock, non-blocking).
+    The file holds the owner's pid for the error message; the lock itself is the flock."""
+
+    def __init__(self, root: str, session_id: str):
+        import fcntl
+
+        check_session_id(session_id)
+        folder = os.path.join(root, "locks")
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, f"{session_id}.lock")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            owner = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            self._fd = None
+            if err.errno in (errno.EAGAIN, errno.EACCES):
+                raise SessionLocked(f"session {session_id} is open for writing elsewhere (pid {owner}, lock "
+                                    f"{self.path}): close it there first") from None
+            raise HCacheError(f"cannot lock session {session_id} ({self.path}): {err}") from err
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __del__(self):  # a Session dropped without close() cannot write any more: let others in
+        self.release()
+
+
+def check_session_id(session_id) -> None:
+    if not isinstance(session_id, str) or not session_id or os.sep in session_id or session_id.startswith("."):
+        raise SessionNotFound(f"invalid session id {session_id!r}")
+
+
+def stored_stripe_dirs(root: str, dirs) -> list[str]:
+    """Stripe directories as a manifest records them: relative to root when inside it."""
+    out = []
+    for d in dirs:
+        rel = os.path.relpath(os.path.abspath(d), root)
+        out.append(d if rel == ".." or rel.startswith(".." + os.sep) else rel)
+    return out
+
+
+def resolve_stripe_dirs(root: str, recorded) -> tuple[str, ...]:
+    """A manifest's stripe directories as paths (relative entries are under root)."""
+    return tuple(d if os.path.isabs(d) else os.path.join(root, d) for d in recorded)
+
+
 # ----------------------------------------------------------------------------- manifests (Orbax)
 
 
@@ -284,26 +352,28 @@ def save_manifest(root: str, session_id: str, generation: int, manifest: dict) -
     manager.close()
 
 
-def load_manifest(root: str, session_id: str) -> dict:
-    """The latest committed manifest of a session (SessionNotFound if there is none)."""
+def load_manifest(root: str, session_id: str, generation: int | None = None) -> dict:
+    """A committed manifest of a session: the latest, or `generation` (SessionNotFound if there is
+    none; CorruptSession naming the folder if it cannot be read)."""
     import orbax.checkpoint as ocp
 
-    if not session_id or os.sep in session_id or session_id.startswith("."):
-        raise SessionNotFound(f"invalid session id {session_id!r}")
+    check_session_id(session_id)
     if not os.path.isdir(os.path.join(root, "sessions", session_id)):
         raise SessionNotFound(f"no saved session {session_id!r} under {root}")
     manager = _manager(root, session_id, create=False)
-    step = manager.latest_step()
+    step = manager.latest_step() if generation is None else generation
     if step is None:
         raise SessionNotFound(f"session {session_id!r} under {root} has no committed save")
+    folder = os.path.join(root, "sessions", session_id, str(step))
     try:
         manifest = manager.restore(step, args=ocp.args.JsonRestore())
     except Exception as err:  # noqa: BLE001 - any unreadable manifest is a corrupt session
-        raise CorruptSession(f"session {session_id}: manifest {step} is unreadable: {err}") from err
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CorruptSession(f"session {session_id}: manifest {folder} is unreadable: {first}") from err
     finally:
         manager.close()
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise CorruptSession(f"session {session_id}: manifest {step} has an unknown format")
+        raise CorruptSession(f"session {session_id}: manifest {folder} has an unknown format")
     return manifest
 
 
@@ -311,7 +381,11 @@ def committed_generations(root: str, session_id: str) -> list[int]:
     path = os.path.join(root, "sessions", session_id)
     if not os.path.isdir(path):
         return []
-    return sorted(_manager(root, session_id, create=False).all_steps())
+    manager = _manager(root, session_id, create=False)
+    try:
+        return sorted(manager.all_steps())
+    finally:
+        manager.close()
 
 
 # ----------------------------------------------------------------------------- prefix index

@@ -1,0 +1,179 @@
+"""Managing a session store without a model: list sessions and their generations, delete a session,
+collect orphaned data (`jhybrid sessions list | delete | gc --root DIR`).
+
+    from jhybrid.hcache.admin import list_sessions, delete_session, collect_garbage
+    for info in list_sessions(root): print(info.session_id, info.generations, info.num_tokens)
+
+Everything here takes the session's writer lock (storage.SessionLock) before it removes anything, so
+a session open for writing elsewhere is never touched (SessionLocked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+from jhybrid.hcache import storage
+from jhybrid.hcache.storage import HCacheError, SessionLock, SessionLocked
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionInfo:
+    """One saved session: its committed generations (oldest first), the newest readable one's
+    token count (None: no generation is readable: `problem` says why) and bytes on disk."""
+
+    session_id: str
+    generations: tuple[int, ...]
+    num_tokens: int | None
+    data_bytes: int
+    problem: str | None = None
+
+
+def _session_ids(root: str) -> list[str]:
+    folder = os.path.join(root, "sessions")
+    if not os.path.isdir(folder):
+        raise HCacheError(f"{root} is not a session store (no sessions/ folder)")
+    return sorted(name for name in os.listdir(folder) if not name.startswith("."))
+
+
+def _data_dirs(root: str, session_id: str, manifest: dict | None) -> list[str]:
+    """The session's chunk folders: those its manifest records, else the default stripe."""
+    dirs = storage.resolve_stripe_dirs(root, manifest["stripe_dirs"]) if manifest else (os.path.join(root, "data"),)
+    return [os.path.join(d, session_id) for d in dirs]
+
+
+def _folder_bytes(path: str) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(folder, name))
+            except OSError:
+                pass
+    return total
+
+
+def list_sessions(root: str) -> list[SessionInfo]:
+    root = os.path.abspath(root)
+    out = []
+    for sid in _session_ids(root):
+        generations = tuple(storage.committed_generations(root, sid))
+        manifest, problem = None, None
+        for generation in reversed(generations):
+            try:
+                manifest = storage.load_manifest(root, sid, generation)
+                break
+            except HCacheError as err:
+                problem = str(err)
+        if not generations:
+            problem = "no committed save"
+        data = sum(_folder_bytes(d) for d in _data_dirs(root, sid, manifest))
+        out.append(SessionInfo(sid, generations, None if manifest is None else manifest["num_tokens"],
+                               data + _folder_bytes(os.path.join(root, "sessions", sid)),
+                               None if manifest is not None else problem))
+    return out
+
+
+def delete_session(root: str, session_id: str) -> None:
+    """Removes a session: its manifests, chunk files and prefix-index entries (SessionLocked if it is
+    open for writing; SessionNotFound if there is no such session)."""
+    root = os.path.abspath(root)
+    storage.check_session_id(session_id)
+    folder = os.path.join(root, "sessions", session_id)
+    if not os.path.isdir(folder):
+        raise storage.SessionNotFound(f"no saved session {session_id!r} under {root}")
+    lock = SessionLock(root, session_id)
+    try:
+        try:
+            manifest = storage.load_manifest(root, session_id)
+        except HCacheError:
+            manifest = None  # an unreadable session is deleted from the default stripe
+        for d in _data_dirs(root, session_id, manifest):
+            shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(folder)
+        _drop_prefix_entries(root, lambda sid: sid == session_id)
+    finally:
+        lock.release()
+    try:
+        os.remove(lock.path)
+    except OSError:
+        pass
+
+
+def _drop_prefix_entries(root: str, drop) -> int:
+    """Removes prefix-index entries whose session id satisfies drop(id) (unreadable ones too)."""
+    folder = os.path.join(root, "prefix")
+    dropped = 0
+    if not os.path.isdir(folder):
+        return 0
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        try:
+            with open(path) as f:
+                sid = json.load(f).get("session_id")
+        except (OSError, ValueError):
+            sid = None  # unreadable entry: dropped too
+        if sid is None or drop(sid):
+            os.remove(path)
+            dropped += 1
+    return dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class GarbageReport:
+    """What `collect_garbage` removed: chunk folders of sessions with no committed save, tail files
+    of generations no manifest keeps, prefix entries naming missing sessions; and skipped ids that
+    were locked (being written)."""
+
+    orphan_data_dirs: tuple[str, ...]
+    stale_tail_files: tuple[str, ...]
+    prefix_entries: int
+    skipped_locked: tuple[str, ...]
+
+
+def collect_garbage(root: str) -> GarbageReport:
+    """Removes data no committed save refers to (default stripe root/data only: other stripe
+    directories are listed in manifests, so orphans there are not discoverable from the store)."""
+    root = os.path.abspath(root)
+    live = set()
+    orphans, tails, locked = [], [], []
+    for sid in _session_ids(root):
+        if storage.committed_generations(root, sid):
+            live.add(sid)
+    data = os.path.join(root, "data")
+    candidates = sorted(os.listdir(data)) if os.path.isdir(data) else []
+    for sid in candidates:
+        path = os.path.join(data, sid)
+        if not os.path.isdir(path) or sid.startswith("."):
+            continue
+        try:
+            lock = SessionLock(root, sid)
+        except SessionLocked:
+            locked.append(sid)
+            continue
+        except HCacheError:
+            continue
+        try:
+            if sid not in live:
+                shutil.rmtree(path)
+                orphans.append(path)
+                continue
+            kept = set(storage.committed_generations(root, sid))
+            for name in os.listdir(path):
+                if name.startswith("tail-") and name.endswith(".bin"):
+                    try:
+                        generation = int(name[5:-4])
+                    except ValueError:
+                        continue
+                    if generation not in kept:
+                        os.remove(os.path.join(path, name))
+                        tails.append(os.path.join(path, name))
+        finally:
+            lock.release()
+    dropped = _drop_prefix_entries(root, lambda sid: sid not in live)
+    return GarbageReport(tuple(orphans), tuple(tails), dropped, tuple(locked))
+
+
+__all__ = ["SessionInfo", "GarbageReport", "list_sessions", "delete_session", "collect_garbage"]
