@@ -64,6 +64,15 @@ _CHUNK_BYTES = 32768
 _PREFETCH_ROWS = 64
 
 
+@njit(inline="always", nogil=True)
+def _row_scale(rows, j, d_size):
+    """The float32 scale stored little-endian in rows[j, d_size:d_size + 4] (int8 rows)."""
+    b = np.uint32(0)
+    for i in range(4):
+        b |= (np.uint32(rows[j, d_size + i]) & np.uint32(0xFF)) << np.uint32(8 * i)
+    return f32_from_bits(b)
+
+
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _widen_rows(src, n, fmt, dst):
     """dst[:n] = float32 values of src[:n] ([page_tokens, W]); fmt 0 fp32, 1 bf16 bits, 2 fp16 bits,
@@ -74,18 +83,13 @@ def _widen_rows(src, n, fmt, dst):
             for d in range(d_size):
                 dst[j, d] = np.float32(src[j, d])
         return
-    bits = dst.view(np.uint32)
     if fmt == 3:
         for j in range(n):
-            # the scale's bytes, little-endian, assembled into its float32 bit pattern in dst[j, 0]
-            sb = np.uint32(0)
-            for i in range(4):
-                sb |= (np.uint32(src[j, d_size + i]) & np.uint32(0xFF)) << np.uint32(8 * i)
-            bits[j, 0] = sb
-            row_scale = dst[j, 0]
+            row_scale = _row_scale(src, j, d_size)
             for d in range(d_size):
                 dst[j, d] = np.float32(src[j, d]) * row_scale
         return
+    bits = dst.view(np.uint32)
     if fmt == 1:
         for j in range(n):
             for d in range(d_size):
@@ -172,15 +176,6 @@ def _softmax_update(s, n, acc, run_max, run_sum):
             for d in range(d_size):
                 acc[r, d] *= corr
         run_sum[r] += total
-
-
-@njit(inline="always", nogil=True)
-def _row_scale(rows, j, d_size):
-    """The float32 scale stored little-endian in rows[j, d_size:d_size + 4] (int8 rows)."""
-    b = np.uint32(0)
-    for i in range(4):
-        b |= (np.uint32(rows[j, d_size + i]) & np.uint32(0xFF)) << np.uint32(8 * i)
-    return f32_from_bits(b)
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)

@@ -27,6 +27,7 @@ FORMAT_CODE = {"fp32": 0, "bf16": 1, "fp16": 2, "int8": 3}
 STORAGE_DTYPE = {"bf16": np.dtype(np.uint16), "fp16": np.dtype(np.uint16), "fp32": np.dtype(np.float32),
                  "int8": np.dtype(np.int8)}
 INT8_SCALE_BYTES = 4  # the float32 scale stored after each int8 row
+HALF_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16)}  # kept as uint16 bits
 
 
 def row_width(kv_dtype: str, head_dim: int) -> int:
@@ -86,20 +87,12 @@ def to_storage(x: np.ndarray, kv_dtype: str) -> np.ndarray:
             raise ValueError("uint16 K/V given to an fp32 store: pass float32, float16 or bfloat16 values")
         if dt in (np.float32, np.float16, ml_dtypes.bfloat16):
             return x.astype(np.float32, copy=False)
-    elif kv_dtype == "bf16":
+    elif kv_dtype in HALF_DTYPES:  # bf16 / fp16 as uint16 bit patterns
+        half = HALF_DTYPES[kv_dtype]
         if dt == np.uint16:
             return x
-        if dt == ml_dtypes.bfloat16:
-            return x.view(np.uint16)
-        if dt in (np.float32, np.float16):
-            return x.astype(ml_dtypes.bfloat16).view(np.uint16)
-    elif kv_dtype == "fp16":
-        if dt == np.uint16:
-            return x
-        if dt == np.float16:
-            return x.view(np.uint16)
-        if dt in (np.float32, ml_dtypes.bfloat16):
-            return x.astype(np.float16).view(np.uint16)
+        if dt in (np.float32, np.float16, ml_dtypes.bfloat16):
+            return x.astype(half, copy=False).view(np.uint16)
     else:
         raise ValueError(f"kv_dtype={kv_dtype!r}; expected one of {KV_DTYPES}")
     raise ValueError(f"K/V dtype {dt}; expected float32, float16, bfloat16 or uint16 bit patterns")

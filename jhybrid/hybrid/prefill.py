@@ -39,10 +39,6 @@ from jhybrid.hybrid.window import evicted_blocks
 log = logging.getLogger(__name__)
 
 
-# Host store formats whose stored rows differ from the model's values (host.store_format).
-LOSSY_STORE_FORMATS = ("int8",)
-
-
 def offloaded_prompt_bytes(store, batch: int, itemsize: int) -> int:
     """Device bytes `offloaded_prompt` would upload now (K and V of every layer, padded)."""
     blocks = np.array([store.n_blocks(0, b) for b in range(batch)], np.int64)
@@ -189,9 +185,9 @@ class PrefillCopies:
         self._previous = self._evicted = None
         if prev is None or self._blocks is None:
             return None
-        if evicted is not None and self.runtime.store.config.kv_dtype in LOSSY_STORE_FORMATS:
-            # The evicted blocks on the device are the unquantized values; the store holds (and
-            # decode attends) their 8-bit rows: copy those from the store instead.
+        if evicted is not None and self.runtime.store_rounds:
+            # The evicted blocks on the device are the unrounded values; the store holds (and
+            # decode attends) its rounded rows: copy those from the store instead.
             return None
         added = evicted[4] if evicted is not None else np.zeros_like(blocks)
         if not np.array_equal(self._blocks + added, blocks):

@@ -39,6 +39,7 @@ import numpy as np
 
 from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
+from host.store_format import bytes_per_value, to_storage
 from host.exchange_worker import BlockPages, ContextPages, ExchangeWorker, StepPlan, clip_to_published
 from jhybrid.hybrid.config import OffloadConfig
 from jhybrid.hybrid.eviction import Evictor
@@ -63,8 +64,6 @@ def required_host_bytes(config: OffloadConfig, n_layers: int, batch: int, max_le
                         head_dim: int, kv_dtype: str) -> int:
     """KV bytes the host store needs for contexts of max_len tokens (K + V in the store's format
     `kv_dtype`, int8 scales included)."""
-    from host.store_format import bytes_per_value
-
     values = n_layers * batch * config.host_blocks(max_len) * config.block_size * n_kv_heads * head_dim * 2
     return int(values * bytes_per_value(kv_dtype, head_dim))
 
@@ -87,6 +86,9 @@ class HostRuntime:
         if kv_dtype is None:
             raise ValueError(f"hybrid attention: model dtype {self.dtype} is not supported "
                              f"(expected one of {sorted(KV_DTYPE_OF)})")
+        # A store format other than the model's (host_kv_dtype) rounds what it keeps: the CPU then
+        # attends the stored rows, not the device's values, and every copy must come from them.
+        self.store_rounds = config.host_kv_dtype not in (None, kv_dtype)
         kv_dtype = config.host_kv_dtype or kv_dtype
         need = required_host_bytes(config, self.n_layers, batch, max_len, self.hkv, self.d, kv_dtype)
         cap = config.host_memory_cap_bytes
@@ -247,6 +249,9 @@ class HostRuntime:
         cfg = self.config
         blocks = np.asarray(blocks, np.int64)
         positions = cfg.sink + blocks[:, None] * cfg.block_size + np.arange(cfg.block_size)
+        if self.store_rounds:  # rounded once, here: the store takes its rows as they are
+            kv_dtype = self.store.config.kv_dtype
+            k, v = to_storage(np.asarray(k), kv_dtype), to_storage(np.asarray(v), kv_dtype)
         got = self.store.append_blocks(layer, seq, k, v, maw, positions)
         if not np.array_equal(got, blocks):
             raise RuntimeError(f"host store numbered blocks {got.tolist()} for layer {layer} sequence {seq}; "

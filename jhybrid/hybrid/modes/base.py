@@ -114,7 +114,9 @@ class ModeHost:
         return cache
 
     def blocks_stored(self, layer: int, seq: int, numbers: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Blocks `numbers` [n] of (layer, seq) are in the host store now; k, v [n, bs, Hkv, D]."""
+        """Blocks `numbers` [n] of (layer, seq) are in the host store now; k, v [n, bs, Hkv, W] as
+        the store was given them: the model's values, or where the store rounds them
+        (`HostRuntime.store_rounds`) its rows (host.store_format.from_storage gives the values)."""
 
     def blocks_evicted(self, layer: int, numbers_by_seq: dict[int, np.ndarray]) -> None:
         """The ring evicted these blocks of `layer` (sequence -> block numbers), all stored."""

@@ -14,7 +14,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from host.store_format import from_storage, to_storage
+from host.store_format import from_storage
 
 from jhybrid.hybrid.modes.base import DecodeStep, ModeHost, OffloadMode
 from jhybrid.hybrid.state import DeviceCopy, LayerState
@@ -55,10 +55,9 @@ class RecallHost(ModeHost):
 
     def blocks_stored(self, layer, seq, numbers, k, v):
         bs = self.runtime.config.block_size
-        kv_dtype = self.runtime.store.config.kv_dtype
-        if kv_dtype == "int8":  # the mirror holds what the host store holds: the dequantized values
-            k, v = from_storage(to_storage(np.asarray(k), kv_dtype), kv_dtype), \
-                from_storage(to_storage(np.asarray(v), kv_dtype), kv_dtype)
+        if self.runtime.store_rounds:  # the mirror holds what the host store holds: its rows' values
+            kv_dtype = self.runtime.store.config.kv_dtype
+            k, v = from_storage(k, kv_dtype), from_storage(v, kv_dtype)
         for j, block in enumerate(numbers):
             lo = int(block) * bs
             self.mirror_k[layer, seq, :, lo:lo + bs] = np.asarray(k[j]).transpose(1, 0, 2).astype(self.mirror_k.dtype)
