@@ -52,14 +52,16 @@ def _field_help() -> dict[str, str]:
 
 
 def _exact_layers(text: str):
-    """'3' -> 3 (layers 0..2); '1,2' -> (1, 2); '' -> ()."""
+    """'auto' -> 'auto'; '3' -> 3 (layers 0..2); '1,2' -> (1, 2); '' -> ()."""
     text = text.strip()
     if not text:
         return ()
+    if text == "auto":
+        return "auto"
     try:
         return int(text) if "," not in text else tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected N (layers 0..N-1) or a list like 1,2") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected auto, N (layers 0..N-1) or a list like 1,2") from None
 
 
 def _add_offload_flags(p) -> None:
@@ -78,7 +80,7 @@ def _add_offload_flags(p) -> None:
         elif annotation.startswith("bool"):
             group.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=text)
         elif field.name == "scout_exact_layers":
-            group.add_argument(flag, default=None, type=_exact_layers, metavar="N|I,J", help=text)
+            group.add_argument(flag, default=None, type=_exact_layers, metavar="auto|N|I,J", help=text)
         else:
             kind = int if annotation.startswith("int") else float if annotation.startswith("float") else str
             group.add_argument(flag, default=None, type=kind, metavar=kind.__name__.upper(), help=text)
@@ -139,7 +141,15 @@ def _generate(args) -> int:
     text = args.prompt if args.raw else pretrained.chat_prompt(args.prompt)
     prompt_ids = pretrained.encode(text)
     check_limits(offload, len(prompt_ids), args.max_tokens, pretrained.model.config.max_position_embeddings)
-    backend = make_backend(offload, context=len(prompt_ids) + args.max_tokens)
+    calibration = None
+    if offload.mode == "scout":  # scout_exact_layers="auto": a calibration text, else the prompt itself
+        from jhybrid.bench.texts import calibration_tokens
+
+        calibration = calibration_tokens(pretrained)
+        if calibration is None and len(prompt_ids) >= 64:
+            calibration = prompt_ids
+    backend = make_backend(offload, context=len(prompt_ids) + args.max_tokens, model=pretrained.model,
+                           calibration_tokens=calibration)
     device = jax.devices()[0]
     print(f"[{pretrained.source} loaded in {load_seconds:.1f} s on {device.platform}: "
           f"{len(prompt_ids)} prompt tokens]", file=sys.stderr)

@@ -96,8 +96,8 @@ class RecordingBackend(FullAttention):
     def __init__(self):
         self.calls = []
 
-    def wants_next_query(self, layer_idx, num_layers):
-        return layer_idx in (0, 1)
+    def query_ahead(self, layer_idx, config):
+        return layer_idx + 1 if layer_idx in (0, 1) else None
 
     def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache, context):
         nq = None if context.next_query is None else context.next_query.shape

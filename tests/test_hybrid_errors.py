@@ -37,7 +37,8 @@ def model():
     (dict(exchange="async"), "exchange"),
     (dict(keep_after=-1), r"keep_after=-1 \(expected an int >= 0\)"),
     (dict(keep_after=2.5), r"keep_after=2.5 \(expected an int >= 0\)"),
-    (dict(mode="scout", scout_exact_layers="auto"), r"scout_exact_layers='auto' \(expected a tuple"),
+    (dict(mode="scout", scout_exact_layers="all"), r"scout_exact_layers='all' \(expected 'auto', a tuple"),
+    (dict(mode="scout", scout_min_cos=1.5), r"scout_min_cos=1.5 \(expected a cosine in \[-1, 1\]"),
     (dict(mode="scout", scout_exact_layers=True), r"scout_exact_layers=True \(expected"),
     (dict(mode="scout", scout_exact_layers=-2), r"scout_exact_layers=-2 \(expected an int N >= 0"),
     (dict(mode="scout", scout_exact_layers=(1, "2")), r"'2' not a layer index"),
@@ -77,7 +78,7 @@ def test_gpu_ratio_resolves_in_one_place():
 
 
 @pytest.mark.parametrize("value, message", [
-    ("auto", r"expected a tuple of layer indices or an int N"),
+    ("all", r"expected .auto., a tuple of layer indices or an int N"),
     (-1, r"expected an int N >= 0"),
     ([1, "x"], r"not a layer index"),
     ([1, -1], r"not a layer index"),

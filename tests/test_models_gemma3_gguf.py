@@ -50,3 +50,28 @@ def test_sentencepiece_tokenizer_matches_transformers(gemma3):
         ours = gemma3.tokenizer.encode(text).ids
         assert ours == reference.encode(text, add_special_tokens=False), text
         assert gemma3.tokenizer.decode(ours, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("mode,extra", [("hgca", {}), ("topk", {}), ("recall", {}),
+                                        ("scout", {"predict_query": False, "recall_blocks": 2,
+                                                   "recall_min_interval": 2, "recall_threshold": 0.0})])
+def test_offloading_modes_keep_all_equal_full(gemma3, mode, extra):
+    """Real weights, 15 sliding + 3 global layers: with a keep-everything policy each offloading
+    mode gives full attention's logits over decode steps that cross evictions of the global layers
+    (a 112-token GPU window against 600-token contexts; the sliding layers hold 512 tokens)."""
+    import numpy as np
+
+    from jhybrid.bench.texts import text_tokens
+    from jhybrid.hybrid import make_backend
+    from tests.hybrid_support import run_forced
+
+    ids = text_tokens(gemma3, "paul_graham", 600)
+    prompt, continuation = ids[None, :576], ids[None, 576:600]
+    run = dict(chunk=64, max_len=640)
+    reference = run_forced(gemma3.model, make_backend("full"), prompt, continuation, **run)[0]
+    backend = make_backend(mode, window_tokens=112, sink=16, block_size=16, beta=1e-30, host_threads=1, **extra)
+    logits, backend, _, _ = run_forced(gemma3.model, backend, prompt, continuation, **run)
+    assert backend.counters()["n_evicted_blocks"] > 3 * 25  # every global layer offloaded most of the text
+    scale = np.abs(reference).max()
+    np.testing.assert_allclose(logits, reference, atol=2e-4 * scale, rtol=0)
+    assert (logits.argmax(-1) == reference.argmax(-1)).all()

@@ -43,9 +43,12 @@ class LayerContext:
     meta: the backend's per-step metadata (`KVCache.meta`, built by `before_step`; None for full).
     carry: what the previous layer's `attend` handed on within this step (None for the first
         layer and for backends that hand nothing on).
-    next_query: [B, T, Hq, D] the NEXT layer's query predicted from this layer's input (its norm,
-        W_q and RoPE applied to this layer's input), computed by the decoder only when
-        `backend.wants_next_query(layer, num_layers)`; else None.
+    next_query: [B, T, Hq, D] the query of layer `backend.query_ahead(layer, config)` (the next
+        layer, or with sliding-window layers between them the next global one) predicted from this
+        layer's input (that layer's norm, W_q and RoPE applied to this layer's input); None when the
+        backend asks for none.
+    global_layers: indices of the model's layers that attend the whole context (not sliding-window);
+        None when every layer does.
     """
 
     scale: float
@@ -54,6 +57,7 @@ class LayerContext:
     meta: Any = None
     carry: Any = None
     next_query: jax.Array | None = None
+    global_layers: tuple[int, ...] | None = None
 
 
 class AttentionBackend(abc.ABC):
@@ -87,9 +91,10 @@ class AttentionBackend(abc.ABC):
         """Cumulative instrumentation of the open batch (seconds, counts); {} when there is none."""
         return {}
 
-    def wants_next_query(self, layer_idx: int, num_layers: int) -> bool:
-        """Should the decoder compute the next layer's predicted query for this layer?"""
-        return False
+    def query_ahead(self, layer_idx: int, config: ModelConfig) -> int | None:
+        """The later layer whose query the decoder should predict from this layer's input and hand
+        over as `context.next_query` (scout's layer-ahead selection), or None for none."""
+        return None
 
     # ---- device side -------------------------------------------------------------------------------
     def init_meta(self, batch_size: int, max_len: int) -> Any:

@@ -75,10 +75,13 @@ def masked_attention(
     lengths: jax.Array,
     scale: float,
     sliding_window: int | None = None,
+    key_positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal GQA attention of q [B, T, Hq, D] over a cache [B, L, Hkv, D] (plain jnp reference).
 
-    Key j is visible to a query at position p when j <= p, j < lengths[b] and (with a window)
+    Key j holds position j (or key_positions[b, j], [B, L] int32 with -1 for an empty slot, for a
+    cache that is not position-indexed such as a ring; lengths is then not read). A key at position
+    j is visible to a query at position p when j <= p, j < lengths[b] and (with a window)
     p - j < sliding_window. Returns o [B, T, Hq, D] in q's dtype (zero for padding queries) and
     lse [B, T, Hq] float32 in natural log (docs/design.md, "Partial states").
     """
@@ -92,9 +95,13 @@ def masked_attention(
     else:
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(scale)  # [B, Hkv, G, T, L]
-    key_pos = jnp.arange(k_cache.shape[1])[None, None, :]  # [1, 1, L]
     query_pos = positions[:, :, None]  # [B, T, 1]
-    visible = (key_pos <= query_pos) & (key_pos < lengths[:, None, None]) & (query_pos >= 0)
+    if key_positions is None:
+        key_pos = jnp.arange(k_cache.shape[1])[None, None, :]  # [1, 1, L]
+        visible = (key_pos <= query_pos) & (key_pos < lengths[:, None, None]) & (query_pos >= 0)
+    else:
+        key_pos = key_positions[:, None, :]  # [B, 1, L]
+        visible = (key_pos >= 0) & (key_pos <= query_pos) & (query_pos >= 0)
     if sliding_window is not None:
         visible &= query_pos - key_pos < sliding_window
     visible = visible[:, None, None]  # [B, 1, 1, T, L]

@@ -4,6 +4,10 @@ GQA-aware: the KV of one token is 2 (K and V) x layers x KV heads x head_dim x b
 query heads do not count. The GPU window for a target GPU share s of a context N is
 sink + whole blocks of round-down(s x N - sink), the rest (N - window tokens per sequence and
 layer) lives in the host store.
+
+Sliding-window layers (Gemma 3's local layers) hold at most `sliding_window` tokens in the
+offloading modes and offload nothing: only the global layers have a window and a host store.
+`full` keeps every layer's whole context (what `jhybrid.attention.full` allocates).
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ def host_bytes_per_value(config, host_kv_dtype: str | None) -> float:
 def kv_bytes_per_token(config, kv_dtype: str | None = None) -> int:
     """Bytes of K and V of one token over all layers (GQA: num_kv_heads, not num_heads)."""
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(kv_dtype or config.dtype)
+
+
+def layer_kinds(config) -> tuple[int, int]:
+    """(global layers, sliding-window layers) of a model."""
+    n_global = len(config.global_layers)
+    return n_global, config.num_layers - n_global
+
+
+def sliding_tokens(config, context: int) -> int:
+    """Tokens a sliding-window layer holds in the offloading modes for a context (0 without any)."""
+    return min(config.sliding_window, context) if config.sliding_window is not None else 0
 
 
 def parameter_count(config) -> int:
@@ -113,22 +128,28 @@ def kv_budget(name: str, config, context: int, batch: int, gpu_bytes: int, gpu_s
     # Per offloaded block and layer the host store also keeps (host.kv_store): MAW float32 per token
     # and KV head, positions int64 per token.
     hkv, d = config.num_kv_heads, config.head_dim
+    n_global, n_sliding = layer_kinds(config)
+    per_token_layer = per_token // config.num_layers
     extra_per_block_layer = hkv * block_size * 4 + block_size * 8
-    if host_kv_dtype is None:
-        host_per_token = per_token
+    if host_kv_dtype is None:  # the host keeps what the device keeps
+        host_per_token = n_global * per_token_layer
     else:
-        host_per_token = int(2 * config.num_layers * hkv * d * host_bytes_per_value(config, host_kv_dtype))
+        host_per_token = int(2 * n_global * hkv * d * host_bytes_per_value(config, host_kv_dtype))
     host_kv = batch * blocks * block_size * host_per_token
+    # with the window: global layers hold `window` tokens, sliding layers their own window
+    sliding_bytes = n_sliding * sliding_tokens(config, context) * per_token_layer
+    gpu_per_seq = n_global * window * per_token_layer + sliding_bytes
+    largest_window = (free // batch - sliding_bytes) // max(1, n_global * per_token_layer)
     return Budget(
         model=name, context=context, batch=batch, gpu_bytes=gpu_bytes,
         kv_bytes_per_token=per_token, kv_bytes_per_request=per_request, weight_bytes=weights,
         free_gpu_bytes=free, max_batch_full_on_gpu=free // per_request,
         fits_fully_on_gpu=batch * per_request <= free, gpu_share=gpu_share, window_tokens=window,
-        blocks_to_offload_per_layer=blocks, blocks_to_offload_total=blocks * batch * config.num_layers,
-        host_bytes=host_kv + batch * blocks * config.num_layers * extra_per_block_layer, host_kv_bytes=host_kv,
-        gpu_kv_bytes_with_window=batch * window * per_token,
-        max_batch_with_window=free // (window * per_token),
-        max_window_for_batch=min(context, free // (batch * per_token)))
+        blocks_to_offload_per_layer=blocks, blocks_to_offload_total=blocks * batch * n_global,
+        host_bytes=host_kv + batch * blocks * n_global * extra_per_block_layer, host_kv_bytes=host_kv,
+        gpu_kv_bytes_with_window=batch * gpu_per_seq,
+        max_batch_with_window=free // gpu_per_seq,
+        max_window_for_batch=max(0, min(context, largest_window)))
 
 
 def human_bytes(n: int) -> str:
@@ -152,7 +173,7 @@ def format_budget(b: Budget) -> list[tuple[str, str]]:
         ("this batch fits fully on GPU", "yes" if b.fits_fully_on_gpu else "no"),
         (f"window for GPU share {b.gpu_share:g}", f"{b.window_tokens:,} tokens (sinks included)"),
         ("GPU KV with that window", gib(b.gpu_kv_bytes_with_window)),
-        ("blocks to offload", f"{b.blocks_to_offload_per_layer:,} per layer and sequence, "
+        ("blocks to offload", f"{b.blocks_to_offload_per_layer:,} per global layer and sequence, "
                               f"{b.blocks_to_offload_total:,} in all"),
         ("host memory needed", f"{gib(b.host_bytes)} (K/V {gib(b.host_kv_bytes)}, + MAW, positions)"),
         ("max batch with that window", f"{b.max_batch_with_window}"),
@@ -172,6 +193,8 @@ def format_budget(b: Budget) -> list[tuple[str, str]]:
 #             copies replace the per-layer ones) ; scout + r pool blocks (K + V) + int32 ids
 #   + per sequence: decode activations (logits float32 twice; full: the float32 score rows of the
 #     jnp attention, 4 x Hq x max_len x 4 bytes of one layer at a time)
+#   sliding-window layers (offloading modes): K + V of min(sliding_window, max_len) tokens + int32
+#     positions, nothing on the host; the per-layer figures below are for the global layers
 #   host, per layer and sequence (e = offloaded blocks at the end of the run)
 #     store   e x (K + V + MAW float32 + positions int64)  (host.kv_store)
 #     hgca    + kept tokens (hgca_keep x e x block) x Hkv x (K + V + weight + position + index)
@@ -290,11 +313,14 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
     bytes (None: estimated from the shape). The limits are the capacities to check against."""
     it = dtype_bytes(config.dtype)
     st = host_bytes_per_value(config, host_kv_dtype)
-    hkv, d, n_layers, bs = config.num_kv_heads, config.head_dim, config.num_layers, block_size
+    hkv, d, bs = config.num_kv_heads, config.head_dim, block_size
+    n_layers, n_sliding = layer_kinds(config)  # the offloading modes' global (offloaded) layers
     nb = max(1, -(-max(0, max_len - sink) // bs))
     logits = 2 * config.vocab_size * 4
     extra = upload = 0
+    sliding = 0
     if mode == "full":
+        n_layers, n_sliding = config.num_layers, 0  # every layer holds max_len tokens
         per_layer = 2 * max_len * hkv * d * it
         activations = logits + 4 * config.num_heads * max_len * 4
         host_layer = 0
@@ -314,6 +340,7 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
             if predict_query:  # the layer-ahead copy of the next layer's pool ids (not the last layer)
                 extra = recall_blocks * hkv * 4 * (n_layers - 1)
         activations = logits
+        sliding = n_sliding * (2 * sliding_tokens(config, max_len) * hkv * d * it + sliding_tokens(config, max_len) * 4)
         over = max_len - window
         e = max(0, -(-over // bs))
         block = int(2 * hkv * bs * d * st) + hkv * bs * 4 + bs * 8
@@ -326,7 +353,7 @@ def point_memory(config, mode: str, batch: int, context: int, max_len: int, wind
     weights = weight_bytes(config) if weights is None else weights
     return PointMemory(mode=mode, batch=batch, context=context, max_len=max_len, window=window,
                        # + int32 lengths, and the offloading modes' StepMeta.offloaded_blocks
-                       weight_bytes=weights, device_cache_per_seq=n_layers * per_layer + extra + 4 + 4 * (mode != "full"),
+                       weight_bytes=weights, device_cache_per_seq=n_layers * per_layer + sliding + extra + 4 + 4 * (mode != "full"),
                        device_activations_per_seq=activations + upload,
                        device_fixed=weights + device_reserve, device_limit=device_limit,
                        host_per_seq=n_layers * host_layer, host_fixed=host_reserve, host_limit=host_limit)

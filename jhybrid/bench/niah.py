@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from jhybrid.bench.offload import PointSkipped, backend_for, exact_layers_of
-from jhybrid.bench.texts import text_tokens
+from jhybrid.bench.texts import calibration_tokens, text_tokens
 from jhybrid.generation import Generator
 
 QUESTION = ("\n\nQuestion: What is the special magic number mentioned in the text above?\n"
@@ -44,7 +44,7 @@ def run_niah(model, pretrained, point, on_step=None, deadline=None) -> list[dict
     if pretrained is None:
         raise PointSkipped("niah needs a model with a tokenizer (real weights)")
     prompt, number = build_prompt(pretrained, bench.text, bench.niah_length, bench.niah_depth)
-    backend, window = backend_for(offload, len(prompt) + bench.answer_tokens)
+    backend, window = backend_for(offload, len(prompt) + bench.answer_tokens, model, calibration_tokens(pretrained))
     generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk,
                           max_len=len(prompt) + bench.answer_tokens)
     result = generator.generate([prompt], max_new_tokens=bench.answer_tokens,
@@ -58,4 +58,5 @@ def run_niah(model, pretrained, point, on_step=None, deadline=None) -> list[dict
              **({"keep_after": offload.keep_after} if offload.mode == "hgca" and offload.keep_after else {}),
              "budget": offload.budget if offload.mode in ("scout", "topk") else None,
              "predict_query": offload.predict_query if offload.mode == "scout" else None,
-             "scout_exact_layers": exact_layers_of(offload)}]
+             "scout_exact_layers": exact_layers_of(offload),
+             **({"exact_layers_used": exact_layers_of(backend.config)} if offload.mode == "scout" else {})}]

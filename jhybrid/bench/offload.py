@@ -22,8 +22,9 @@ def resolve(offload: OffloadConfig, context: int) -> OffloadConfig:
         raise PointSkipped(str(error)) from None
 
 
-def backend_for(offload: OffloadConfig, context: int):
+def backend_for(offload: OffloadConfig, context: int, model=None, calibration_tokens=None):
     """(backend, window_tokens or None for full) for a point whose sequences hold `context` tokens.
+    model, calibration_tokens: resolve scout's scout_exact_layers="auto" (`make_backend`).
 
     Raises PointSkipped when the point cannot run: the window holds the whole context (nothing
     would be offloaded), or the budget exceeds the offloaded tokens."""
@@ -36,7 +37,7 @@ def backend_for(offload: OffloadConfig, context: int):
     if config.budget is not None and config.mode in ("scout", "topk") and config.budget > context - window:
         raise PointSkipped(f"budget {config.budget} > offloaded tokens {context - window} "
                            f"(context {context} - window {window})")
-    return make_backend(config), window
+    return make_backend(config, model=model, calibration_tokens=calibration_tokens), window
 
 
 def exact_layers_of(offload: OffloadConfig):
@@ -45,4 +46,4 @@ def exact_layers_of(offload: OffloadConfig):
     if offload.mode != "scout":
         return None
     exact = offload.scout_exact_layers
-    return exact if isinstance(exact, int) else list(exact)
+    return exact if isinstance(exact, (int, str)) else list(exact)

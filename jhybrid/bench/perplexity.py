@@ -13,7 +13,7 @@ import numpy as np
 
 from jhybrid.bench.forced import forced_nll
 from jhybrid.bench.offload import PointSkipped, backend_for, exact_layers_of
-from jhybrid.bench.texts import text_tokens
+from jhybrid.bench.texts import calibration_tokens, text_tokens
 
 
 def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> list[dict]:
@@ -25,7 +25,8 @@ def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> lis
         tokens, text = text_tokens(pretrained, bench.text, bench.tokens), bench.text
     if bench.scored_tokens >= bench.tokens - 1:
         raise PointSkipped(f"scored_tokens {bench.scored_tokens} >= tokens {bench.tokens} - 1")
-    backend, window = backend_for(offload, bench.tokens)
+    backend, window = backend_for(offload, bench.tokens, model,
+                                  calibration_tokens(pretrained) if pretrained is not None else None)
     context = bench.tokens - 1 - bench.scored_tokens
     start = time.perf_counter()
     nll = forced_nll(model, backend, tokens, context, chunk=bench.prefill_chunk, on_step=on_step)
@@ -37,6 +38,7 @@ def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> lis
              "budget": offload.budget if offload.mode in ("scout", "topk") else None,
              "predict_query": offload.predict_query if offload.mode == "scout" else None,
              "scout_exact_layers": exact_layers_of(offload),
+             **({"exact_layers_used": exact_layers_of(backend.config)} if offload.mode == "scout" else {}),
              "scored": len(nll), "mean_nll": round(float(nll.mean()), 6),
              "ppl": round(float(np.exp(nll.mean())), 4),
              **row_kept, "seconds": round(time.perf_counter() - start, 2)}]

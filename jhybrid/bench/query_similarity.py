@@ -25,6 +25,8 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
+from jhybrid.hybrid.calibration import cosines, predicted_and_exact
+
 
 def query_similarity(model, tokens, skip_first: int = 0) -> list[dict]:
     """Rows (one per layer 1..L-1) of predicted-vs-real query cosine statistics for `tokens` [T]
@@ -37,12 +39,8 @@ def query_similarity(model, tokens, skip_first: int = 0) -> list[dict]:
     _, _, inputs = model.hidden_states(ids, positions, cache, return_hidden_states=True)  # [L, 1, T, d]
     rows = []
     for i in range(model.config.num_layers - 1):
-        nxt = model.layers[i + 1]
-        predicted = nxt.attention.project_q(nxt.attention_input(inputs[i]), positions)  # [1, T, Hq, D]
-        real = nxt.attention.project_q(nxt.attention_input(inputs[i + 1]), positions)
-        p = np.asarray(predicted[0, skip_first:], np.float64)
-        r = np.asarray(real[0, skip_first:], np.float64)
-        cos = (p * r).sum(-1) / np.maximum(np.linalg.norm(p, axis=-1) * np.linalg.norm(r, axis=-1), 1e-30)
+        predicted, real = predicted_and_exact(model, inputs, i, i + 1, positions)  # [1, T, Hq, D]
+        cos = cosines(predicted[0, skip_first:], real[0, skip_first:])
         x0 = np.asarray(inputs[i, 0, skip_first:], np.float64)
         x1 = np.asarray(inputs[i + 1, 0, skip_first:], np.float64)
         rel = np.linalg.norm(x1 - x0, axis=-1) / np.maximum(np.linalg.norm(x0, axis=-1), 1e-30)

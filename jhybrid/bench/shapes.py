@@ -29,6 +29,20 @@ SHAPES = {
     "llama3-70b": ModelConfig(family="llama", vocab_size=128256, d_model=8192, num_layers=80,
                               num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672,
                               max_position_embeddings=131072, rope_theta=500000.0, dtype="bfloat16"),
+    # Gemma 3 270M: 18 layers, every 6th global, the others sliding over 512 tokens; one KV head of 256.
+    "gemma3-270m": ModelConfig(
+        family="gemma3", vocab_size=262144, d_model=640, num_layers=18, num_heads=4, num_kv_heads=1,
+        head_dim=256, mlp_dim=2048, max_position_embeddings=32768, mlp_type="geglu", rope_theta=1e6,
+        rope_local_theta=1e4, sliding_window=512,
+        layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(18)),
+        qk_norm=True, sandwich_norm=True, embed_scale=640 ** 0.5, query_pre_attn_scalar=256.0,
+        tie_embeddings=True, dtype="bfloat16"),
+    # A tiny Gemma-3-like model (sliding, global, sliding, global; window 64) for tests and smoke runs.
+    "tiny-gemma3": ModelConfig(
+        family="gemma3", vocab_size=97, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+        mlp_dim=128, max_position_embeddings=4096, mlp_type="geglu", rope_theta=1e6, rope_local_theta=1e4,
+        sliding_window=64, layer_types=("sliding_attention", "full_attention") * 2, qk_norm=True,
+        sandwich_norm=True, embed_scale=128 ** 0.5, query_pre_attn_scalar=64.0),
     # A tiny random model for tests and smoke runs.
     "tiny": ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=64, mlp_dim=128, max_position_embeddings=4096),

@@ -41,6 +41,7 @@ from host import KVStore, StoreConfig
 from host.store_format import from_storage, to_storage
 from host.sparsify import sparsify_evicted
 from jhybrid.hybrid.runtime import KV_DTYPE_OF
+from jhybrid.hybrid.sliding import SlidingWindow
 from jhybrid.hybrid.state import StepMeta
 from jhybrid.hybrid.window import evicted_blocks
 
@@ -305,7 +306,8 @@ def host_shape(model_config, block_size: int, host_kv_dtype: str | None = None) 
     if kv is None:
         raise ValueError(f"synthetic fill: model dtype {dtype} has no host KV format ({sorted(KV_DTYPE_OF)})")
     kv = host_kv_dtype or kv
-    return HostShape(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, block_size,
+    # only the global layers offload (sliding-window layers keep their window on the device)
+    return HostShape(len(model_config.global_layers), model_config.num_kv_heads, model_config.head_dim, block_size,
                      kv, dtype)
 
 
@@ -343,8 +345,24 @@ def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: in
         kmin, kmax = host.digests(source, batch, e, nb, d.kmin.dtype, hot=hot)
         return d.replace(kmin=fresh(d.kmin, kmin), kmax=fresh(d.kmax, kmax))
 
+    def sliding(state: SlidingWindow) -> SlidingWindow:
+        nonlocal key
+        w = state.k.shape[1]
+        held = np.arange(max(0, context - w), context)  # each sequence's last w positions, slot p % w
+        table = np.full((batch, w), -1, np.int32)
+        table[:, held % w] = held
+        k1, k2, key = jax.random.split(key, 3)
+        return SlidingWindow(k=fresh(state.k, tiled_normal(k1, tuple(state.k.shape), state.k.dtype, 1)),
+                             v=fresh(state.v, tiled_normal(k2, tuple(state.v.shape), state.v.dtype, 1)),
+                             positions=fresh(state.positions, jnp.asarray(table)))
+
     layers = []
-    for layer, state in enumerate(cache.layers):
+    layer = -1  # the offloaded (global) layer number
+    for state in cache.layers:
+        if isinstance(state, SlidingWindow):
+            layers.append(sliding(state))
+            continue
+        layer += 1
         w = state.window
         window = w.replace(k_ring=random_like(w.k_ring), v_ring=random_like(w.v_ring),
                            maw=fresh(w.maw, jnp.full_like(w.maw, 1.0 / cfg.window_tokens)))

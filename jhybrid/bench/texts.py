@@ -57,3 +57,12 @@ def text_tokens(pretrained, name: str, n: int):
     if len(ids) < n:
         raise ValueError(f"text {name} has only {len(ids)} tokens, {n} asked")
     return np.asarray(ids[:n], np.int32)
+
+
+def calibration_tokens(pretrained, n: int = 1024):
+    """Token ids [n] of the built-in calibration text (the first n tokens of the Paul Graham
+    essays: what scout's exact-layer calibration measures on), or None when it is not installed."""
+    try:
+        return text_tokens(pretrained, "paul_graham", n)
+    except (FileNotFoundError, ValueError):
+        return None

@@ -45,6 +45,7 @@ import numpy as np
 from jhybrid.bench import synthetic
 from jhybrid.bench.budget import PointMemory, human_bytes, point_memory
 from jhybrid.bench.offload import PointSkipped, backend_for, resolve
+from jhybrid.hybrid.sliding import SlidingWindow
 
 log = logging.getLogger(__name__)
 
@@ -476,9 +477,10 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
         t2 = time.perf_counter()
         step_s.append(t2 - t0)
         hook_s.append(t1 - t0)
-        if i >= bench.warmup_steps and runtime is not None and cache.layers[0].selected is not None:
-            overlaps.append(_selection_overlap(cache, previous))  # outside the timed span
-            previous = [np.asarray(state.selected) for state in cache.layers]
+        offloaded = [state for state in cache.layers if not isinstance(state, SlidingWindow)]
+        if i >= bench.warmup_steps and runtime is not None and offloaded[0].selected is not None:
+            overlaps.append(_selection_overlap(offloaded, previous))  # outside the timed span
+            previous = [np.asarray(state.selected) for state in offloaded]
         held = held + 1
         i += 1
         if on_step:
@@ -493,12 +495,13 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     return row
 
 
-def _selection_overlap(cache, previous) -> float | None:
-    """Share of this step's top-k blocks (every layer, sequence, KV head) the previous step selected."""
+def _selection_overlap(layers, previous) -> float | None:
+    """Share of this step's top-k blocks (every offloaded layer's state in `layers`, sequence, KV
+    head) the previous step selected."""
     if previous is None:
         return None
     same = total = 0
-    for state, prev in zip(cache.layers, previous):
+    for state, prev in zip(layers, previous):
         cur = np.asarray(state.selected)
         valid = cur >= 0
         same += int(((cur[..., None] == prev[:, :, None, :]).any(-1) & valid).sum())

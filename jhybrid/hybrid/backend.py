@@ -14,9 +14,15 @@ Inside the jitted step each layer's `attend` does:
   then          MAW update from the window's probabilities; exact LSE merge of the partial states
 
 Every producer returns (o, lse) in natural-log float32 (docs/design.md, "Partial states").
+
+A model with sliding-window layers (Gemma 3) keeps each such layer's last `sliding_window` tokens
+on the GPU and offloads nothing from it (`jhybrid.hybrid.sliding`); its global layers are the
+offloaded layers 0 .. G-1 of the host side, the mode and the exchange (`LayerPlan`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
@@ -27,6 +33,7 @@ from jhybrid.hybrid.modes import MODES
 from jhybrid.hybrid.modes.base import DecodeStep
 from jhybrid.hybrid.prefill import offloaded_attention
 from jhybrid.hybrid.runtime import HostRuntime
+from jhybrid.hybrid.sliding import LayerPlan, SlidingWindow, init_sliding, sliding_attention
 from jhybrid.hybrid.state import LayerState, StepMeta
 from jhybrid.hybrid.transfer import log_once
 from jhybrid.hybrid.window import exact_window_attention, init_window, update_maw, write_tokens
@@ -49,6 +56,7 @@ class HybridAttention(AttentionBackend):
         self.name = config.mode
         self.mode = MODES[config.mode](config)
         self._slot = HostSlot()  # where the traced step's host calls find the open runtime
+        self._plan: LayerPlan | None = None  # the open model's global layers (set by open)
         self.native = self._native_exchange()  # host.exchange_worker.NativeExchange, or None
         self.exchange = CallbackExchange(self._slot) if self.native is None else FfiExchange(self._slot, self.native.id)
 
@@ -88,13 +96,19 @@ class HybridAttention(AttentionBackend):
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"hybrid attention needs head_dim in {SUPPORTED_HEAD_DIMS} (the Pallas kernels); "
                              f"the model has {config.head_dim}")
-        if any(config.is_sliding_layer(i) for i in range(config.num_layers)):
-            raise ValueError("hybrid attention does not support sliding-window layers (Gemma 3 local layers); "
-                             "use mode 'full'")
-        self.mode.check(config, max_len)
+        plan = LayerPlan.of(config)
+        offloaded = plan.offloaded_view(config)
+        if self.config.mode == "scout" and self.config.predict_query and self.config.scout_exact_layers == "auto":
+            import logging
+
+            log_once("scout-auto-unresolved", logging.WARNING, "scout: scout_exact_layers='auto' was not "
+                     "resolved (make_backend(..., model=, calibration_tokens=)): every layer but the first "
+                     "selects with its layer-ahead predicted query")
+        self.mode.check(offloaded, max_len)
         self.close()
-        self._slot.runtime = HostRuntime(self.config, self.mode, config, batch_size, max_len, dtype or config.dtype,
-                                         native=self.native)
+        self._slot.runtime = HostRuntime(self.config, self.mode, offloaded, batch_size, max_len,
+                                         dtype or config.dtype, native=self.native)
+        self._plan = plan
         return self
 
     def close(self):
@@ -105,7 +119,11 @@ class HybridAttention(AttentionBackend):
     def before_step(self, cache, positions):
         if self.runtime is None:
             raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) before stepping")
-        return self.runtime.before_step(cache, positions)
+        if len(cache.layers) != self._plan.num_layers:
+            raise ValueError(f"a cache of {len(cache.layers)} layers; the backend was opened for "
+                             f"{self._plan.num_layers}")
+        stepped = self.runtime.before_step(self._plan.offloaded_layers(cache), positions)
+        return self._plan.merge(cache, stepped)
 
     @property
     def max_prefill_chunk(self) -> int:
@@ -114,23 +132,37 @@ class HybridAttention(AttentionBackend):
     def counters(self) -> dict:
         return {} if self.runtime is None else self.runtime.counters()
 
-    def wants_next_query(self, layer_idx, num_layers):
-        return self.mode.wants_next_query(layer_idx, num_layers)
+    def query_ahead(self, layer_idx, config):
+        plan = LayerPlan.of(config)
+        g = plan.offloaded_index(layer_idx)
+        if g is None or not self.mode.wants_next_query(g, len(plan.global_layers)):
+            return None
+        return plan.global_layers[g + 1]
 
     # ---- device state -----------------------------------------------------------------------------
     def init_meta(self, batch_size, max_len):
         return StepMeta(offloaded_blocks=jnp.zeros((batch_size,), jnp.int32))
 
     def init_layer_cache(self, config, layer_idx, batch_size, max_len, dtype):
+        plan = LayerPlan.of(config)
+        g = plan.offloaded_index(layer_idx)
+        if g is None:  # a sliding-window layer: its window on the device, nothing offloaded
+            return init_sliding(batch_size, min(config.sliding_window, max_len), config.num_kv_heads,
+                                config.head_dim, dtype)
         window = init_window(self.config, batch_size, config.num_kv_heads, config.head_dim, dtype)
-        extra = self.mode.layer_state(layer_idx, config.num_layers, batch_size, config.num_kv_heads,
+        extra = self.mode.layer_state(g, len(plan.global_layers), batch_size, config.num_kv_heads,
                                       config.head_dim, max_len, dtype)
         return LayerState(window=window, **extra)
 
     # ---- attention --------------------------------------------------------------------------------
-    def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache: LayerState, context: LayerContext):
-        if context.sliding_window is not None:
-            raise ValueError("hybrid attention does not support sliding-window layers")
+    def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache: LayerState | SlidingWindow,
+               context: LayerContext):
+        if context.sliding_window is not None:  # nothing offloaded; the carry passes through
+            o, state = sliding_attention(layer_cache, q, k, v, positions, context.sliding_window, context.scale)
+            return o, state, context.carry
+        if context.global_layers is not None:  # number the global layers 0 .. G-1 for the host side
+            layer_idx = context.global_layers.index(layer_idx)
+            context = dataclasses.replace(context, num_layers=len(context.global_layers))
         cfg, exchange = self.config, self.exchange
         offloaded = context.meta.offloaded_blocks
         state = layer_cache.replace(window=write_tokens(cfg, layer_cache.window, k, v, positions))
@@ -164,11 +196,12 @@ class HybridAttention(AttentionBackend):
         return o.astype(q.dtype), state, carry
 
 
-def make_backend(config: OffloadConfig | str = "full", context: int | None = None, **fields) -> AttentionBackend:
+def make_backend(config: OffloadConfig | str = "full", context: int | None = None, *, model=None,
+                 calibration_tokens=None, **fields) -> AttentionBackend:
     """The backend of a mode: an OffloadConfig, or a mode name plus OffloadConfig fields. `context`
-    (tokens per sequence) resolves a `gpu_ratio` into the GPU window."""
-    import dataclasses
-
+    (tokens per sequence) resolves a `gpu_ratio` into the GPU window; `model` and
+    `calibration_tokens` ([T] token ids of a calibration text) resolve scout's
+    scout_exact_layers="auto" (`jhybrid.hybrid.calibration`, cached per model)."""
     from jhybrid.attention.full import FullAttention
 
     if isinstance(config, str):
@@ -179,6 +212,10 @@ def make_backend(config: OffloadConfig | str = "full", context: int | None = Non
         config = dataclasses.replace(config, **fields)
     if config.mode == "full":
         return FullAttention()
+    if model is not None and calibration_tokens is not None:
+        from jhybrid.hybrid.calibration import resolve_exact_layers
+
+        config = resolve_exact_layers(config, model, calibration_tokens)
     return HybridAttention(config.resolved(context))
 
 

@@ -91,9 +91,15 @@ class OffloadConfig:
     predict_query: scout: CPU attention uses the layer-ahead predicted query (True, the paper's
         design, approximate) or each layer's exact query (False; exact).
     scout_exact_layers: scout with predict_query: the layers that select and attend with their exact
-        query anyway. A tuple of layer indices, or an int N meaning layers 0..N-1. Layer 0 is always
-        exact (nothing runs ahead of it). Use it for layers whose predicted query is poor
-        (`python -m jhybrid.bench.query_similarity`); each costs one more exchange per step.
+        query anyway. "auto" (default): the layers whose predicted query's mean cosine similarity
+        with the exact one is below scout_min_cos on a calibration text, measured once per model
+        (`jhybrid.hybrid.calibration`; resolved by `make_backend(..., model=, calibration_tokens=)`,
+        the CLI and the benchmarks; left unresolved, only layer 0 is exact, logged). Or a tuple of
+        layer indices, or an int N meaning layers 0..N-1. Layer 0 is always exact (nothing runs
+        ahead of it); each exact layer costs one more exchange per step. With sliding-window layers
+        (Gemma 3) the indices count the global layers only (0 = the first).
+    scout_min_cos: scout_exact_layers="auto": a layer whose predicted query's mean cosine similarity
+        is below this runs on its exact query.
     prefill_offloaded: where a prefill / append chunk attends to the already offloaded part of its
         sequence: "device" = copies of those blocks on the device (`jhybrid.hybrid.prefill`),
         "host" = CPU attention over the host store, "auto" = device on a GPU, host elsewhere.
@@ -133,7 +139,8 @@ class OffloadConfig:
     recall_threshold: float = 0.12
     recall_min_interval: int = 4
     predict_query: bool = True
-    scout_exact_layers: tuple[int, ...] | int = ()
+    scout_exact_layers: tuple[int, ...] | int | str = "auto"
+    scout_min_cos: float = 0.9
     prefill_offloaded: str = "auto"
     prefill_upload_max_bytes: int | None = 8 * 2**30
     host_threads: int | None = None
@@ -196,6 +203,8 @@ class OffloadConfig:
         check("host_kv_dtype", self.host_kv_dtype in HOST_KV_DTYPES, f"expected one of {HOST_KV_DTYPES}")
         check("exchange_timeout_s", _is_number(self.exchange_timeout_s) and self.exchange_timeout_s > 0,
               "expected a positive number of seconds")
+        check("scout_min_cos", _is_number(self.scout_min_cos) and -1.0 <= self.scout_min_cos <= 1.0,
+              "expected a cosine in [-1, 1]")
         bad += self._exact_layer_problems()
         return bad
 
@@ -211,8 +220,10 @@ class OffloadConfig:
 
     def _exact_layer_problems(self) -> list[tuple[str, object, str]]:
         exact, name = self.scout_exact_layers, "scout_exact_layers"
+        if exact == "auto":
+            return []
         if isinstance(exact, bool) or not isinstance(exact, (int, tuple)):
-            return [(name, exact, "expected a tuple of layer indices or an int N = layers 0..N-1")]
+            return [(name, exact, "expected 'auto', a tuple of layer indices or an int N = layers 0..N-1")]
         if isinstance(exact, int):
             return [] if exact >= 0 else [(name, exact, "expected an int N >= 0 = layers 0..N-1")]
         wrong = [x for x in exact if not _is_int(x) or x < 0]

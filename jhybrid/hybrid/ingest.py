@@ -15,15 +15,21 @@ chunked prefill of the same n tokens would have left it, WITHOUT running attenti
     the layer's own `digests` and in the previous layer's `next_digests` (scout's layer-ahead
     copy), as the runtime's eviction writes them;
   * the runtime adopts the history (`HostRuntime.adopt`: token and block counts) and the cache's
-    `lengths` = n.
+    `lengths` = n;
+  * a sliding-window layer (Gemma 3's local layers) keeps its last `sliding_window` tokens on the
+    device (`jhybrid.hybrid.sliding`) and nothing on the host; the global layers are the host
+    side's layers 0 .. G-1 (`LayerPlan`).
 
 Only one layer's restored K, V has to live on the device at a time (plus the window), so a
 history longer than the device could hold all at once still restores.
 
 MAW (moving-average attention weights) is attention HISTORY, which HCache does not save (it saves
-K/V or what K/V are projected from, not what queries did). Restored tokens get MAW 0 — in the
-ring (the next turn's prefill and decode steps update it as usual, `ring.update_maw`) and in the
-host store. hgca keeps an offloaded token for CPU attention iff MAW > beta / window, so with MAW
+K/V or what K/V are projected from, not what queries did). Restored tokens get MAW 0 in the host
+store. In the ring, hgca layers restored from hidden states get the MAW the history's last queries
+give them (each ring slot's probability under those queries, summed over the KV group and averaged
+over the queries: the same rule as the re-scoring of the offloaded tokens below), so a ring token
+evicted by the first decode steps is judged by what the history attended, not dropped for a MAW of
+0; other ring slots start at 0 (the next steps update them as usual, `window.update_maw`). hgca keeps an offloaded token for CPU attention iff MAW > beta / window, so with MAW
 0 eviction-time sparsification would drop every restored token; it is therefore not run.
 Instead the offloaded tokens are re-scored the way hgca re-scores them after every new turn
 (`host.sparsify.reevaluate`, what hgca's host work submits after each new turn): with the queries of the last
@@ -52,9 +58,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jhybrid.hybrid.sliding import LayerPlan, write_sliding
 from jhybrid.hybrid.state import StepMeta
 from jhybrid.hybrid.transfer import to_host
-from jhybrid.hybrid.window import evicted_blocks, write_tokens
+from jhybrid.hybrid.window import evicted_blocks, exact_window_attention, write_tokens
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,17 @@ def _evicted_blocks_of(cfg, k: jax.Array, v: jax.Array, evicted: int):
     return kb, vb, kmin, kmax
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _scored_ring(cfg, window, q: jax.Array, n: int, evicted: int, scale: float):
+    """The window with its ring MAW set to the probabilities of q [1, R, Hq, D] (the history's last R
+    queries, positions n - R .. n - 1) over the sinks + ring (`exact_window_attention`'s probs)."""
+    r = q.shape[1]
+    positions = jnp.arange(n - r, n, dtype=jnp.int32)[None]
+    _, _, probs = exact_window_attention(cfg, q, window, positions, jnp.full((1,), n, jnp.int32),
+                                         jnp.full((1,), evicted, jnp.int32), scale)
+    return window.replace(maw=probs)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _set_digests(digests, kmin, kmax):
     """The first e blocks of a `Digests` set to kmin, kmax [1, Hkv, e, D]."""
@@ -119,6 +137,7 @@ class HybridCacheWriter:
         self.model, self.backend, self.cfg = model, backend, cfg
         self.num_tokens = num_tokens
         self.runtime = backend.open(model.config, 1, max_len).runtime
+        self.plan = LayerPlan.of(model.config)
         self.cache = model.init_cache(1, max_len, backend)
         self.layers = list(self.cache.layers)
         self.evicted = int(evicted_blocks(np.int64(num_tokens), cfg))
@@ -139,19 +158,26 @@ class HybridCacheWriter:
             raise ValueError(f"layer {layer}: restored k {k.shape}, v {v.shape}; expected [1, {n}, Hkv, D]")
         if layer in self.placed:
             raise RuntimeError(f"layer {layer} restored twice")
+        g = self.plan.offloaded_index(layer)
+        if g is None:  # a sliding-window layer: its last window of tokens, on the device
+            positions = jnp.arange(n, dtype=jnp.int32)[None]
+            self.layers[layer] = write_sliding(self.layers[layer], k, v, positions)
+            self.placed.add(layer)
+            return
         e = self.evicted
         if e:
             kb, vb, kmin, kmax = _evicted_blocks_of(cfg, k, v, e)
             if self.layers[layer].digests is not None:
                 self.layers[layer] = self.layers[layer].replace(
                     digests=_set_digests(self.layers[layer].digests, kmin, kmax))
-            if layer > 0 and self.layers[layer - 1].next_digests is not None:
-                self.layers[layer - 1] = self.layers[layer - 1].replace(
-                    next_digests=_set_digests(self.layers[layer - 1].next_digests, kmin, kmax))
+            before = self.plan.global_layers[g - 1] if g > 0 else None  # the previous offloaded layer
+            if before is not None and self.layers[before].next_digests is not None:
+                self.layers[before] = self.layers[before].replace(
+                    next_digests=_set_digests(self.layers[before].next_digests, kmin, kmax))
             start = time.perf_counter()
             kh, vh = to_host(kb), to_host(vb)
             maw = np.zeros((e, cfg.block_size, k.shape[2]), np.float32)
-            self.runtime.append_blocks(layer, 0, np.arange(e), kh, vh, maw)
+            self.runtime.append_blocks(g, 0, np.arange(e), kh, vh, maw)
             self.seconds += time.perf_counter() - start
             self.bytes_to_host += kh.nbytes + vh.nbytes
             self.n_blocks += e
@@ -167,14 +193,22 @@ class HybridCacheWriter:
         if missing:
             raise RuntimeError(f"HybridCacheWriter.finish: layers {missing} were never restored")
         cfg, runtime = self.cfg, self.runtime
+        if cfg.mode == "hgca":
+            for layer, q in self.last_queries.items():
+                state = self.layers[layer]
+                if self.plan.offloaded_index(layer) is not None and q.shape[1] > 0:
+                    self.layers[layer] = state.replace(window=_scored_ring(
+                        cfg, state.window, q, self.num_tokens, self.evicted, self.model.config.attention_scale))
         runtime.adopt(np.array([self.num_tokens]))
         if cfg.mode == "hgca" and self.evicted:
-            without = [layer for layer in range(num_layers) if layer not in self.last_queries]
+            without = [layer for layer in self.plan.global_layers if layer not in self.last_queries]
             if without:
                 log.info("hybrid ingest: layers %s were not restored from hidden states, so no "
                          "history queries re-score their %d offloaded blocks: their CPU context "
                          "stays empty until the next turn's re-evaluation", without, self.evicted)
-            runtime.mode_host.reevaluate_history(self.last_queries)
+            runtime.mode_host.reevaluate_history({self.plan.offloaded_index(layer): q
+                                                  for layer, q in self.last_queries.items()
+                                                  if self.plan.offloaded_index(layer) is not None})
         cache = self.cache.replace(layers=tuple(self.layers), lengths=jnp.full((1,), self.num_tokens, jnp.int32),
                                    meta=StepMeta(offloaded_blocks=jnp.full((1,), self.evicted, jnp.int32)))
         self.cache = None

@@ -101,6 +101,12 @@ class ModelConfig:
         return self.layer_types[layer_idx] == "sliding_attention"
 
     @property
+    def global_layers(self) -> tuple[int, ...]:
+        """Indices of the layers that attend the whole context (every layer but the sliding-window
+        ones); the offloading modes offload only these."""
+        return tuple(i for i in range(self.num_layers) if not self.is_sliding_layer(i))
+
+    @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 

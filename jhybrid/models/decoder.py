@@ -61,20 +61,21 @@ class DecoderLayer(nnx.Module):
         """What the attention projections see: the normed input (or x itself for post-LN)."""
         return self.input_norm(x) if self.config.norm_before else x
 
-    def __call__(self, x, positions, lengths, layer_cache, backend: AttentionBackend, next_layer,
+    def __call__(self, x, positions, lengths, layer_cache, backend: AttentionBackend, ahead_layer,
                  meta=None, carry=None):
         """-> (output [B, T, d_model], new layer cache, carry for the next layer's attend).
 
-        next_layer: the next DecoderLayer (None for the last): when the backend asks for it, its
-        query is predicted from this layer's input (its norm + W_q + RoPE applied to x)."""
+        ahead_layer: the later DecoderLayer whose query the backend asked for (`query_ahead`), or
+        None: its query is predicted from this layer's input (its norm + W_q + RoPE applied to x)."""
         config = self.config
         next_query = None
-        if next_layer is not None and backend.wants_next_query(self.layer_idx, config.num_layers):
-            next_query = next_layer.attention.project_q(next_layer.attention_input(x), positions)
+        if ahead_layer is not None:
+            next_query = ahead_layer.attention.project_q(ahead_layer.attention_input(x), positions)
+        sliding = config.is_sliding_layer(self.layer_idx)
         context = LayerContext(scale=config.attention_scale, num_layers=config.num_layers,
-                               sliding_window=(config.sliding_window if config.is_sliding_layer(self.layer_idx)
-                                               else None),
-                               meta=meta, carry=carry, next_query=next_query)
+                               sliding_window=config.sliding_window if sliding else None,
+                               meta=meta, carry=carry, next_query=next_query,
+                               global_layers=config.global_layers if config.sliding_window is not None else None)
         attn, layer_cache, carry = self.attention(self.attention_input(x), positions, lengths, layer_cache,
                                                   backend, context)
         if config.parallel_residual:
@@ -153,8 +154,9 @@ class CausalLM(nnx.Module):
         carry = None  # what one layer's attend hands the next (scout's layer-ahead selection)
         for i, layer in enumerate(self.layers):
             layer_inputs.append(x)
-            next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            x, layer_cache, carry = layer(x, positions, lengths, cache.layers[i], backend, next_layer,
+            ahead = backend.query_ahead(i, self.config)
+            ahead_layer = self.layers[ahead] if ahead is not None else None
+            x, layer_cache, carry = layer(x, positions, lengths, cache.layers[i], backend, ahead_layer,
                                           cache.meta, carry)
             new_layers.append(layer_cache)
         if self.final_norm is not None:

@@ -43,11 +43,14 @@ log = logging.getLogger(__name__)
 class Scout(TopK):
     name = "scout"
     settings = frozenset({"budget", "recall_blocks", "recall_threshold", "recall_min_interval",
-                          "predict_query", "scout_exact_layers"})
+                          "predict_query", "scout_exact_layers", "scout_min_cos"})
 
     def exact_layers(self) -> frozenset:
-        """scout_exact_layers as a set of layer indices (layer 0 always included)."""
+        """scout_exact_layers as a set of layer indices (layer 0 always included; "auto" left
+        unresolved: layer 0 only, see `jhybrid.hybrid.calibration`)."""
         exact = self.config.scout_exact_layers
+        if exact == "auto":
+            return frozenset((0,))
         return frozenset(range(max(exact, 1)) if isinstance(exact, int) else (0, *exact))
 
     def selects_exactly(self, layer: int) -> bool:

@@ -1,0 +1,160 @@
+"""Multi-device checks of jhybrid.parallel, run by tests/test_parallel.py in a subprocess with 4
+virtual CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set before JAX
+starts, so they cannot run in the pytest process). Usage: python tests/parallel_checks.py NAME SEED"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jhybrid.attention.full import masked_attention
+from jhybrid.generation import make_step
+from jhybrid.hybrid import make_backend
+from jhybrid.models import create_model
+from jhybrid.parallel import TensorParallel, ring_prefill, ring_prefill_cache, sequence_mesh, tensor_mesh
+from jhybrid.parallel.mesh import SEQ
+from jhybrid.parallel.ring import ring_attention
+from tests.hybrid_support import KEEP_ALL, TINY, run_forced
+
+TOL = 2e-4
+# 4 KV heads (TP 1, 2, 4), a vocabulary that divides by 4
+TP_CONFIG = TINY.replace(num_heads=8, num_kv_heads=4, head_dim=16, mlp_dim=256, vocab_size=96)
+
+
+def check_ring_attention(rng):
+    """ring_attention over 2, 3 and 4 devices == masked attention over the whole sequence (GQA,
+    front padding, a sliding window, a fully padded sequence)."""
+    b, hq, hkv, d = 3, 4, 2, 16
+    for n, t, window in ((2, 10, None), (3, 17, None), (4, 32, 5), (4, 7, None)):
+        local = -(-t // n)
+        total = local * n
+        q = rng.standard_normal((b, total, hq, d)).astype(np.float32)
+        k = rng.standard_normal((b, total, hkv, d)).astype(np.float32)
+        v = rng.standard_normal((b, total, hkv, d)).astype(np.float32)
+        pos = np.full((b, total), -1, np.int32)
+        lengths = [t, t - 3, 0]
+        for s, n_s in enumerate(lengths):
+            pos[s, total - n_s:] = np.arange(n_s)
+        mesh = sequence_mesh(n)
+        fn = jax.jit(jax.shard_map(lambda q, k, v, p: ring_attention(q, k, v, p, 0.3, SEQ, n, window), mesh=mesh,
+                                   in_specs=(jax.P(None, SEQ),) * 4, out_specs=jax.P(None, SEQ), check_vma=False))
+        got = np.asarray(fn(q, k, v, pos))
+        for s, n_s in enumerate(lengths):  # the reference over the valid tokens, position-indexed
+            if n_s == 0:
+                assert np.all(got[s] == 0)
+                continue
+            sl = slice(total - n_s, total)
+            ref, _ = masked_attention(jnp.asarray(q[s:s + 1, sl]), jnp.asarray(k[s:s + 1, sl]),
+                                      jnp.asarray(v[s:s + 1, sl]), jnp.asarray(pos[s:s + 1, sl]),
+                                      jnp.asarray([n_s], jnp.int32), 0.3, window)
+            np.testing.assert_allclose(got[s, sl], np.asarray(ref)[0], atol=1e-5, rtol=0)
+            assert np.all(got[s, :total - n_s] == 0)
+
+
+def _chunked_reference(model, tokens, max_len):
+    """Chunked prefill through `full`: (last logits [B, V], cache)."""
+    step, params = make_step(model)
+    cache = model.init_cache(tokens.shape[0], max_len)
+    for s in range(0, tokens.shape[1], 16):
+        part = tokens[:, s:s + 16]
+        pos = (s + np.arange(part.shape[1]))[None].repeat(tokens.shape[0], 0).astype(np.int32)
+        logits, cache = step(params, part, pos, cache)
+    return np.asarray(logits[:, -1]), cache
+
+
+def check_ring_prefill(rng):
+    """Ring prefill over 2 / 3 / 4 devices == chunked prefill: last logits and every layer's K, V."""
+    model = create_model(TINY, seed=0)
+    for n, t in ((2, 40), (3, 37), (4, 64)):
+        tokens = rng.integers(0, 97, (2, t)).astype(np.int32)
+        ref_logits, ref_cache = _chunked_reference(model, tokens, 128)
+        logits, k, v, _ = ring_prefill(model, tokens, sequence_mesh(n))
+        np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=TOL, rtol=0)
+        for i, layer in enumerate(ref_cache.layers):
+            np.testing.assert_allclose(np.asarray(k[i]), np.asarray(layer["k"][:, :t]), atol=1e-5, rtol=0)
+            np.testing.assert_allclose(np.asarray(v[i]), np.asarray(layer["v"][:, :t]), atol=1e-5, rtol=0)
+
+
+def check_ring_prefill_into_modes(rng):
+    """A prompt ring-prefilled on 2 devices, handed to full / hgca / topk (keep-all), then 64 decode
+    steps that cross evictions: the logits of a plain chunked prefill + decode through `full`."""
+    model = create_model(TINY, seed=0)
+    prompt = rng.integers(0, 97, (1, 40)).astype(np.int32)
+    continuation = rng.integers(0, 97, (1, 64)).astype(np.int32)
+    reference = run_forced(model, make_backend("full"), prompt, continuation)[0]
+    mesh = sequence_mesh(2)
+    for mode in ("full", "hgca", "topk"):
+        backend = make_backend(mode, **KEEP_ALL) if mode != "full" else make_backend("full")
+        logits, cache = ring_prefill_cache(model, backend, prompt[0], mesh, max_len=128)
+        step, params = make_step(model, backend)
+        out = []
+        for i in range(continuation.shape[1]):
+            pos = np.full((1, 1), 40 + i, np.int32)
+            cache = backend.before_step(cache, pos)
+            logits, cache = step(params, continuation[:, i:i + 1], pos, cache)
+            out.append(np.asarray(logits[:, 0]))
+        np.testing.assert_allclose(np.stack(out, 1), reference, atol=TOL, rtol=0, err_msg=mode)
+        if mode != "full":
+            assert backend.counters()["n_evicted_blocks"] > 0
+            backend.close()
+
+
+def _decode_tp(model, tp, tokens, steps):
+    parallel = TensorParallel(model, tensor_mesh(tp, model.config))  # over jax.devices(): every process's
+    step, params = parallel.make_step()
+    cache = parallel.init_cache(tokens.shape[0], 128)
+    pos = np.arange(tokens.shape[1])[None].repeat(tokens.shape[0], 0).astype(np.int32)
+    logits, cache = step(params, tokens, pos, cache)
+    out, nxt = [np.asarray(logits[:, -1])], np.asarray(logits[:, -1]).argmax(-1)
+    for i in range(steps):
+        pos = np.full((tokens.shape[0], 1), tokens.shape[1] + i, np.int32)
+        logits, cache = step(params, nxt[:, None].astype(np.int32), pos, cache)
+        out.append(np.asarray(logits[:, 0]))
+        nxt = out[-1].argmax(-1)
+    k = cache.layers[0]["k"]
+    assert len(k.sharding.device_set) == tp
+    if tp > 1:  # each device holds Hkv / tp heads of the cache
+        assert k.sharding.spec[2] == "tp" and k.addressable_shards[0].data.shape[2] == k.shape[2] // tp
+    return np.stack(out, 1)
+
+
+def check_tensor_parallel(rng):
+    """TP 2 and 4 == TP 1 (full) over a prefill and 64 greedy decode steps, 4 KV heads; bad meshes."""
+    config = TP_CONFIG
+    model = create_model(config, seed=1)
+    tokens = rng.integers(0, 96, (2, 24)).astype(np.int32)
+    one = _decode_tp(model, 1, tokens, 64)
+    for tp in (2, 4):
+        np.testing.assert_allclose(_decode_tp(model, tp, tokens, 64), one, atol=TOL, rtol=0, err_msg=f"tp={tp}")
+    odd = create_model(TINY.replace(vocab_size=97), seed=2)  # 97: embedding replicated, still exact
+    np.testing.assert_allclose(_decode_tp(odd, 2, tokens % 97, 8), _decode_tp(odd, 1, tokens % 97, 8), atol=TOL)
+    for tp, message in ((3, "does not divide the model's 4 KV heads"), (8, "> the model's 4 KV heads"),
+                        (0, "expected a positive int")):
+        try:
+            tensor_mesh(tp, config)
+        except ValueError as error:
+            assert message in str(error), (tp, str(error))
+        else:
+            raise AssertionError(f"tp={tp} accepted")
+    try:
+        sequence_mesh(5)
+    except ValueError as error:
+        assert "only 4 are visible" in str(error)
+    else:
+        raise AssertionError("a mesh of 5 of 4 devices accepted")
+    try:
+        TensorParallel(model, tensor_mesh(2, config), make_backend("hgca", **KEEP_ALL))
+    except ValueError as error:
+        assert "runs mode 'full' only so far" in str(error)
+    else:
+        raise AssertionError("hgca at TP 2 accepted")
+
+
+if __name__ == "__main__":
+    name, seed = sys.argv[1], int(sys.argv[2])
+    assert len(jax.devices()) == 4, jax.devices()
+    globals()[f"check_{name}"](np.random.default_rng(seed))
+    print("OK", name)
