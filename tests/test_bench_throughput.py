@@ -300,3 +300,20 @@ def test_host_memory_is_checked_before_the_host_context_is_written(tiny, monkeyp
         run_throughput(tiny, None, point("hgca", batch=2, context=256))
     monkeypatch.setattr(throughput, "host_available_bytes", lambda: 64 * GIB)
     assert run_throughput(tiny, None, point("hgca", batch=2, context=256))[0]["decode_tok_s"] > 0
+
+
+def test_host_context_is_reused_only_for_up_to_half_its_sequences(tiny):
+    """A store filled for 4 sequences serves points of 4, 3 and 2 without a refill; a point of 1 gets
+    its own store (the 4-sequence one is released, not pinned under the smaller point)."""
+    p = point("scout", batch=4, context=256)
+    backend, _ = backend_for(p.offload, 256)
+    e = int(evicted_blocks(np.int64(256), backend.config))
+    host = synthetic.HostContext(synthetic.host_shape(tiny.config, 16), sink=16, keep=0.1)
+    host.prepare(4, e, slack_blocks=2)
+    first = host.store
+    for batch in (4, 3, 2):
+        assert host.reusable_for(batch, e)
+        assert host.prepare(batch, e, slack_blocks=2) == 0.0 and host.store is first
+    assert not host.reusable_for(1, e) and not host.reusable_for(5, e) and not host.reusable_for(2, e + 1)
+    host.prepare(1, e, slack_blocks=2)
+    assert host.store is not first and host.batch == 1 and host.store.n_blocks(0, 0) == e

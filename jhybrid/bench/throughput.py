@@ -424,7 +424,7 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     else:
         host = _host_context(model.config, offload, bench.hgca_keep)
         e = int(evicted_blocks(np.int64(bench.context), backend.config))
-        reusable = host.store is not None and host.batch >= batch and host.blocks == e
+        reusable = host.reusable_for(batch, e)
         if not reusable and deadline is not None:
             seconds = synthetic.predicted_fill_seconds(batch * memory.host_per_seq)
             left = deadline - time.perf_counter()
