@@ -317,3 +317,20 @@ def test_host_context_is_reused_only_for_up_to_half_its_sequences(tiny):
     assert not host.reusable_for(1, e) and not host.reusable_for(5, e) and not host.reusable_for(2, e + 1)
     host.prepare(1, e, slack_blocks=2)
     assert host.store is not first and host.batch == 1 and host.store.n_blocks(0, 0) == e
+
+
+def test_a_point_reports_its_long_phases_before_its_steps(tiny):
+    """The progress display names what a point is doing while it has no steps to count: predicting
+    memory, writing the host context, compiling; then the decode steps count up."""
+    from jhybrid.bench import throughput
+    from jhybrid.bench.progress import PointProgress
+
+    throughput._HOST_CONTEXT.clear()
+    updates = []
+    progress = PointProgress(lambda **fields: updates.append(fields), "offload.mode=scout")
+    run_throughput(tiny, None, point("scout", batch=2, context=256), on_step=progress)
+    phases = [u["description"] for u in updates if u["total"] is None]
+    assert any("predicting memory" in p for p in phases)
+    assert any("writing the host context" in p for p in phases)
+    steps = [u["completed"] for u in updates if u["total"] is not None]
+    assert steps and steps[-1] == updates[-1]["total"] and steps == sorted(steps)

@@ -23,6 +23,7 @@ changed setting runs the point again. Models and the output folder are checked b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ import time
 from jhybrid.bench.niah import run_niah
 from jhybrid.bench.offload import PointSkipped
 from jhybrid.bench.perplexity import run_perplexity
+from jhybrid.bench.progress import PointProgress
 from jhybrid.bench.plots import render_plots
 from jhybrid.bench.results import (capacity_table, command_line, print_summary, read_rows, write_csv,
                                    write_json)
@@ -253,8 +255,7 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                     model, pretrained = models[point.model]
                     task = TASKS[point.benchmark.task]
                     new = task(model, pretrained, point, deadline=deadline,
-                               on_step=lambda done, total: progress.update(steps, completed=done,
-                                                                           total=total or None))
+                               on_step=PointProgress(functools.partial(progress.update, steps), point.key))
                     ran += 1
                 except PointSkipped as reason:
                     log.info("skipping %s: %s", point.key, reason)

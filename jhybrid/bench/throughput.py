@@ -45,6 +45,7 @@ import numpy as np
 from jhybrid.bench import synthetic
 from jhybrid.bench.budget import PointMemory, human_bytes, point_memory
 from jhybrid.bench.offload import PointSkipped, backend_for, resolve
+from jhybrid.bench.progress import PointProgress, report_phase
 from jhybrid.hybrid.sliding import SlidingWindow
 
 log = logging.getLogger(__name__)
@@ -300,7 +301,7 @@ def predict_throughput(point) -> list[dict]:
                        context=bench.context, batch=batch, window=window, weight_bytes=weights, **memory.fields())
 
 
-def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> list[dict]:
+def run_throughput(model, pretrained, point, on_step: PointProgress | None = None, deadline=None) -> list[dict]:
     bench, offload = point.benchmark, point.offload
     base = {"task": "throughput", "model": point.model.name, "layers": model.config.num_layers,
             "mode": offload.mode, "fill": bench.fill, "batch_spec": str(bench.batch),
@@ -311,9 +312,11 @@ def run_throughput(model, pretrained, point, on_step=None, deadline=None) -> lis
     backend, window = backend_for(offload, bench.context)
     weights = params_bytes(model)
     start = time.perf_counter()
+    report_phase(on_step, f"predicting memory at batch {bench.batch} (compiles the step from shapes)")
     batch, memory = resolve_batch(model, point, window, weights, backend)
     split = {}
     if bench.split == "balanced" and offload.mode != "full" and not memory.over_capacity():
+        report_phase(on_step, "balanced split: measuring the machine, sizing the window")
         point, split = _balanced_point(model, point, batch, weights)
         offload = point.offload
         backend, window = backend_for(offload, bench.context)
@@ -437,6 +440,8 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
             held = host.store.bytes_reserved() if host.store is not None else 0
             held = min(held, host_rss_bytes() or held)  # reserved address space is not all resident
             check_host_available(batch * memory.host_per_seq, held)
+        if not reusable:
+            report_phase(on_step, f"writing the host context ({human_bytes(batch * memory.host_per_seq)})")
         host.prepare(batch, e, slack)
         backend.open(model.config, batch, max_len)
         cache = model.init_cache(batch, max_len, backend)
@@ -452,6 +457,7 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     start = time.perf_counter()
     step = getattr(memory, "compiled", None)  # compiled from shapes for the prediction: reused
     if step is None:
+        report_phase(on_step, f"compiling the decode step (batch {batch})")
         step = jitted.lower(params, tokens, held, cache).compile()
         compile_s = time.perf_counter() - start
     else:
@@ -576,6 +582,7 @@ def _run_prefill(model, point, backend, batch, on_step) -> dict:
     # every host-side program the first steps after a prefill use (eviction gathers of a whole chunk,
     # hgca's re-evaluation), so the timed runs measure none of them.
     warm = rng.integers(0, model.config.vocab_size, (batch, bench.context))
+    report_phase(on_step, "warm-up prompt: compiling the prefill chunks and the decode step")
     generator.generate(warm.tolist(), max_new_tokens=min(4, bench.decode_tokens))
     ttft, gaps, decode_s, decode_tokens, compile_s = [], [], 0.0, 0, 0.0
     for _ in range(bench.prefill_repeats):  # fresh prompts each time: no run reuses another's KV
