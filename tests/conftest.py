@@ -60,3 +60,17 @@ def pytest_runtest_makereport(item, call):
             replay = os.environ.get(SEED_ENV, "")
             report.sections.append(("rng seed", f"seed {seeds[0]} (replay: {SEED_ENV}={replay!r} "
                                                 f"pytest '{item.nodeid}')"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct with its tokenizer (the GGUF scripts/setup.sh installs); skipped with
+    the reason where it is not installed."""
+    pytest.importorskip("gguf")
+    from jhybrid.loading.pretrained import load_pretrained, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as error:  # pragma: no cover - setup.sh installs it
+        pytest.skip(f"SmolLM2 GGUF not installed: {error}")
+    return load_pretrained("smollm2")

@@ -297,3 +297,21 @@ def test_a_run_killed_during_a_point_leaves_a_trace_the_next_run_reports(tmp_pat
     rows = {r["point"]: r for r in json.loads((tmp_path / "tiny-bench.json").read_text())["rows"]}
     assert "killed from outside" in rows["offload.mode=full"]["error"]  # the trace stays until it reruns
     assert not list(tmp_path.glob("tiny-bench.running.*"))
+
+
+def test_summary_shortens_long_niah_answers_to_fit_100_columns():
+    """A 40-token NIAH answer is cut in the printed summary (the CSV / JSON keep it whole)."""
+    import io
+
+    from rich.console import Console
+
+    from jhybrid.bench.results import print_summary
+
+    answer = "9410201, 9410202, 9410203, 9410204, 9410205, 9410206, 9410207\n\nQuestion: what else"
+    rows = [{"task": "niah", "mode": mode, "style": "multivalue", "length": 32768, "depth": 0.25,
+             "window": 8192, "retrieved": False, "answer": answer} for mode in ("full", "hgca")]
+    out = io.StringIO()
+    print_summary(rows, Console(file=out, width=100, force_terminal=False))
+    lines = out.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert sum("9410201, 9410202" in line and "…" in line for line in lines) == 2

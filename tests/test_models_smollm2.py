@@ -8,18 +8,13 @@ import re
 import pytest
 
 from jhybrid.generation import Generator
-from jhybrid.loading.pretrained import load_pretrained, smollm2_gguf_path
+from jhybrid.loading.pretrained import smollm2_gguf_path
 
 pytest.importorskip("gguf")
 try:
     smollm2_gguf_path()
 except FileNotFoundError as error:  # pragma: no cover - setup.sh installs it
     pytest.skip(f"SmolLM2 GGUF not installed: {error}", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_pretrained("smollm2")
 
 
 def test_config_and_chat_format(smollm2):

@@ -92,7 +92,7 @@ def _beta_sweeps(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def _tag(r):
-    tag = r["mode"]
+    tag = r["mode"] if r.get("style", "single") == "single" else f"{r['style']} {r['mode']}"
     if r.get("gpu_ratio"):
         tag += f" r{r['gpu_ratio']}"
     if r.get("beta") is not None:
@@ -120,8 +120,8 @@ def plot_niah(rows: list[dict], path: str) -> str | None:
     for ax, tag in zip(axes[0], tags):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for r in rows:
-            if _tag(r) == tag:
-                grid[depths.index(r["depth"]), lengths.index(r["length"])] = float(r["retrieved"])
+            if _tag(r) == tag:  # multivalue: the share of the numbers found
+                grid[depths.index(r["depth"]), lengths.index(r["length"])] = float(r.get("found", r["retrieved"]))
         ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
@@ -130,7 +130,7 @@ def plot_niah(rows: list[dict], path: str) -> str | None:
         ax.set_title(tag, fontsize=8)
         for (i, j), v in np.ndenumerate(grid):
             if not np.isnan(v):
-                ax.text(j, i, "yes" if v else "no", ha="center", va="center", fontsize=8)
+                ax.text(j, i, "yes" if v == 1 else "no" if v == 0 else f"{v:.0%}", ha="center", va="center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

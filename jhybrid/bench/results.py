@@ -78,13 +78,15 @@ def write_csv(path: str, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+SUMMARY_TEXT = 28  # characters of a text field (a NIAH answer) in the printed summary
+
 # The printed summary: (row key, column label) per task, chosen to fit 100 columns; columns empty in
 # every row are left out. Every other field is in the CSV / JSON.
 SUMMARY_KEYS = {
     "perplexity": [("mode", "mode"), ("text", "text"), ("tokens", "tokens"), ("window", "window"),
                    ("gpu_ratio", "gpu"), ("beta", "beta"), ("keep_after", "keep_after"), ("budget", "budget"),
                    ("host_kv_dtype", "host kv"), ("kept_share", "kept"), ("ppl", "ppl")],
-    "niah": [("mode", "mode"), ("length", "length"), ("depth", "depth"), ("window", "window"),
+    "niah": [("mode", "mode"), ("style", "style"), ("length", "length"), ("depth", "depth"), ("window", "window"),
              ("host_kv_dtype", "host kv"), ("retrieved", "retrieved"), ("answer", "answer")],
     "throughput": [("model", "model"), ("layers", "L"), ("mode", "mode"), ("host_kv_dtype", "host kv"),
                    ("fill", "fill"), ("context", "ctx"), ("batch", "batch"), ("window", "window"),
@@ -183,4 +185,7 @@ def _fmt(value, key: str = "") -> str:
         return human_bytes(value)
     if isinstance(value, float):
         return f"{value:.4g}"
-    return "-" if value is None else str(value).replace("\n", "\\n")
+    if value is None:
+        return "-"
+    text = str(value).replace("\n", "\\n")
+    return text if len(text) <= SUMMARY_TEXT else text[:SUMMARY_TEXT - 1] + "…"  # whole text: CSV / JSON

@@ -24,6 +24,7 @@ from jhybrid.hybrid.config import InvalidOffloadConfig, OffloadConfig
 
 TASKS = ("perplexity", "niah", "throughput")
 FILLS = ("prefill", "synthetic", "calibrated")
+NIAH_STYLES = ("single", "multikey", "multivalue")
 BATCH_WORDS = ("max", "max+1")
 TEXTS = tuple(TEXT_FILES)
 
@@ -59,7 +60,9 @@ class BenchmarkSpec:
     """task perplexity: teacher-forced over the first `tokens` tokens of `text` (a built-in text name
     or the path of a UTF-8 text file; also niah's haystack), the last
     `scored_tokens` predicted by decode steps. task niah: a needle at `niah_depth` (0..1) of a
-    `niah_length`-token haystack, `answer_tokens` greedy tokens. task throughput: `batch` random
+    `niah_length`-token haystack, `answer_tokens` greedy tokens; niah_style (RULER's): 'single',
+    'multikey' (`niah_needles` needles under different keys, one asked), 'multivalue' (`niah_needles`
+    numbers under one key, all asked). task throughput: `batch` random
     prompts of `context` tokens, `decode_tokens` decode steps. prefill_chunk: tokens per prefill step.
 
     Throughput only:
@@ -98,6 +101,8 @@ class BenchmarkSpec:
     scored_tokens: int = 256
     niah_length: int = 2048
     niah_depth: float = 0.5
+    niah_style: str = dataclasses.field(default="single", metadata=_choices(*NIAH_STYLES))
+    niah_needles: int = 4
     answer_tokens: int = 8
     batch: int | str = 1
     context: int = 1024
@@ -132,7 +137,7 @@ class RunConfig:
 
 
 SECTIONS = {"model": ModelSpec, "offload": OffloadConfig, "benchmark": BenchmarkSpec}
-POSITIVE = {"tokens", "scored_tokens", "niah_length", "answer_tokens", "batch", "context",
+POSITIVE = {"tokens", "scored_tokens", "niah_length", "niah_needles", "answer_tokens", "batch", "context",
             "decode_tokens", "prefill_chunk", "prefill_repeats", "block_size", "window_tokens", "budget",
             "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s"}
 NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib"}
