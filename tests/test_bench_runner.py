@@ -315,3 +315,19 @@ def test_summary_shortens_long_niah_answers_to_fit_100_columns():
     lines = out.getvalue().splitlines()
     assert max(len(line) for line in lines) <= 100
     assert sum("9410201, 9410202" in line and "…" in line for line in lines) == 2
+
+
+def test_niah_heat_maps_wrap_into_rows_and_show_found_shares(tmp_path):
+    """One depth x length panel per configuration and style, at most 6 per row; multivalue cells show
+    the share of the numbers found."""
+    import matplotlib.image
+
+    from jhybrid.bench.plots import plot_niah
+
+    rows = [{"task": "niah", "mode": mode, "style": style, "length": n, "depth": d, "retrieved": False,
+             "found": 0.5 if style == "multivalue" else 0.0, "point": f"offload.mode={mode}"}
+            for mode in ("full", "hgca", "scout", "topk") for style in ("multikey", "multivalue")
+            for n in (4096, 8192) for d in (0.25, 0.75)]
+    path = plot_niah(rows, str(tmp_path / "niah.png"))
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert height > 0.3 * width  # 8 panels: two rows of 6 and 2, not one strip

@@ -116,8 +116,13 @@ def plot_niah(rows: list[dict], path: str) -> str | None:
     tags = list(dict.fromkeys(_tag(r) for r in rows))
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
-    fig, axes = plt.subplots(1, len(tags), figsize=(2.2 + 1.1 * len(lengths) * len(tags), 3.5), squeeze=False)
-    for ax, tag in zip(axes[0], tags):
+    cols = min(6, len(tags))  # rows of at most 6 panels
+    nrows = -(-len(tags) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(2.2 + 1.1 * max(2, len(lengths)) * cols, 3.2 * nrows),
+                             squeeze=False)
+    for ax in axes.flat[len(tags):]:
+        ax.axis("off")
+    for ax, tag in zip(axes.flat, tags):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for r in rows:
             if _tag(r) == tag:  # multivalue: the share of the numbers found
