@@ -62,15 +62,11 @@ def test_bad_styles_and_counts_are_clear_errors(smollm2):
 def test_multivalue_run_scores_the_share_of_numbers_found(smollm2):
     """Full attention over a short multivalue prompt: the row's `found` is the share of the asked
     numbers the decoded answer holds, and `retrieved` is all of them."""
-    from jhybrid.bench.shapes import load_model
-    from jhybrid.config.schema import ModelSpec
-
-    model, pretrained = load_model(ModelSpec(name="smollm2"))
     run = config_from_dict({"name": "t", "model": {"name": "smollm2"}, "offload": {"mode": "full"},
                             "benchmark": {"task": "niah", "niah_length": 384, "niah_depth": 0.3,
                                           "niah_style": "multivalue", "niah_needles": 2,
                                           "answer_tokens": 24, "prefill_chunk": 128}})
-    row = run_niah(model, pretrained, expand_sweep(run)[0])[0]
+    row = run_niah(smollm2.model, smollm2, expand_sweep(run)[0])[0]
     digits = row["answer"].replace(" ", "").replace(",", "")
     found = [str(n) in digits for n in row["numbers"]]
     assert row["style"] == "multivalue" and row["needles"] == 2 and len(row["numbers"]) == 2

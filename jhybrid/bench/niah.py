@@ -19,6 +19,7 @@ import numpy as np
 
 from jhybrid.bench.offload import PointSkipped, backend_for, exact_layers_of
 from jhybrid.bench.texts import calibration_tokens, text_tokens
+from jhybrid.config.schema import NIAH_STYLES
 from jhybrid.generation import Generator
 
 QUESTION = ("\n\nQuestion: What is the special magic number mentioned in the text above?\n"
@@ -48,8 +49,8 @@ def make_needles(style: str, length: int, depth: float, needles: int = 4) -> Nee
     if style == "single":
         number = needle_number(length, depth)
         return Needles([f" The special magic number is {number}."], [depth], QUESTION, [number])
-    if style not in ("multikey", "multivalue"):
-        raise ValueError(f"niah_style {style!r}: expected one of 'single', 'multikey', 'multivalue'")
+    if style not in NIAH_STYLES:
+        raise ValueError(f"niah_style {style!r}: expected one of {', '.join(map(repr, NIAH_STYLES))}")
     if not 2 <= needles <= len(KEYS):
         raise ValueError(f"niah_needles = {needles}: expected 2..{len(KEYS)} for style {style!r}")
     rng = np.random.default_rng([length, int(depth * 1000), 7])

@@ -440,7 +440,6 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
             held = host.store.bytes_reserved() if host.store is not None else 0
             held = min(held, host_rss_bytes() or held)  # reserved address space is not all resident
             check_host_available(batch * memory.host_per_seq, held)
-        if not reusable:
             report_phase(on_step, f"writing the host context ({human_bytes(batch * memory.host_per_seq)})")
         host.prepare(batch, e, slack)
         backend.open(model.config, batch, max_len)
