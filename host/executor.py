@@ -92,16 +92,17 @@ class HostExecutor:
         raise ValueError(f"mode={mode!r}; expected 'context', 'all' or 'blocks'")
 
     def submit_sparsify(self, layer: int, seq_ids, block_numbers, beta: float, window_tokens: int,
-                        keep_after: int = 0) -> Handle:
+                        keep_after: int = 0, max_keep_share: float | None = None) -> Handle:
         """Queue `host.sparsify.sparsify_evicted` for blocks just appended (collect -> kept counts [B, Hkv])."""
         return self.submit_task(sparsify_evicted, self.store, layer, list(seq_ids), block_numbers, beta, window_tokens,
-                                keep_after, what=f"sparsify_evicted(layer={layer})")
+                                keep_after, max_keep_share, what=f"sparsify_evicted(layer={layer})")
 
     def submit_reevaluate(self, layer: int, seq_ids, queries: np.ndarray, beta: float,
-                          scale: float | None = None, keep_after: int = 0) -> Handle:
+                          scale: float | None = None, keep_after: int = 0,
+                          max_keep_share: float | None = None) -> Handle:
         """Queue `host.sparsify.reevaluate` after an append (collect -> kept counts [B, Hkv])."""
         return self.submit_task(reevaluate, self.store, layer, list(seq_ids), queries, beta, scale, keep_after,
-                                what=f"reevaluate(layer={layer})")
+                                max_keep_share, what=f"reevaluate(layer={layer})")
 
     def submit_task(self, fn, *args, what: str | None = None, **kwargs) -> Handle:
         """Queue any host function (e.g. host.sparsify.sparsify_evicted) on a worker."""

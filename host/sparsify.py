@@ -23,6 +23,13 @@ name, an id — needs its continuation, which the queries that found the span's 
 above the threshold (SnapKV pools its selection over neighbours for the same reason). At eviction the
 span stays within the blocks evicted together.
 
+Cap (`max_keep_share`, not in HGCA; default None = the paper's rule): of the tokens that pass the
+threshold, at most ceil(max_keep_share x n) per head are kept, the highest-scoring (n = the tokens
+examined: the newly evicted blocks' at eviction, all stored tokens at re-evaluation). It bounds the
+CPU's work per step where the threshold would keep more than the host can attend in the GPU's time
+(the balanced split, `jhybrid.hybrid.split`, sets it). With spans, the cap applies to the tokens that
+start spans (ceil(max_keep_share x n / (1 + keep_after)) of them), so spans stay whole.
+
 Renormalisation: the kept tokens' scores are stored raw; `ContextCache.kept(...)["weight_normalised"]`
 gives them renormalised to sum to 1 per head, as HGCA's context cache holds them.
 
@@ -63,6 +70,38 @@ def extend_spans(keep: np.ndarray, keep_after: int) -> np.ndarray:
     return out.reshape(keep.shape)
 
 
+def check_max_keep_share(max_keep_share) -> None:
+    if max_keep_share is None:
+        return
+    if isinstance(max_keep_share, bool) or not isinstance(max_keep_share, (int, float, np.floating, np.integer)) \
+            or not (0.0 < float(max_keep_share) <= 1.0):
+        raise ValueError(f"max_keep_share={max_keep_share!r}; expected None or a fraction in (0, 1]")
+
+
+def select_salient(scores: np.ndarray, threshold: float, keep_after: int = 0,
+                   max_keep_share: float | None = None) -> np.ndarray:
+    """scores [Hkv, n_blocks, block_size] float -> keep, the same shape, bool: the tokens scoring above
+    `threshold`, at most ceil(max_keep_share x n / (1 + keep_after)) of them per head (the highest;
+    None: no cap), each followed by its `keep_after` continuation (`extend_spans`)."""
+    check_max_keep_share(max_keep_share)
+    keep = scores > threshold
+    if max_keep_share is not None and max_keep_share < 1.0 and keep.size:
+        hkv = keep.shape[0]
+        flat_keep = keep.reshape(hkv, -1)
+        n = flat_keep.shape[1]
+        limit = max(1, math.ceil(float(max_keep_share) * n / (1 + keep_after)))
+        over = flat_keep.sum(axis=1) > limit
+        if over.any():
+            masked = np.where(flat_keep[over], scores.reshape(hkv, -1)[over].astype(np.float64), -np.inf)
+            top = np.argpartition(-masked, limit - 1, axis=1)[:, :limit]  # exactly `limit`, ties broken
+            capped = np.zeros_like(masked, dtype=bool)
+            np.put_along_axis(capped, top, True, axis=1)
+            flat_keep = flat_keep.copy()
+            flat_keep[over] = capped & flat_keep[over]
+            keep = flat_keep.reshape(keep.shape)
+    return extend_spans(keep, keep_after)
+
+
 def _gather_kept_locked(store, layer: int, seq_id, block_numbers: np.ndarray, keep: np.ndarray,
                         scores: np.ndarray):
     """Rows of kept tokens, head-major then in token order.
@@ -78,14 +117,15 @@ def _gather_kept_locked(store, layer: int, seq_id, block_numbers: np.ndarray, ke
 
 
 def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, window_tokens: int,
-                     keep_after: int = 0) -> np.ndarray:
+                     keep_after: int = 0, max_keep_share: float | None = None) -> np.ndarray:
     """Select the salient tokens of newly evicted blocks into the context cache.
 
     seq_ids: sequence ids; block_numbers: for each sequence, an int array of its block numbers to
     examine (as returned by `KVStore.append_blocks`). Returns kept-token counts int64 [B, Hkv]
-    added by this call.
+    added by this call. max_keep_share: the cap (module docstring), None = HGCA's rule alone.
     """
     threshold = salience_threshold(beta, window_tokens)
+    check_max_keep_share(max_keep_share)
     seq_ids = list(seq_ids)
     if len(block_numbers) != len(seq_ids):
         raise ValueError(f"{len(block_numbers)} block-number lists for {len(seq_ids)} seq_ids; expected one each")
@@ -101,7 +141,7 @@ def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, win
                 raise ValueError(f"block numbers {blocks.tolist()} for seq_id={s!r}; expected [0, {n_have})")
             slots = store.block_slots(layer, s)[blocks]
             maw = store.layers[layer].arrays["maw"][slots].transpose(1, 0, 2)  # [Hkv, n, bs]
-            keep = extend_spans(maw > threshold, keep_after)
+            keep = select_salient(maw, threshold, keep_after, max_keep_share)
             rows = _gather_kept_locked(store, layer, s, blocks, keep, maw)
             store.context.append_locked(layer, s, *rows)
             added[i] = keep.sum(axis=(1, 2))
@@ -109,7 +149,7 @@ def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, win
 
 
 def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, scale: float | None = None,
-               keep_after: int = 0) -> np.ndarray:
+               keep_after: int = 0, max_keep_share: float | None = None) -> np.ndarray:
     """Rescore every stored token with the new queries [B, Tq, Hq, D] float32 and rebuild each
     head's context cache. Blocks appended after the scoring snapshot keep their current selection.
     Returns kept-token counts int64 [B, Hkv] after the rebuild.
@@ -119,6 +159,7 @@ def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, sca
     if isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating, np.integer)) \
             or not (0.0 < float(beta) < math.inf):
         raise ValueError(f"beta={beta!r}; expected a float in (0, inf)")
+    check_max_keep_share(max_keep_share)
     seq_ids = list(seq_ids)
     with store.lock:
         n_blocks = [store.n_blocks(layer, s) for s in seq_ids]
@@ -135,7 +176,7 @@ def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, sca
                 continue
             n_tok = nb * bs
             scores = probs[i, :, :n_tok].reshape(hkv, nb, bs)
-            keep = extend_spans(scores > salience_threshold(beta, n_tok), keep_after)
+            keep = select_salient(scores, salience_threshold(beta, n_tok), keep_after, max_keep_share)
             fresh = _gather_kept_locked(store, layer, s, np.arange(nb, dtype=np.int64), keep, scores)
             # Tokens of blocks evicted after the snapshot: keep what eviction-time sparsify chose.
             newer = [store.context.kept(layer, s, h) for h in range(hkv)]

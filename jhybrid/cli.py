@@ -241,6 +241,14 @@ def _add_budget(sub) -> None:
     p.add_argument("--host-kv-dtype", default=None, choices=["bf16", "fp16", "fp32", "int8"],
                    help="host store format of the offloaded KV (default: as --kv-dtype; int8 = 8-bit rows + scale)")
     p.add_argument("--reserve", default="0", help="GPU memory kept for activations (same units)")
+    p.add_argument("--split", default="fixed", choices=["fixed", "balanced"],
+                   help="balanced: also print the balanced split for --mode (window from the memory left at "
+                        "this batch, the CPU's share from a machine profile; jhybrid.hybrid.split)")
+    p.add_argument("--mode", default="hgca", choices=["hgca", "scout", "topk"],
+                   help="the offloading mode whose balanced split is printed (default hgca)")
+    p.add_argument("--measure", action="store_true",
+                   help="--split balanced: measure this machine's profile (HBM and host attention GB/s, a few "
+                        "seconds) instead of the documented H100 figures")
 
 
 def _bench(args) -> int:
@@ -275,8 +283,17 @@ def _budget(args) -> int:
                        parse_bytes(args.gpu_mem), gpu_share=args.gpu_share, sink=args.sink,
                        block_size=args.block_size, kv_dtype=args.kv_dtype, host_kv_dtype=args.host_kv_dtype,
                        reserve_bytes=parse_bytes(args.reserve) if args.reserve != "0" else 0)
-    width = max(len(label) for label, _ in format_budget(budget))
-    for label, value in format_budget(budget):
+    lines = format_budget(budget)
+    if args.split == "balanced":
+        from jhybrid.bench.budget import balanced_budget_split, format_split
+        from jhybrid.hybrid.split import machine_profile
+
+        offload, report = balanced_budget_split(budget, model_config_for(args.model), args.mode,
+                                                machine_profile(measure=args.measure), sink=args.sink,
+                                                block_size=args.block_size)
+        lines += format_split(offload, report)
+    width = max(len(label) for label, _ in lines)
+    for label, value in lines:
         print(f"{label.ljust(width)}  {value}")
     return 0
 

@@ -178,3 +178,66 @@ def test_keep_after_adds_the_continuation_of_each_kept_token(rng, where):
         assert 1 * BS + 6 in kept[0][h] and len(kept[0][h]) < n_tok // 2
         want = sorted({j + s for j in kept[0][h] for s in range(4) if j + s < n_tok})
         assert kept[3][h] == want
+
+
+def test_select_salient_cap_keeps_the_highest_scoring_of_those_over_the_threshold(rng):
+    """max_keep_share: per head at most ceil(share x n / (1 + keep_after)) span starts, the
+    highest-scoring among the tokens over the threshold (oracle: a sort per head); None and 1.0
+    change nothing; a head under its cap keeps all it passes."""
+    from host.sparsify import select_salient
+
+    hkv, nb, bs = 3, 5, 8
+    n = nb * bs
+    scores = rng.random((hkv, nb, bs))
+    scores[2] *= 0.05                      # head 2: few tokens over the threshold (under its cap)
+    scores[2, 1, 3] = 0.9
+    threshold = 0.3
+    for share in (0.05, 0.1, 0.25):
+        for keep_after in (0, 2):
+            got = select_salient(scores, threshold, keep_after, share)
+            seeds = select_salient(scores, threshold, 0, share if keep_after == 0 else None)
+            limit = max(1, math.ceil(share * n / (1 + keep_after)))
+            for h in range(hkv):
+                flat = scores[h].reshape(-1)
+                over = np.flatnonzero(flat > threshold)
+                want = np.sort(over[np.argsort(-flat[over], kind="stable")[:limit]])
+                want_spans = sorted({j + s for j in want for s in range(keep_after + 1) if j + s < n})
+                assert np.flatnonzero(got[h].reshape(-1)).tolist() == want_spans, (share, keep_after, h)
+            if keep_after == 0:
+                assert np.array_equal(got, seeds)
+    uncapped = scores > threshold
+    assert np.array_equal(select_salient(scores, threshold), uncapped)
+    assert np.array_equal(select_salient(scores, threshold, 0, 1.0), uncapped)
+    for bad in (0.0, 1.5, -0.1, True, "0.1"):
+        with pytest.raises(ValueError, match=r"max_keep_share=.*expected None or a fraction in \(0, 1\]"):
+            select_salient(scores, threshold, 0, bad)
+
+
+@pytest.mark.parametrize("where", ["evicted", "reevaluate"])
+def test_max_keep_share_caps_the_context_cache(rng, where):
+    """Through the store: the capped context cache holds, per head, the top ceil(share x n) of the
+    uncapped one by score (n: the examined tokens), and attends exactly those tokens."""
+    n_blocks, share = 4, 0.1
+    n = n_blocks * BS
+    seed = int(rng.integers(1 << 30))
+    maw = np.random.default_rng(seed).random((n_blocks, BS, HKV)).astype(np.float32)  # all over 1 / 32
+    kept = {}
+    for cap in (None, share):
+        store, numbers, _ = new_store(np.random.default_rng(seed), n_blocks, maw + 0.05)
+        if where == "evicted":
+            sparsify_evicted(store, 0, [0], [numbers], beta=1.0, window_tokens=32, max_keep_share=cap)
+        else:
+            q = np.random.default_rng(seed + 1).standard_normal((1, 2, HKV * 2, D)).astype(np.float32)
+            reevaluate(store, 0, [0], q, beta=1e-6, max_keep_share=cap)
+        kept[cap] = [store.context.kept(0, 0, h) for h in range(HKV)]
+        if cap is not None:
+            q = rng.standard_normal((1, 1, HKV * 2, D)).astype(np.float32)
+            o, lse = attend_context(store, 0, [0], q)
+            ks, vs = context_tokens(store, 0, 0)
+            ro, rl = reference_attention(q, [ks], [vs], HKV)
+            assert norm_relative_error(o, ro) < 2e-5 and norm_relative_error(lse, rl) < 2e-5
+    for h in range(HKV):
+        full, capped = kept[None][h], kept[share][h]
+        assert len(full["token_index"]) > math.ceil(share * n)
+        top = full["token_index"][np.argsort(-full["weight"], kind="stable")[:math.ceil(share * n)]]
+        assert sorted(capped["token_index"].tolist()) == sorted(top.tolist())

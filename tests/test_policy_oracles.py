@@ -149,6 +149,25 @@ def test_hgca_kept_tokens_match_a_float64_simulation(model):
         assert got[h] == want[h], f"KV head {h}: product keeps {sorted(got[h] ^ want[h])[:12]} differently"
 
 
+def test_hgca_cap_keeps_a_subset_of_the_threshold_selection(model):
+    """max_keep_share through decode: the MAW (on the GPU) does not depend on what the host keeps, so
+    the capped run's kept tokens are a subset of the uncapped run's, fewer, and each head holds at
+    most the cap of the tokens re-evaluated plus the cap (rounded up) of each later evicted group."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 97, (1, PROMPT + STEPS)).astype(np.int32)
+    kept, stored = {}, 0
+    for cap in (None, 0.1):
+        cfg = OffloadConfig(mode="hgca", beta=0.2, alpha=0.3, max_keep_share=cap, **WINDOW).resolved()
+        store = run(model, cfg, tokens).runtime.store
+        kept[cap] = [set(store.context.kept(0, 0, h)["token_index"].tolist()) for h in range(CONFIG.num_kv_heads)]
+        stored = store.n_tokens(0, 0)
+    assert sum(map(len, kept[0.1])) < sum(map(len, kept[None]))
+    bound = int(np.ceil(0.1 * stored)) + STEPS  # re-evaluated tokens + at most one per later group
+    for h in range(CONFIG.num_kv_heads):
+        assert kept[0.1][h] <= kept[None][h], f"KV head {h}: the cap kept {sorted(kept[0.1][h] - kept[None][h])}"
+        assert 0 < len(kept[0.1][h]) <= bound
+
+
 def simulate_hgca(cfg: OffloadConfig, q, k):
     """hgca's kept token indices per KV head (token_index = position - sink) for one sequence."""
     s, bs, alpha, beta, window = cfg.sink, cfg.block_size, cfg.alpha, cfg.beta, cfg.window_tokens

@@ -181,6 +181,45 @@ def format_budget(b: Budget) -> list[tuple[str, str]]:
     ]
 
 
+def balanced_budget_split(b: Budget, config, mode: str, profile, sink: int = 16, block_size: int = 16,
+                          resident_share: float = 0.73):
+    """`jhybrid budget --split balanced`: the balanced split (jhybrid.hybrid.split) of this budget's
+    point for an offloading mode, a window fitting when the global layers' window K/V plus the
+    sliding layers' fit the memory left for KV. -> (OffloadConfig, SplitReport).
+    resident_share: scout's share of the selection its pool holds (real text: 0.73, BENCHMARKS.md)."""
+    from jhybrid.hybrid.config import OffloadConfig
+    from jhybrid.hybrid.split import balanced_split
+
+    n_global, n_sliding = layer_kinds(config)
+    per_token_layer = kv_bytes_per_token(config) // config.num_layers
+    sliding = n_sliding * sliding_tokens(config, b.context) * per_token_layer
+
+    def fits(offload) -> bool:
+        return b.batch * (n_global * offload.window_tokens * per_token_layer + sliding) <= b.free_gpu_bytes
+
+    base = OffloadConfig(mode=mode, sink=sink, block_size=block_size)
+    return balanced_split(config, base, b.batch, b.context, fits, profile,
+                          b.weight_bytes // max(1, config.num_layers), resident_share=resident_share)
+
+
+def format_split(offload, report) -> list[tuple[str, str]]:
+    """(label, value) lines of a balanced split for printing."""
+    lines = [("balanced split", f"{offload.mode}, profile: {report.profile}"),
+             ("  GPU window", f"{report.window_tokens:,} tokens (sinks included)"),
+             ("  GPU time per layer", f"{report.gpu_ms_per_layer:.3f} ms"),
+             ("  CPU may read per layer", f"{human_bytes(report.cpu_bytes_per_layer)} "
+                                          f"({report.cpu_tokens_per_seq_head:,} tokens per sequence and KV head)")]
+    if report.budget is not None:
+        lines.append(("  budget", f"{report.budget:,} tokens per sequence and KV head"))
+    if report.recall_blocks is not None:
+        lines.append(("  recall pool", f"{report.recall_blocks} blocks per sequence and KV head"))
+    if report.hgca_balanced_keep is not None:
+        cap = offload.max_keep_share
+        lines.append(("  hgca kept share", f"at most {report.hgca_balanced_keep:.2%} of the offloaded tokens"
+                                           + ("" if cap is not None else " (the threshold keeps less: no cap)")))
+    return lines
+
+
 # ---------------------------------------------------------------------------- one sweep point
 # The bytes one throughput point needs, per mode, from the layouts the code allocates (checked
 # against real caches in tests/test_bench_throughput.py):
@@ -271,6 +310,14 @@ class PointMemory:
         if host is None or (dev is not None and dev <= host):
             return "device"
         return "host"
+
+    @property
+    def fits_device(self) -> bool:
+        return self.device_limit is None or self.device_bytes <= self.device_limit
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_limit is None or self.host_bytes <= self.host_limit
 
     def over_capacity(self) -> str | None:
         """None when the point is predicted to fit, else the reason (what needs how much)."""

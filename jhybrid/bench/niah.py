@@ -116,6 +116,8 @@ def run_niah(model, pretrained, point, on_step=None, deadline=None) -> list[dict
              "gpu_ratio": offload.gpu_ratio if window else None,
              "beta": offload.beta if offload.mode == "hgca" else None,
              **({"keep_after": offload.keep_after} if offload.mode == "hgca" and offload.keep_after else {}),
+             **({"max_keep_share": offload.max_keep_share}
+                if offload.mode == "hgca" and offload.max_keep_share is not None else {}),
              "budget": offload.budget if offload.mode in ("scout", "topk") else None,
              "predict_query": offload.predict_query if offload.mode == "scout" else None,
              "scout_exact_layers": exact_layers_of(offload),

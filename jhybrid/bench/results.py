@@ -84,10 +84,11 @@ SUMMARY_TEXT = 28  # characters of a text field (a NIAH answer) in the printed s
 # every row are left out. Every other field is in the CSV / JSON.
 SUMMARY_KEYS = {
     "perplexity": [("mode", "mode"), ("text", "text"), ("tokens", "tokens"), ("window", "window"),
-                   ("gpu_ratio", "gpu"), ("beta", "beta"), ("keep_after", "keep_after"), ("budget", "budget"),
-                   ("host_kv_dtype", "host kv"), ("kept_share", "kept"), ("ppl", "ppl")],
+                   ("gpu_ratio", "gpu"), ("beta", "beta"), ("keep_after", "keep_after"),
+                   ("max_keep_share", "cap"), ("budget", "budget"), ("host_kv_dtype", "host kv"),
+                   ("kept_share", "kept"), ("ppl", "ppl")],
     "niah": [("mode", "mode"), ("style", "style"), ("length", "length"), ("depth", "depth"), ("window", "window"),
-             ("host_kv_dtype", "host kv"), ("retrieved", "retrieved"), ("answer", "answer")],
+             ("max_keep_share", "cap"), ("host_kv_dtype", "host kv"), ("retrieved", "retrieved"), ("answer", "answer")],
     "throughput": [("model", "model"), ("layers", "L"), ("mode", "mode"), ("host_kv_dtype", "host kv"),
                    ("fill", "fill"), ("context", "ctx"), ("batch", "batch"), ("window", "window"),
                    ("decode_tok_s", "tok/s"), ("tbt_p50_ms", "p50 ms"), ("tbt_p99_ms", "p99 ms"),

@@ -204,8 +204,10 @@ class HostContext:
                 counts[b][:] = e
         return True
 
-    def rebuild_context_cache(self, batch: int, e: int, beta: float, window: int) -> None:
-        """hgca: the sparse context cache of sequences 0..batch-1 = the salient tokens of blocks 0..e-1."""
+    def rebuild_context_cache(self, batch: int, e: int, beta: float, window: int,
+                              max_keep_share: float | None = None) -> None:
+        """hgca: the sparse context cache of sequences 0..batch-1 = the salient tokens of blocks 0..e-1
+        (at most max_keep_share of them per head: `host.sparsify.select_salient`)."""
         store = self.store
         with store.lock:
             for layer in range(self.shape.n_layers):
@@ -213,7 +215,8 @@ class HostContext:
                     for h in range(self.shape.n_kv_heads):
                         store.context.clear_head_locked(layer, b, h)
         for layer in range(self.shape.n_layers):
-            sparsify_evicted(store, layer, range(batch), [np.arange(e)] * batch, beta, window)
+            sparsify_evicted(store, layer, range(batch), [np.arange(e)] * batch, beta, window,
+                             max_keep_share=max_keep_share)
 
     # ---- recall's mirror ----------------------------------------------------------------------
     def mirror(self, template: dict, batch: int, e: int) -> dict:
@@ -332,7 +335,7 @@ def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: in
     e = int(evicted_blocks(np.int64(context), cfg))
     nb = cfg.host_blocks(runtime.max_len)
     if cfg.mode == "hgca":
-        host.rebuild_context_cache(batch, e, cfg.beta, cfg.window_tokens)
+        host.rebuild_context_cache(batch, e, cfg.beta, cfg.window_tokens, max_keep_share=cfg.max_keep_share)
     key = jax.random.key(seed)
 
     def fresh(old: jax.Array, new: jax.Array) -> jax.Array:

@@ -244,7 +244,8 @@ def predict(model, point, batch: int, window: int | None, weights: int) -> Point
     host = bench.host_memory_gib * GIB if bench.host_memory_gib else host_memory_bytes()
     return point_memory(model.config, offload.mode, batch, bench.context, max_len_for(bench), window,
                         sink=offload.sink, block_size=offload.block_size,
-                        recall_blocks=offload.recall_blocks, hgca_keep=bench.hgca_keep, weights=weights,
+                        recall_blocks=offload.recall_blocks, weights=weights,
+                        hgca_keep=min(bench.hgca_keep, offload.max_keep_share or 1.0),  # what the cap leaves
                         device_limit=None if limit is None else int(limit), host_limit=int(host),
                         device_reserve=int(bench.device_reserve_gib * GIB),
                         host_reserve=int(bench.host_reserve_gib * GIB),
@@ -315,7 +316,9 @@ def run_throughput(model, pretrained, point, on_step: PointProgress | None = Non
     report_phase(on_step, f"predicting memory at batch {bench.batch} (compiles the step from shapes)")
     batch, memory = resolve_batch(model, point, window, weights, backend)
     split = {}
-    if bench.split == "balanced" and offload.mode != "full" and not memory.over_capacity():
+    # The balanced split sizes its own window: a point the fixed ratio does not fit (too little host for
+    # its offloaded part, say) may fit with it; _balanced_point skips the point when nothing fits.
+    if bench.split == "balanced" and offload.mode != "full":
         report_phase(on_step, "balanced split: measuring the machine, sizing the window")
         point, split = _balanced_point(model, point, batch, weights)
         offload = point.offload
@@ -369,14 +372,16 @@ def _balanced_point(model, point, batch: int, weights: int):
     limit = bench.device_memory_gib or (device_memory().get("bytes_limit") or 0) / GIB
     margin = dataclasses.replace(bench, device_reserve_gib=bench.device_reserve_gib + 0.1 * limit)
 
-    def fits(offload) -> bool:
+    def memory(offload):
         candidate = dataclasses.replace(point, offload=offload, benchmark=margin)
-        return predict(model, candidate, batch, offload.window_tokens, weights).over_capacity() is None
+        return predict(model, candidate, batch, offload.window_tokens, weights)
 
     try:
-        offload, report = balanced_split(config, point.offload, batch, bench.context, fits,
+        offload, report = balanced_split(config, point.offload, batch, bench.context,
+                                         lambda offload: memory(offload).fits_device,
                                          machine_profile(n_threads=point.offload.host_threads), per_layer,
-                                         resident_share=bench.selection_overlap)
+                                         resident_share=bench.selection_overlap,
+                                         host_fits=lambda offload: memory(offload).fits_host)
     except ValueError as error:
         raise PointSkipped(str(error)) from None
     return dataclasses.replace(point, offload=offload), report.fields()

@@ -79,6 +79,9 @@ class OffloadConfig:
         salience); tiny values (e.g. 1e-30) keep everything.
     keep_after: hgca: each kept token also keeps the keep_after tokens after it (spans for copying;
         not in HGCA, whose rule is keep_after = 0; `host.sparsify.extend_spans`).
+    max_keep_share: hgca: of the tokens that pass the salience threshold, keep at most this share of
+        the examined ones per (sequence, KV head), the highest-scoring (None = HGCA's rule alone; not
+        in HGCA). Bounds the CPU's work per step; the balanced split sets it (`jhybrid.hybrid.split`).
     reevaluate_queries: hgca: how many of a new turn's last queries re-score the offloaded tokens.
     exchange: hgca: "split" = submit before the GPU window attention, collect after it (the CPU
         overlaps the GPU); "sync" = one exchange that computes on the spot.
@@ -132,6 +135,7 @@ class OffloadConfig:
     alpha: float = 0.1
     beta: float = 1.0
     keep_after: int = 0
+    max_keep_share: float | None = None
     reevaluate_queries: int = 16
     exchange: str = "split"
     budget: int | None = None
@@ -187,6 +191,9 @@ class OffloadConfig:
             bad += self._window_problems(self.window_tokens)
         check("alpha", _is_number(self.alpha) and 0.0 < self.alpha <= 1.0, "expected a float in (0, 1]")
         check("beta", _is_number(self.beta) and 0.0 < self.beta < math.inf, "expected a float in (0, inf)")
+        check("max_keep_share", self.max_keep_share is None or (_is_number(self.max_keep_share)
+                                                              and 0.0 < self.max_keep_share <= 1.0),
+              "expected None or a fraction in (0, 1]")
         check("recall_threshold", _is_number(self.recall_threshold) and 0.0 <= self.recall_threshold <= 1.0,
               "expected a fraction in [0, 1]")
         check("predict_query", isinstance(self.predict_query, bool), "expected true or false")

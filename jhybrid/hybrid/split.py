@@ -10,8 +10,9 @@ Two rules, per point (model, mode, batch, context):
                the GPU reads the layer's weights plus the window's KV (at `hbm_gbps`), the CPU reads
                its share of the offloaded KV (at `host_attention_gbps`, the Numba kernels' measured
                rate) after the exchange's fixed cost. scout: the budget (and a recall pool that holds
-               the selection's stable part); hgca: the kept share that would balance (reported; the
-               salience threshold, not the split, decides what hgca keeps).
+               the selection's stable part); hgca: the kept share that balances, as a cap on what
+               the salience threshold keeps (`OffloadConfig.max_keep_share`: the highest-scoring
+               tokens up to that share; a tighter cap given in the base config is kept).
 
     profile = machine_profile()                     # measured once per process (cached), or defaults
     config, report = balanced_split(model_config, OffloadConfig(mode="scout"), batch, context,
@@ -127,12 +128,16 @@ class SplitReport:
 
 
 def balanced_split(model_config, base: OffloadConfig, batch: int, context: int, fits, profile: MachineProfile,
-                   weight_bytes_per_layer: int, resident_share: float = 0.8) -> tuple[OffloadConfig, SplitReport]:
+                   weight_bytes_per_layer: int, resident_share: float = 0.8,
+                   host_fits=None) -> tuple[OffloadConfig, SplitReport]:
     """The config of `base` (an offloading mode) with its window (and scout / topk budget and pool)
     chosen by the balanced split (module docstring). fits(config) -> bool: does the point fit the
     device with this config (the caller's memory prediction, weights and reserves included)?
+    host_fits(config) -> bool (None: always): does the offloaded part fit the host? A smaller window
+    offloads more, so the largest window the device holds is also the host's best case.
     resident_share: scout's expected share of the selection held by the recall pool
-    (jhybrid.bench.selection_stats). ValueError when not even the smallest window fits."""
+    (jhybrid.bench.selection_stats). ValueError when not even the smallest window fits the device, or
+    the largest that does leaves more than the host holds."""
     if base.mode == "full":
         raise ValueError("the balanced split is for the offloading modes (mode 'full' keeps everything)")
     bs, sink = base.block_size, base.sink
@@ -155,7 +160,12 @@ def balanced_split(model_config, base: OffloadConfig, batch: int, context: int, 
                 changes["recall_blocks"] = recall
         if base.mode == "hgca" and offloaded:
             keep = round(min(1.0, cpu_tokens / offloaded), 4)
-        report = SplitReport(window, gpu_s * 1e3, cpu_bytes, int(cpu_tokens), budget, recall, keep, profile.source)
+            if keep < 1.0:
+                cap = max(keep, 1e-4)  # > 0: a share the config accepts
+                changes["max_keep_share"] = cap if base.max_keep_share is None else min(cap, base.max_keep_share)
+        report = SplitReport(window, gpu_s * 1e3, cpu_bytes, int(cpu_tokens), budget, recall, keep,
+                             f"{profile.source}: HBM {profile.hbm_gbps:g} GB/s, host attention "
+                             f"{profile.host_attention_gbps:g} GB/s, exchange {profile.exchange_us_per_layer:g} us/layer")
         return dataclasses.replace(base, **changes), report
 
     lo, hi = 2, max(2, (context - sink) // bs - 1)  # ring blocks of the window
@@ -167,7 +177,11 @@ def balanced_split(model_config, base: OffloadConfig, batch: int, context: int, 
             lo = mid
         else:
             hi = mid - 1
-    return choose(sink + lo * bs)
+    chosen = choose(sink + lo * bs)
+    if host_fits is not None and not host_fits(chosen[0]):
+        raise ValueError(f"balanced split: the largest window the device holds at batch {batch} "
+                         f"({chosen[1].window_tokens} tokens) offloads more than the host holds")
+    return chosen
 
 
 __all__ = ["MachineProfile", "DEFAULT_PROFILE", "machine_profile", "SplitReport", "balanced_split"]

@@ -28,7 +28,7 @@ from jhybrid.hybrid.window import decode_attention
 
 class Hgca(OffloadMode):
     name = "hgca"
-    settings = frozenset({"alpha", "beta", "keep_after", "reevaluate_queries", "exchange"})
+    settings = frozenset({"alpha", "beta", "keep_after", "max_keep_share", "reevaluate_queries", "exchange"})
     decode_kind = "context"
 
     def decode_host_kind(self):
@@ -73,7 +73,7 @@ class HgcaHost(ModeHost):
         blocks are published, so the CPU attends them from the first step it owns them."""
         cfg = self.runtime.config
         sparsify_evicted(self.runtime.store, layer, list(numbers_by_seq), list(numbers_by_seq.values()),
-                         cfg.beta, cfg.window_tokens, cfg.keep_after)
+                         cfg.beta, cfg.window_tokens, cfg.keep_after, cfg.max_keep_share)
 
     def before_prefill_chunk(self, positions):
         self._collect_turn_queries()
@@ -139,5 +139,5 @@ class HgcaHost(ModeHost):
         of newly evicted blocks, so neither sees the other half done (a token kept twice)."""
         cfg, runtime = self.runtime.config, self.runtime
         runtime.evictor.background(reevaluate, runtime.store, layer, list(seqs), queries, cfg.beta, runtime.scale,
-                                   cfg.keep_after)
+                                   cfg.keep_after, cfg.max_keep_share)
         runtime.count("n_reevaluations")
