@@ -331,3 +331,15 @@ def test_niah_heat_maps_wrap_into_rows_and_show_found_shares(tmp_path):
     path = plot_niah(rows, str(tmp_path / "niah.png"))
     height, width, _ = matplotlib.image.imread(path).shape
     assert height > 0.3 * width  # 8 panels: two rows of 6 and 2, not one strip
+
+
+def test_niah_panels_keep_each_kept_share_cap_apart():
+    """Rows that differ only in hgca's kept-share cap get their own heat-map panel (they were merged,
+    the last cap's cells drawn over the others')."""
+    from jhybrid.bench.plots import _tag
+
+    base = {"task": "niah", "mode": "hgca", "style": "multikey", "gpu_ratio": 0.25, "beta": 1.0,
+            "point": "offload.mode=hgca"}
+    tags = {_tag({**base, "max_keep_share": cap}) for cap in (None, 0.1, 0.03, 0.0125)}
+    assert len(tags) == 4
+    assert "cap0.03" in _tag({**base, "max_keep_share": 0.03})

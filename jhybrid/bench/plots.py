@@ -99,6 +99,8 @@ def _tag(r):
         tag += f" b{r['beta']:g}"
     if r.get("keep_after"):
         tag += f" span{r['keep_after']}"
+    if r.get("max_keep_share"):
+        tag += f" cap{r['max_keep_share']:g}"
     if r.get("budget"):
         tag += f" k{r['budget']}"
     if "predict_query=False" in r.get("point", ""):
