@@ -20,6 +20,7 @@ Owned by `KVStore` (it shares the store's lock, memory budget and reader bracket
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from host.memory import HostMemoryBudget, SlotArrays, SlotPool, arrays_nbytes
 from host.store_format import FORMAT_CODE, STORAGE_DTYPE, StoreConfig
@@ -172,27 +173,52 @@ class ContextCache:
         return out
 
     def snapshot_locked(self, layer: int, seq_ids) -> PagedKV:
-        """The page lists of `seq_ids` (in batch order) for the attention kernel."""
+        """The page lists of `seq_ids` (in batch order) for the attention kernel. This runs for every
+        layer before a decode step's host attention starts, so the per-sequence work is three
+        references; the page lists are gathered in nopython code (`_gather_page_lists`)."""
         hkv = self.cfg.n_kv_heads
-        tables, counts, n_pages = [], [], []
-        for s in seq_ids:  # one Python step per sequence (this runs on every attention call)
-            self._check(layer, s)
-            hp = self._heads[s][layer]
-            width = int(hp.n_pages.max()) if hkv else 0
-            tables.append(hp.table[:, :width][np.arange(width)[None, :] < hp.n_pages[:, None]])
-            counts.append(hp.n_kept)
-            n_pages.append(hp.n_pages)
-        unit_tokens = np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, np.int64)
-        page_ptr = np.zeros(hkv * len(seq_ids) + 1, np.int64)
-        if n_pages:
-            np.cumsum(np.concatenate(n_pages), out=page_ptr[1:])
-        page_ids = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.cfg.n_layers:
+            self._check(layer, None)
+        try:
+            heads = [self._heads[s][layer] for s in seq_ids]
+        except KeyError as missing:
+            self._check(layer, missing.args[0])
+            raise
         a = self.layers[layer].arrays
-        return PagedKV(a["k"], a["v"], FORMAT_CODE[self.cfg.kv_dtype], page_ptr, page_ids.astype(np.int64),
-                       unit_tokens, hkv)
+        if not heads or not hkv:
+            empty = np.zeros(0, np.int64)
+            return PagedKV(a["k"], a["v"], FORMAT_CODE[self.cfg.kv_dtype], np.zeros(hkv * len(heads) + 1, np.int64),
+                           empty, np.zeros(hkv * len(heads), np.int64), hkv)
+        tables = np.concatenate([hp.table.ravel() for hp in heads])
+        widths = np.array([hp.table.shape[1] for hp in heads], np.int64)
+        n_pages = np.concatenate([hp.n_pages for hp in heads])
+        unit_tokens = np.concatenate([hp.n_kept for hp in heads])
+        page_ptr, page_ids = _gather_page_lists(tables, widths, n_pages, hkv)
+        return PagedKV(a["k"], a["v"], FORMAT_CODE[self.cfg.kv_dtype], page_ptr, page_ids, unit_tokens, hkv)
 
     def _check(self, layer, seq_id) -> None:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.cfg.n_layers:
             raise ValueError(f"layer={layer!r}; expected an int in [0, {self.cfg.n_layers})")
         if seq_id not in self._heads:
             raise ValueError(f"unknown seq_id={seq_id!r}; sequences in the store: {sorted(self._heads)[:20]}")
+
+
+@njit(cache=True)
+def _gather_page_lists(tables, widths, n_pages, n_kv_heads):
+    """tables: the sequences' [Hkv, widths[s]] int64 page tables raveled and concatenated;
+    n_pages int64 [S * Hkv] -> (page_ptr int64 [S * Hkv + 1], page_ids int64: each unit's first
+    n_pages pages, in unit order)."""
+    units = n_pages.shape[0]
+    page_ptr = np.zeros(units + 1, np.int64)
+    for u in range(units):
+        page_ptr[u + 1] = page_ptr[u] + n_pages[u]
+    page_ids = np.empty(page_ptr[units], np.int64)
+    table_start = 0
+    for s in range(widths.shape[0]):
+        for h in range(n_kv_heads):
+            u = s * n_kv_heads + h
+            row = table_start + h * widths[s]
+            for i in range(n_pages[u]):
+                page_ids[page_ptr[u] + i] = tables[row + i]
+        table_start += n_kv_heads * widths[s]
+    return page_ptr, page_ids

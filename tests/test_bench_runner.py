@@ -343,3 +343,12 @@ def test_niah_panels_keep_each_kept_share_cap_apart():
     tags = {_tag({**base, "max_keep_share": cap}) for cap in (None, 0.1, 0.03, 0.0125)}
     assert len(tags) == 4
     assert "cap0.03" in _tag({**base, "max_keep_share": 0.03})
+
+
+def test_throughput_lines_keep_hgca_spans_apart():
+    """hgca rows with keep_after spans are their own line (the point string carries the setting)."""
+    from jhybrid.bench.plots import _variant
+
+    assert _variant({"mode": "hgca", "point": "offload.mode=hgca,offload.keep_after=8"}) == "hgca span8"
+    assert _variant({"mode": "hgca", "point": "offload.mode=hgca,offload.keep_after=0"}) == "hgca"
+    assert _variant({"mode": "scout", "point": "offload.mode=scout", "keep_after": None}) == "scout"

@@ -124,6 +124,41 @@ def test_context_cache_random_index_sets(rng, kv_dtype):
     assert not np.isnan(o).any()
 
 
+def test_context_snapshot_page_lists_match_each_heads_kept_tokens(rng):
+    """snapshot_locked (the page lists gathered in nopython code) against `kept()`: every unit's
+    pages, in order, hold exactly its kept tokens; tables grown past their first capacity, empty
+    heads, a sequence order that is not the store's, an unknown sequence and a bad layer."""
+    hkv, d, bs = 3, 16, 4
+    store, seqs = make_store(rng, hkv=hkv, d=d, bs=bs, blocks=[40, 1, 25])  # 16-token pages: > 8 per head
+    from host.sparsify import _gather_kept_locked
+    layer = 0
+    for s in seqs:
+        nb = store.n_blocks(layer, s)
+        keep = rng.random((hkv, nb, bs)) < rng.uniform(0.3, 1.0, (hkv, 1, 1))
+        keep[1] = False  # an empty head in every sequence
+        keep[0] |= s == seqs[0]  # 160 tokens: 10 pages, past the table's first capacity of 8
+        with store.lock:
+            store.context.append_locked(layer, s, *_gather_kept_locked(store, layer, s, np.arange(nb), keep,
+                                                                        np.ones(keep.shape, np.float32)))
+    order = [seqs[2], seqs[0], seqs[1]]
+    with store.lock:
+        view = store.context.snapshot_locked(layer, order)
+    page_tokens = view.k_pages.shape[1]
+    for i, s in enumerate(order):
+        for h in range(hkv):
+            u = i * hkv + h
+            want = store.context.kept(layer, s, h)["k"]
+            pages = view.page_ids[view.page_ptr[u]:view.page_ptr[u + 1]]
+            assert view.unit_tokens[u] == want.shape[0] and pages.size == -(-want.shape[0] // page_tokens)
+            got = view.k_pages[pages].reshape(-1, view.k_pages.shape[-1])[: want.shape[0]]
+            np.testing.assert_array_equal(got, want)
+    assert view.page_ptr[-1] == view.page_ids.size and view.page_ptr.size == len(order) * hkv + 1
+    with store.lock, pytest.raises(ValueError, match="unknown seq_id=999"):
+        store.context.snapshot_locked(layer, [seqs[0], 999])
+    with store.lock, pytest.raises(ValueError, match="layer=5"):
+        store.context.snapshot_locked(5, seqs)
+
+
 def test_empty_store_and_sequence(rng):
     store, _ = make_store(rng, blocks=[])
     store.add_sequence(7)

@@ -95,3 +95,27 @@ def test_budget_command_prints_the_balanced_split(capsys):
     window = int(out.split("GPU window")[1].split("tokens")[0].replace(",", "").strip())
     assert 16 < window < 32768
     assert np.isfinite(float(out.split("GPU time per layer")[1].split("ms")[0]))
+
+
+def test_a_given_host_rate_replaces_the_probe(monkeypatch):
+    """machine_profile(host_attention_gbps=...) uses the given rate and never runs the host probe
+    (which reads differently from process to process); a non-positive rate is refused, in the
+    function and in a run config."""
+    from jhybrid.config.loading import config_from_dict
+    from jhybrid.config.schema import ConfigError
+    from jhybrid.hybrid import split
+
+    def no_probe(*_):
+        raise AssertionError("the host attention probe ran")
+
+    monkeypatch.setattr(split, "_measure_host_attention_gbps", no_probe)
+    monkeypatch.setattr(split, "_measure_hbm_gbps", lambda: 1234.5)
+    split.machine_profile.cache_clear()
+    profile = split.machine_profile(host_attention_gbps=17.5)
+    assert profile.host_attention_gbps == 17.5 and profile.hbm_gbps == 1234.5
+    assert "host rate given" in profile.source
+    with pytest.raises(ValueError, match="host_attention_gbps=0"):
+        split.machine_profile(host_attention_gbps=0)
+    split.machine_profile.cache_clear()
+    with pytest.raises(ConfigError, match="'benchmark.split_host_gbps' = -1"):
+        config_from_dict({"name": "x", "benchmark": {"task": "throughput", "split": "balanced", "split_host_gbps": -1}})

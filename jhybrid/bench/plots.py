@@ -152,6 +152,14 @@ def _model_tag(r) -> str:
     return f"{r.get('model', '?')} ({r['layers']} layers)" if r.get("layers") else str(r.get("model", "?"))
 
 
+def _variant(r) -> str:
+    """The mode, with hgca's spans when set (rows of one mode that differ in them are not one line)."""
+    after = r.get("keep_after")
+    if after is None and "keep_after=" in r.get("point", ""):
+        after = int(r["point"].split("keep_after=")[1].split(",")[0])
+    return r["mode"] + (f" span{after}" if after else "")
+
+
 def plot_throughput(rows: list[dict], path: str) -> str | None:
     """Decode tokens/s vs context (one line per mode and batch) and vs batch (per mode and context),
     one row of panels per model. Batches written as 'max' are drawn at their resolved value."""
@@ -160,7 +168,7 @@ def plot_throughput(rows: list[dict], path: str) -> str | None:
     if not rows:
         return None
     models = list(dict.fromkeys(_model_tag(r) for r in rows))
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    modes = list(dict.fromkeys(_variant(r) for r in rows))
     colors = {m: f"C{i % 10}" for i, m in enumerate(modes)}  # one colour per mode
     markers = "osD^vP*Xh<>"
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.4 * len(models)), squeeze=False)
@@ -168,8 +176,8 @@ def plot_throughput(rows: list[dict], path: str) -> str | None:
         sel_model = [r for r in rows if _model_tag(r) == model]
         batches = sorted({r["batch"] for r in sel_model})
         contexts = sorted({r["context"] for r in sel_model})
-        for (mode, fill) in dict.fromkeys((r["mode"], r.get("fill")) for r in sel_model):
-            sel = [r for r in sel_model if r["mode"] == mode and r.get("fill") == fill]
+        for (mode, fill) in dict.fromkeys((_variant(r), r.get("fill")) for r in sel_model):
+            sel = [r for r in sel_model if _variant(r) == mode and r.get("fill") == fill]
             style = "--" if fill == "prefill" else "-"  # a real prefill's decode: dashed
             name = mode + (" (prefill)" if fill == "prefill" else "")
             for batch in sorted({r["batch"] for r in sel}):

@@ -379,7 +379,8 @@ def _balanced_point(model, point, batch: int, weights: int):
     try:
         offload, report = balanced_split(config, point.offload, batch, bench.context,
                                          lambda offload: memory(offload).fits_device,
-                                         machine_profile(n_threads=point.offload.host_threads), per_layer,
+                                         machine_profile(n_threads=point.offload.host_threads,
+                                                         host_attention_gbps=bench.split_host_gbps), per_layer,
                                          resident_share=bench.selection_overlap,
                                          host_fits=lambda offload: memory(offload).fits_host)
     except ValueError as error:
@@ -552,7 +553,11 @@ def _breakdown(step_s, hook_s, runtime) -> dict:
             "recall_ms": per("recall_s"), "transfer_ms": per("transfer_s"),
             "callbacks_per_step": round(c.get("n_callbacks", 0) / n, 2),
             "host_exchange": None if runtime is None else ("ffi" if runtime.worker is not None else "callback"),
-            "exchange_serve_ms": per("exchange_serve_s"), **_exchange_timing(c, n, step_ms)}
+            "exchange_serve_ms": per("exchange_serve_s"),
+            # before the worker serves a step's first layer: waiting for the host work queued
+            # before it (hgca: sparsifying the blocks just evicted, lock included), then the page snapshot
+            "exchange_barrier_ms": per("exchange_barrier_s"), "exchange_snapshot_ms": per("exchange_snapshot_s"),
+            **_exchange_timing(c, n, step_ms)}
 
 
 def _exchange_timing(c: dict, steps: int, step_ms: float) -> dict:

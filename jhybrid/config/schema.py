@@ -79,6 +79,9 @@ class BenchmarkSpec:
           modes' window as large as the device memory left at the batch allows and the CPU's share
           (scout / topk budget, scout's pool) what the host attends in the GPU's time per layer, from
           this machine's measured profile (jhybrid.hybrid.split); rows say what was chosen.
+      split_host_gbps: balanced split: the host attention rate (GB/s) to size the CPU's share with,
+          instead of probing it (the probe reads differently from process to process; a row's
+          `split_profile` shows the rate its split used, so pinning it reproduces that split).
       warmup_steps: untimed decode steps before the `decode_tokens` timed ones (synthetic fill).
       prefill_repeats: prefill fill: timed generations (fresh random prompts each) after the untimed
           warm-up; time to first token is their median, decode times are pooled over them.
@@ -115,6 +118,7 @@ class BenchmarkSpec:
     hgca_keep: float = 0.1
     selection_overlap: float = 0.8
     split: str = dataclasses.field(default="fixed", metadata=_choices("fixed", "balanced"))
+    split_host_gbps: float | None = None
     run_over_capacity: bool = False
     device_memory_gib: float | None = None
     host_memory_gib: float | None = None
@@ -214,5 +218,7 @@ def _check_ranges(section: str, spec) -> None:
         raise ConfigError(f"'benchmark.niah_depth' = {spec.niah_depth}: expected a fraction in [0, 1]")
     if section == "benchmark" and not 0.0 <= spec.selection_overlap <= 1.0:
         raise ConfigError(f"'benchmark.selection_overlap' = {spec.selection_overlap}: expected a fraction in [0, 1]")
+    if section == "benchmark" and spec.split_host_gbps is not None and not spec.split_host_gbps > 0:
+        raise ConfigError(f"'benchmark.split_host_gbps' = {spec.split_host_gbps}: expected a rate > 0 (GB/s)")
     if section == "benchmark" and not 0.0 <= spec.hgca_keep <= 1.0:
         raise ConfigError(f"'benchmark.hgca_keep' = {spec.hgca_keep}: expected a fraction in [0, 1]")

@@ -108,7 +108,7 @@ class HostRuntime:
         self._c: dict[str, float] = {}
         self._c_lock = threading.Lock()  # counters are also updated by background threads
         self.declare_counters("bytes_to_device", "n_prefill_device_chunks", "n_prefill_extends",
-                              "n_prefill_host_chunks")
+                              "n_prefill_host_chunks", "exchange_barrier_s", "exchange_snapshot_s")
         self.evictor = Evictor(self)
         self.history: list[dict] = []
         self._last_snapshot = None
@@ -319,12 +319,16 @@ class HostRuntime:
         kind = self.mode.decode_host_kind()
         offloaded = self.evictor.published.copy()
 
-        def pages():
+        def pages():  # both parts delay the step's first layer: counted apart (the breakdown)
+            start = time.perf_counter()
             self.executor.collect(barrier)
             store = self.store
             with store.lock:
+                taken = time.perf_counter()
                 snapshot = self._context_pages(offloaded) if kind == "context" else self._block_pages(offloaded)
                 store.begin_read()
+            self.count("exchange_barrier_s", taken - start)
+            self.count("exchange_snapshot_s", time.perf_counter() - taken)
             return snapshot, store.end_read
 
         return StepPlan(layers=layers, pages=pages)

@@ -94,16 +94,22 @@ DEFAULT_PROFILE = MachineProfile(hbm_gbps=3000.0, host_attention_gbps=80.0, exch
 
 
 @functools.lru_cache(maxsize=None)
-def machine_profile(measure: bool = True, n_threads: int | None = None) -> MachineProfile:
+def machine_profile(measure: bool = True, n_threads: int | None = None,
+                    host_attention_gbps: float | None = None) -> MachineProfile:
     """This machine's profile, measured once per process (a few seconds); DEFAULT_PROFILE when
-    `measure` is False. The exchange cost is the documented per-layer figure (not measured here)."""
+    `measure` is False. host_attention_gbps: use this host rate instead of probing it (the probe
+    reads differently from process to process: BENCHMARKS.md; pinning it reproduces a split). The
+    exchange cost is the documented per-layer figure (not measured here)."""
+    if host_attention_gbps is not None and not host_attention_gbps > 0:
+        raise ValueError(f"host_attention_gbps={host_attention_gbps!r}; expected None or a rate > 0 (GB/s)")
     if not measure:
         return DEFAULT_PROFILE
     start = time.perf_counter()
-    profile = MachineProfile(hbm_gbps=round(_measure_hbm_gbps(), 1),
-                             host_attention_gbps=round(_measure_host_attention_gbps(n_threads), 1),
+    host = host_attention_gbps or round(_measure_host_attention_gbps(n_threads), 1)
+    profile = MachineProfile(hbm_gbps=round(_measure_hbm_gbps(), 1), host_attention_gbps=host,
                              exchange_us_per_layer=DEFAULT_PROFILE.exchange_us_per_layer,
-                             source=f"measured ({time.perf_counter() - start:.1f} s)")
+                             source=f"measured ({time.perf_counter() - start:.1f} s)"
+                                    + ("; host rate given" if host_attention_gbps else ""))
     log.info("machine profile: %s", profile)
     return profile
 
