@@ -177,18 +177,16 @@ class ContextCache:
         layer before a decode step's host attention starts, so the per-sequence work is three
         references; the page lists are gathered in nopython code (`_gather_page_lists`)."""
         hkv = self.cfg.n_kv_heads
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.cfg.n_layers:
-            self._check(layer, None)
+        self._check_layer(layer)
         try:
             heads = [self._heads[s][layer] for s in seq_ids]
         except KeyError as missing:
-            self._check(layer, missing.args[0])
+            self._check(layer, missing.args[0])  # raises: names the unknown sequence
             raise
         a = self.layers[layer].arrays
-        if not heads or not hkv:
+        if not heads:
             empty = np.zeros(0, np.int64)
-            return PagedKV(a["k"], a["v"], FORMAT_CODE[self.cfg.kv_dtype], np.zeros(hkv * len(heads) + 1, np.int64),
-                           empty, np.zeros(hkv * len(heads), np.int64), hkv)
+            return PagedKV(a["k"], a["v"], FORMAT_CODE[self.cfg.kv_dtype], np.zeros(1, np.int64), empty, empty, hkv)
         tables = np.concatenate([hp.table.ravel() for hp in heads])
         widths = np.array([hp.table.shape[1] for hp in heads], np.int64)
         n_pages = np.concatenate([hp.n_pages for hp in heads])
@@ -196,9 +194,12 @@ class ContextCache:
         page_ptr, page_ids = _gather_page_lists(tables, widths, n_pages, hkv)
         return PagedKV(a["k"], a["v"], FORMAT_CODE[self.cfg.kv_dtype], page_ptr, page_ids, unit_tokens, hkv)
 
-    def _check(self, layer, seq_id) -> None:
+    def _check_layer(self, layer) -> None:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.cfg.n_layers:
             raise ValueError(f"layer={layer!r}; expected an int in [0, {self.cfg.n_layers})")
+
+    def _check(self, layer, seq_id) -> None:
+        self._check_layer(layer)
         if seq_id not in self._heads:
             raise ValueError(f"unknown seq_id={seq_id!r}; sequences in the store: {sorted(self._heads)[:20]}")
 
