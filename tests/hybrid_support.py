@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jhybrid.generation import make_step
+from jhybrid.hcache import HCacheEngine
 from jhybrid.models import ModelConfig
 
 TINY = ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -16,6 +17,13 @@ KEEP_ALL = dict(WINDOW, beta=1e-30)
 SCOUT_RECALLS = dict(recall_blocks=2, recall_min_interval=2, recall_threshold=0.0)
 CHUNK, MAX_LEN = 16, 128
 TOL = 2e-4
+# A Gemma-3-like model: sliding layers (window 24) and global layers alternating.
+GEMMA3_LIKE = ModelConfig(
+    family="gemma3", vocab_size=97, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+    mlp_dim=128, max_position_embeddings=256, mlp_type="geglu", sliding_window=24,
+    layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
+    rope_theta=1e6, rope_local_theta=1e4, qk_norm=True, sandwich_norm=True, embed_scale=128 ** 0.5,
+    query_pre_attn_scalar=64.0, final_logit_softcap=30.0)
 
 
 def wait_recalls(backend) -> None:
@@ -63,3 +71,18 @@ def run_forced(model, backend, prompt, continuation, turns=(), chunk=CHUNK, max_
         held += 1
         out.append(np.asarray(logits[:, 0]))
     return np.stack(out, 1), backend, cache, held
+
+
+def two_turns(model, root, backend, prompts, plan, evict: bool, max_len: int = 256, steps: int = 6):
+    """Turn 1, then (evict: save, close, restore) turn 2. -> [(tokens, logits)] per turn."""
+    engine = HCacheEngine(model, str(root), plan=plan, max_len=max_len, prefill_chunk=32, chunk_tokens=16,
+                          prefix_reuse=False, backend=backend)
+    session = engine.new_session()
+    out = [session.generate(prompts[0], steps, return_logits=True)]
+    if evict:
+        session_id = session.save()
+        session.close()
+        session = engine.restore(session_id)
+    out.append(session.generate(prompts[1], steps, return_logits=True))
+    session.close()
+    return out, session

@@ -18,19 +18,9 @@ from jhybrid.config import ConfigError, expand_sweep
 from jhybrid.config.loading import config_from_dict
 from jhybrid.config.schema import ModelSpec
 from jhybrid.hybrid.window import evicted_blocks
+from tests.bench_support import OFFLOAD, point
 
 GIB = 2**30
-OFFLOAD = {"gpu_ratio": 0.25, "sink": 16, "block_size": 16, "budget": 32, "recall_blocks": 2,
-           "host_threads": 1}
-
-
-def point(mode="hgca", batch=1, context=256, offload=None, **bench):
-    run = config_from_dict({"name": "t", "model": {"name": "tiny"},
-                            "offload": {**OFFLOAD, "mode": mode, **(offload or {})},
-                            "benchmark": {"task": "throughput", "fill": "synthetic", "batch": batch,
-                                          "context": context, "decode_tokens": 3, "warmup_steps": 1,
-                                          **bench}})
-    return expand_sweep(run)[0]
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ from jhybrid.bench.query_similarity import query_similarity
 from jhybrid.hybrid import OffloadConfig, make_backend
 from jhybrid.hybrid.calibration import cache_dir, calibrate, layer_ahead_cosines, resolve_exact_layers
 from jhybrid.models import create_model
-from tests.hybrid_support import TINY
-from tests.test_hybrid_sliding import GEMMA3_LIKE
+from tests.hybrid_support import GEMMA3_LIKE, TINY
 
 TOKENS = np.random.default_rng(3).integers(0, 97, 48).astype(np.int32)
 

@@ -20,7 +20,7 @@ from jhybrid.hybrid import OffloadConfig, make_backend
 from jhybrid.hybrid.ingest import HybridCacheWriter
 from jhybrid.hybrid.window import slot_positions
 from jhybrid.models import create_model
-from tests.hybrid_support import KEEP_ALL, SCOUT_RECALLS, TINY
+from tests.hybrid_support import KEEP_ALL, SCOUT_RECALLS, TINY, two_turns
 
 CONFIG = TINY.replace(max_position_embeddings=512)
 # Window 40 = 8 sinks + 2 blocks of 16 (max prefill chunk 16): a 70-token history evicts 2 blocks.
@@ -31,7 +31,7 @@ MODES = {
     "scout-exact-query": dict(mode="scout", predict_query=False, **SCOUT_RECALLS),
     "streaming": dict(mode="streaming"),
 }
-MAX_LEN, STEPS, TOL = 256, 6, 2e-4
+MAX_LEN, TOL = 256, 2e-4
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +43,6 @@ def model():
 def prompts():
     rng = np.random.default_rng(11)
     return [list(rng.integers(0, CONFIG.vocab_size, n)) for n in (70, 21)]
-
-
-def two_turns(model, root, backend, prompts, plan, evict: bool):
-    """Turn 1, then (evict: save, close, restore) turn 2. -> [(tokens, logits)] per turn."""
-    engine = HCacheEngine(model, str(root), plan=plan, max_len=MAX_LEN, prefill_chunk=32, chunk_tokens=16,
-                          prefix_reuse=False, backend=backend)
-    session = engine.new_session()
-    out = [session.generate(prompts[0], STEPS, return_logits=True)]
-    if evict:
-        session_id = session.save()
-        session.close()
-        session = engine.restore(session_id)
-    out.append(session.generate(prompts[1], STEPS, return_logits=True))
-    session.close()
-    return out, session
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,11 @@ import pytest
 from jhybrid.attention.full import masked_attention, store_kv
 from jhybrid.hybrid import make_backend
 from jhybrid.hybrid.sliding import LayerPlan, init_sliding, sliding_attention
-from jhybrid.models import ModelConfig, create_model
-from tests.hybrid_support import KEEP_ALL, SCOUT_RECALLS, TOL, run_forced
+from jhybrid.models import create_model
+from tests.hybrid_support import GEMMA3_LIKE, KEEP_ALL, SCOUT_RECALLS, TOL, run_forced, two_turns
 
 # 4 layers: sliding, global, sliding, global (scout's layer-ahead crosses a sliding layer). The
 # window of 24 tokens is shorter than the offloading modes' GPU window of 40 and than the context.
-GEMMA3_LIKE = ModelConfig(
-    family="gemma3", vocab_size=97, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
-    mlp_dim=128, max_position_embeddings=256, mlp_type="geglu", sliding_window=24,
-    layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
-    rope_theta=1e6, rope_local_theta=1e4, qk_norm=True, sandwich_norm=True, embed_scale=128 ** 0.5,
-    query_pre_attn_scalar=64.0, final_logit_softcap=30.0)
 B, PROMPT, STEPS = 2, 40, 64
 
 CASES = {
@@ -165,7 +159,6 @@ def test_restored_session_with_sliding_layers_continues_exactly(model, tmp_path,
     with their last 24 tokens, global layers split into window + host store) continues with the
     logits of the same session kept open, and of `full` (keep-everything policy)."""
     from jhybrid.hybrid import OffloadConfig
-    from tests.test_hybrid_ingest import two_turns
 
     rng = np.random.default_rng(12)
     prompts = [list(rng.integers(0, 97, n)) for n in (70, 21)]
@@ -189,7 +182,7 @@ def test_throughput_points_with_sliding_layers(mode, fill):
 
     from jhybrid.bench.shapes import load_model
     from jhybrid.bench.throughput import run_throughput
-    from tests.test_bench_throughput import point
+    from tests.bench_support import point
 
     p = point(mode, batch=2, context=256, fill=fill)
     p = dataclasses.replace(p, model=dataclasses.replace(p.model, name="tiny-gemma3"))

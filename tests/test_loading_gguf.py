@@ -11,7 +11,7 @@ from jhybrid.generation import make_step
 from jhybrid.loading.gguf_loader import load_gguf_model, permute_rope_rows, unpermute_rope_rows
 from jhybrid.loading.hf import load_hf_model
 from jhybrid.loading.pretrained import load_pretrained
-from test_models_hf_reference import VOCAB, hf_logits, make_hf_model, save_hf_model
+from tests.hf_reference import VOCAB, hf_logits, make_hf_model, save_hf_model
 
 
 def write_llama_gguf(hf_model, path: str) -> None:
@@ -55,6 +55,7 @@ def write_llama_gguf(hf_model, path: str) -> None:
 
 @pytest.fixture(scope="module")
 def llama_files(tmp_path_factory):
+    pytest.importorskip("gguf")
     hf = make_hf_model("llama")
     folder = tmp_path_factory.mktemp("llama_hf")
     save_hf_model(hf, folder)

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 
 from jhybrid.loading.hf import load_hf_model
 from jhybrid.models import from_hf_config
-from test_models_hf_reference import make_hf_model, save_hf_model
+from tests.hf_reference import make_hf_model, save_hf_model
 
 
 @pytest.fixture(scope="module")

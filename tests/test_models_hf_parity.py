@@ -9,7 +9,7 @@ import torch
 
 from jhybrid.generation import Generator, make_step
 from jhybrid.loading.hf import load_hf_model
-from test_models_hf_reference import TINY_CONFIGS, VOCAB, hf_logits, make_hf_model, save_hf_model
+from tests.hf_reference import TINY_CONFIGS, VOCAB, hf_logits, make_hf_model, save_hf_model
 
 FAMILIES = list(TINY_CONFIGS)
 ATOL = 2e-5

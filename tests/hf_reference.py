@@ -1,5 +1,5 @@
 """Reference models for the parity tests: tiny randomly initialised Hugging Face models of every
-supported family (helpers imported by the other test modules; holds no tests itself)."""
+supported family (imported by the test modules; not a test module)."""
 
 from __future__ import annotations
 
