@@ -1,5 +1,5 @@
 """The `jhybrid` console script: `jhybrid version`, `jhybrid generate`, `jhybrid convert`,
-`jhybrid bench`, `jhybrid budget`."""
+`jhybrid bench`, `jhybrid budget`, `jhybrid sessions`."""
 
 from __future__ import annotations
 
