@@ -85,6 +85,8 @@ def load_library():
     lib.jh_exchange_submitted.restype = i64
     lib.jh_exchange_close.argtypes = [c_int]
     lib.jh_exchange_release.argtypes = [c_int]
+    lib.jh_exchange_route.argtypes = [c_int, i64, c_int]
+    lib.jh_exchange_route.restype = c_int
     _LIB.append(lib)
     return lib
 
@@ -127,6 +129,12 @@ class NativeExchange:
         if self.lib.jh_exchange_timing(self.id, out) != 0:
             return None
         return out[0], out[1], int(out[2])
+
+    def route(self, ordinal: int, target: "NativeExchange | None") -> None:
+        """Tensor parallelism: this exchange's calls made on the device of XLA ordinal `ordinal`
+        go to `target` (another reserved exchange; None drops the route)."""
+        if self.lib.jh_exchange_route(self.id, int(ordinal), -1 if target is None else target.id) != 0:
+            raise ValueError(f"native exchange: cannot route device ordinal {ordinal} (the route table is full)")
 
     def submitted(self, layer: int) -> int:
         return int(self.lib.jh_exchange_submitted(self.id, layer))

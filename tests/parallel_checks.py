@@ -17,11 +17,16 @@ from jhybrid.models import create_model
 from jhybrid.parallel import TensorParallel, ring_prefill, ring_prefill_cache, sequence_mesh, tensor_mesh
 from jhybrid.parallel.mesh import SEQ
 from jhybrid.parallel.ring import ring_attention
-from tests.hybrid_support import KEEP_ALL, TINY, run_forced
+from tests.hybrid_support import CHUNK, GEMMA3_LIKE, KEEP_ALL, MAX_LEN, SCOUT_RECALLS, TINY, WINDOW, run_forced
 
 TOL = 2e-4
 # 4 KV heads (TP 1, 2, 4), a vocabulary that divides by 4
 TP_CONFIG = TINY.replace(num_heads=8, num_kv_heads=4, head_dim=16, mlp_dim=256, vocab_size=96)
+TP_HYBRID = TP_CONFIG.replace(head_dim=64)  # the hybrid kernels' head dims are 64 / 128 / 256
+# Each offloading mode with its real policy (HGCA's threshold at beta 1, top-k budgets of 2 of the
+# 4-5 offloaded blocks, scout's recalls), not keep-everything: the shards must decide as TP 1 does.
+MODE_SETTINGS = {"recall": {}, "hgca": {}, "topk": {"budget": 32}, "scout": dict(budget=32, **SCOUT_RECALLS),
+                 "streaming": {}}
 
 
 def check_ring_attention(rng):
@@ -102,6 +107,77 @@ def check_ring_prefill_into_modes(rng):
             backend.close()
 
 
+def distributed_prompts(seed: int):
+    """The two-process check's hgca prompt [2, 40] and forced continuation [2, 24]."""
+    rng = np.random.default_rng(seed + 1)
+    return rng.integers(0, 96, (2, 40)).astype(np.int32), rng.integers(0, 96, (2, 24)).astype(np.int32)
+
+
+def forced_tp(model, backend, tp, prompt, continuation, chunk=CHUNK, max_len=MAX_LEN):
+    """tests.hybrid_support.run_forced's schedule (chunked prefill, then one forced token per step,
+    scout's recalls waited for) through TensorParallel at degree `tp` -> (logits [B, steps, V],
+    counters, the open ShardedOffload; close it)."""
+    parallel = TensorParallel(model, tensor_mesh(tp, model.config), backend)
+    sharded, batch = parallel.backend, prompt.shape[0]
+    sharded.open(model.config, batch, max_len)
+    cache = parallel.init_cache(batch, max_len)
+    step, params = parallel.make_step()
+    for s in range(0, prompt.shape[1], chunk):
+        part = prompt[:, s:s + chunk]
+        pos = s + np.arange(part.shape[1])[None].repeat(batch, 0)
+        pad = chunk - part.shape[1]
+        part = np.pad(part, ((0, 0), (0, pad)))
+        pos = np.pad(pos, ((0, 0), (0, pad)), constant_values=-1).astype(np.int32)
+        cache = sharded.before_step(cache, pos)
+        _, cache = step(params, part, pos, cache)
+    out, held = [], prompt.shape[1]
+    for i in range(continuation.shape[1]):
+        pos = np.full((batch, 1), held + i, np.int32)
+        for runtime in sharded.runtimes.values():
+            wait = getattr(runtime.mode_host, "wait", None)
+            if wait is not None:
+                wait()
+        cache = sharded.before_step(cache, pos)
+        logits, cache = step(params, continuation[:, i:i + 1], pos, cache)
+        out.append(np.asarray(logits[:, 0]))
+    window = cache.layers[-1].window.k_ring
+    assert len(window.sharding.device_set) == tp
+    assert window.addressable_shards[0].data.shape[1] == model.config.num_kv_heads // tp
+    for runtime in sharded.runtimes.values():  # each device's own host-store shard over its own heads
+        assert runtime.store.config.n_kv_heads == model.config.num_kv_heads // tp
+    return np.stack(out, 1), sharded.counters(), sharded
+
+
+def check_tensor_parallel_offload(rng):
+    """Every offloading mode at TP 2 and 4 == the single-device backend, over a 40-token prefill and
+    64 forced decode steps that cross evictions, with each mode's real policy; a Gemma-3-like model
+    (sliding + global layers) in hgca and scout at TP 2."""
+    model = create_model(TP_HYBRID, seed=1)
+    prompt = rng.integers(0, 96, (2, 40)).astype(np.int32)
+    continuation = rng.integers(0, 96, (2, 64)).astype(np.int32)
+    for mode, settings in MODE_SETTINGS.items():
+        config = dict(WINDOW, **settings)
+        reference, backend, _, _ = run_forced(model, make_backend(mode, **config), prompt, continuation)
+        backend.close()
+        for tp in (2, 4):
+            got, counters, sharded = forced_tp(model, make_backend(mode, **config), tp, prompt, continuation)
+            sharded.close()
+            np.testing.assert_allclose(got, reference, atol=TOL, rtol=0, err_msg=f"{mode} tp={tp}")
+            assert counters["n_evicted_blocks"] > 0, (mode, tp)
+            if mode == "scout":
+                assert counters["n_recalls"] > 0, counters
+    gemma = create_model(GEMMA3_LIKE, seed=3)
+    prompt, continuation = prompt % 97, continuation % 97
+    for mode in ("hgca", "scout"):
+        config = dict(WINDOW, **MODE_SETTINGS[mode])
+        reference, backend, _, _ = run_forced(gemma, make_backend(mode, **config), prompt, continuation)
+        backend.close()
+        got, counters, sharded = forced_tp(gemma, make_backend(mode, **config), 2, prompt, continuation)
+        sharded.close()
+        np.testing.assert_allclose(got, reference, atol=TOL, rtol=0, err_msg=f"gemma3-like {mode}")
+        assert counters["n_evicted_blocks"] > 0
+
+
 def _decode_tp(model, tp, tokens, steps):
     parallel = TensorParallel(model, tensor_mesh(tp, model.config))  # over jax.devices(): every process's
     step, params = parallel.make_step()
@@ -145,12 +221,26 @@ def check_tensor_parallel(rng):
         assert "only 4 are visible" in str(error)
     else:
         raise AssertionError("a mesh of 5 of 4 devices accepted")
-    try:
-        TensorParallel(model, tensor_mesh(2, config), make_backend("hgca", **KEEP_ALL))
+    hybrid = create_model(TP_HYBRID, seed=1)
+    sharded = TensorParallel(hybrid, tensor_mesh(4, hybrid.config), make_backend("hgca", **KEEP_ALL)).backend
+    try:  # a model whose KV heads the mesh does not divide, handed to an opened mesh's backend
+        sharded.open(hybrid.config.replace(num_heads=6, num_kv_heads=6), 1, 64)
     except ValueError as error:
-        assert "runs mode 'full' only so far" in str(error)
+        assert "does not divide the model's 6 KV heads" in str(error), str(error)
     else:
-        raise AssertionError("hgca at TP 2 accepted")
+        raise AssertionError("6 KV heads over 4 devices accepted")
+    try:
+        ring_prefill_cache(hybrid, sharded, np.arange(8), sequence_mesh(2), 64)
+    except ValueError as error:
+        assert "tensor-parallel offloading backend is not supported" in str(error), str(error)
+    else:
+        raise AssertionError("a ring prefill into a tensor-parallel offloading backend accepted")
+    try:
+        sharded.before_step(None, np.zeros((1, 1), np.int32))
+    except RuntimeError as error:
+        assert "call backend.open" in str(error)
+    else:
+        raise AssertionError("a step before open accepted")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("check", ["ring_attention", "ring_prefill", "ring_prefill_into_modes", "tensor_parallel"])
+@pytest.mark.parametrize("check", ["ring_attention", "ring_prefill", "ring_prefill_into_modes", "tensor_parallel",
+                                   "tensor_parallel_offload"])
 def test_parallel(check, rng):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT}
@@ -24,13 +25,16 @@ def test_parallel(check, rng):
 
 
 def test_two_processes_equal_one(tmp_path, rng):
-    """TP 2 as two CPU processes under jax.distributed (one device each, gloo) == TP 1 in this process."""
+    """TP 2 as two CPU processes under jax.distributed (one device each, gloo) == TP 1 in this process:
+    `full`, and hgca with each process holding the host side of its own KV heads."""
     import socket
 
     import numpy as np
 
+    from jhybrid.hybrid import make_backend
     from jhybrid.models import create_model
-    from tests.parallel_checks import TP_CONFIG, _decode_tp
+    from tests.hybrid_support import WINDOW, run_forced
+    from tests.parallel_checks import TP_CONFIG, TP_HYBRID, _decode_tp, distributed_prompts
 
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -54,3 +58,34 @@ def test_two_processes_equal_one(tmp_path, rng):
     tokens = np.random.default_rng(seed).integers(0, TP_CONFIG.vocab_size, (2, 24)).astype(np.int32)
     reference = _decode_tp(create_model(TP_CONFIG, seed=1), 1, tokens, 16)
     np.testing.assert_allclose(np.load(out), reference, atol=2e-4, rtol=0)
+    prompt, continuation = distributed_prompts(seed)
+    reference, backend, _, _ = run_forced(create_model(TP_HYBRID, seed=1), make_backend("hgca", **WINDOW), prompt,
+                                          continuation)
+    backend.close()
+    np.testing.assert_allclose(np.load(out + ".hgca.npy"), reference, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["hgca", "scout"])
+def test_tensor_parallel_offload_on_one_device(mode, rng):
+    """TensorParallel at degree 1 in this process, on the default device (the GPU's native exchange
+    when there is one): the sharded backend's shard_map, its host-call routing by device ordinal and
+    its per-step slicing of the cache give the plain backend's logits."""
+    import jax
+    import numpy as np
+
+    from jhybrid.hybrid import make_backend
+    from jhybrid.models import create_model
+    from tests.hybrid_support import WINDOW, run_forced
+    from tests.parallel_checks import MODE_SETTINGS, TP_HYBRID, forced_tp
+
+    model = create_model(TP_HYBRID, seed=1)
+    prompt = rng.integers(0, 96, (2, 40)).astype(np.int32)
+    continuation = rng.integers(0, 96, (2, 32)).astype(np.int32)
+    config = dict(WINDOW, **MODE_SETTINGS[mode])
+    with jax.default_matmul_precision("highest"):  # a GPU's default TF32 would blur a float32 tolerance
+        reference, backend, _, _ = run_forced(model, make_backend(mode, **config), prompt, continuation)
+        backend.close()
+        got, counters, sharded = forced_tp(model, make_backend(mode, **config), 1, prompt, continuation)
+        sharded.close()
+    assert counters["n_evicted_blocks"] > 0
+    np.testing.assert_allclose(got, reference, atol=2e-4, rtol=0)

@@ -11,6 +11,8 @@
 // computes the partial state, writes o / lse into the slot and releases done[slot] = seq. An error
 // or a timeout on the host side writes the message here (jh_exchange_fail) and releases every slot,
 // so no stream waits forever; the CPU collect then returns the message as the call's error.
+// Under tensor parallelism every device of the mesh runs the same calls; each device's calls are
+// routed by its XLA device ordinal to that device's own exchange (jh_exchange_route).
 //
 // No CUDA toolkit is needed to build this file: the CUDA driver (libcuda.so.1) is loaded at run time.
 
@@ -175,6 +177,32 @@ Exchange* Lookup(int64_t id) {
   return g_exchanges[id].load(std::memory_order_acquire);
 }
 
+// Tensor parallelism: one traced step calls the same exchange id (a compile-time attribute) on every
+// device of the mesh; each device's calls go to that device's own exchange. A route maps (id, XLA
+// device ordinal) to that exchange's id; a few per process, scanned without a lock (entries are
+// only appended, under g_route_mu, and published by the count).
+struct RouteEntry {
+  std::atomic<int64_t> id{-1};
+  std::atomic<int64_t> ordinal{-1};
+  std::atomic<int64_t> target{-1};
+};
+constexpr int kMaxRoutes = 1024;
+RouteEntry g_routes[kMaxRoutes];
+std::atomic<int> g_route_count{0};
+std::mutex g_route_mu;
+
+int64_t Route(int64_t id, int64_t ordinal) {
+  int n = g_route_count.load(std::memory_order_acquire);
+  for (int i = 0; i < n; ++i) {
+    if (g_routes[i].id.load(std::memory_order_relaxed) == id &&
+        g_routes[i].ordinal.load(std::memory_order_relaxed) == ordinal) {
+      int64_t target = g_routes[i].target.load(std::memory_order_acquire);
+      return target >= 0 ? target : id;
+    }
+  }
+  return id;
+}
+
 ffi::Error Invalid(const std::string& what) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, what); }
 ffi::Error Internal(const std::string& what) { return ffi::Error(ffi::ErrorCode::kInternal, what); }
 
@@ -206,9 +234,10 @@ std::string FailureMessage(Exchange* ex, int64_t slot) {
 }
 
 // ---- CPU handlers ------------------------------------------------------------------------------
-ffi::Error SubmitCpuImpl(int64_t id, int64_t slot, ffi::AnyBuffer q, ffi::RemainingArgs rest,
+ffi::Error SubmitCpuImpl(int32_t ordinal, int64_t id, int64_t slot, ffi::AnyBuffer q, ffi::RemainingArgs rest,
                          ffi::Result<ffi::AnyBuffer> token) {
   ffi::Error error = ffi::Error::Success();
+  id = Route(id, ordinal);
   Exchange* ex = Check(id, slot, &error);
   if (ex == nullptr) return error;
   if (auto e = CheckBytes("q", q.size_bytes(), ex->q_bytes); e.failure()) return e;
@@ -225,10 +254,11 @@ ffi::Error SubmitCpuImpl(int64_t id, int64_t slot, ffi::AnyBuffer q, ffi::Remain
   return ffi::Error::Success();
 }
 
-ffi::Error CollectCpuImpl(int64_t id, int64_t slot, ffi::RemainingArgs deps, ffi::Result<ffi::AnyBuffer> o,
+ffi::Error CollectCpuImpl(int32_t ordinal, int64_t id, int64_t slot, ffi::RemainingArgs deps, ffi::Result<ffi::AnyBuffer> o,
                           ffi::Result<ffi::AnyBuffer> lse) {
   (void)deps;  // operands that only order this call after the GPU part of the layer
   ffi::Error error = ffi::Error::Success();
+  id = Route(id, ordinal);
   Exchange* ex = Check(id, slot, &error);
   if (ex == nullptr) return error;
   if (auto e = CheckBytes("o", o->size_bytes(), ex->o_bytes); e.failure()) return e;
@@ -264,9 +294,10 @@ ffi::Error CollectCpuImpl(int64_t id, int64_t slot, ffi::RemainingArgs deps, ffi
 }
 
 // ---- GPU handlers (they enqueue; the stream does the waiting) -----------------------------------
-ffi::Error SubmitGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::AnyBuffer q, ffi::RemainingArgs rest,
+ffi::Error SubmitGpuImpl(CUstream stream, int32_t ordinal, int64_t id, int64_t slot, ffi::AnyBuffer q, ffi::RemainingArgs rest,
                          ffi::Result<ffi::AnyBuffer> token) {
   ffi::Error error = ffi::Error::Success();
+  id = Route(id, ordinal);
   Exchange* ex = Check(id, slot, &error);
   if (ex == nullptr) return error;
   if (!ex->gpu) return Invalid("host exchange " + std::to_string(id) + " was opened for the CPU");
@@ -293,10 +324,11 @@ ffi::Error SubmitGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-ffi::Error CollectGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::RemainingArgs deps,
+ffi::Error CollectGpuImpl(CUstream stream, int32_t ordinal, int64_t id, int64_t slot, ffi::RemainingArgs deps,
                           ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse) {
   (void)deps;
   ffi::Error error = ffi::Error::Success();
+  id = Route(id, ordinal);
   Exchange* ex = Check(id, slot, &error);
   if (ex == nullptr) return error;
   if (!ex->gpu) return Invalid("host exchange " + std::to_string(id) + " was opened for the CPU");
@@ -325,6 +357,7 @@ ffi::Error CollectGpuImpl(CUstream stream, int64_t id, int64_t slot, ffi::Remain
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeSubmitCpu, SubmitCpuImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("exchange")
                                   .Attr<int64_t>("slot")
                                   .Arg<ffi::AnyBuffer>()
@@ -332,6 +365,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeSubmitCpu, SubmitCpuImpl,
                                   .Ret<ffi::AnyBuffer>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeCollectCpu, CollectCpuImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("exchange")
                                   .Attr<int64_t>("slot")
                                   .RemainingArgs()
@@ -340,6 +374,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeCollectCpu, CollectCpuImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeSubmitGpu, SubmitGpuImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("exchange")
                                   .Attr<int64_t>("slot")
                                   .Arg<ffi::AnyBuffer>()
@@ -348,6 +383,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeSubmitGpu, SubmitGpuImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JhExchangeCollectGpu, CollectGpuImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("exchange")
                                   .Attr<int64_t>("slot")
                                   .RemainingArgs()
@@ -508,11 +544,35 @@ __attribute__((visibility("default"))) void jh_exchange_close(int id) {
   Destroy(g_exchanges[id].exchange(nullptr, std::memory_order_acq_rel));
 }
 
-// The backend is gone: close and give the id back.
+// Tensor parallelism: calls of exchange `id` made on the device of XLA ordinal `ordinal` go to
+// exchange `target` (-1: no route). 0, or -1 for an id out of range or a full route table.
+__attribute__((visibility("default"))) int jh_exchange_route(int id, int64_t ordinal, int target) {
+  if (id < 0 || id >= kMaxExchanges || target < -1 || target >= kMaxExchanges) return -1;
+  std::lock_guard<std::mutex> lock(g_route_mu);
+  int n = g_route_count.load(std::memory_order_relaxed);
+  for (int i = 0; i < n; ++i) {
+    if (g_routes[i].id.load() == id && g_routes[i].ordinal.load() == ordinal) {
+      g_routes[i].target.store(target, std::memory_order_release);
+      return 0;
+    }
+  }
+  if (n == kMaxRoutes) return -1;
+  g_routes[n].id.store(id);
+  g_routes[n].ordinal.store(ordinal);
+  g_routes[n].target.store(target);
+  g_route_count.store(n + 1, std::memory_order_release);
+  return 0;
+}
+
+// The backend is gone: close and give the id back (and drop its routes).
 __attribute__((visibility("default"))) void jh_exchange_release(int id) {
   jh_exchange_close(id);
   std::lock_guard<std::mutex> lock(g_create_mu);
   if (id >= 0 && id < kMaxExchanges) g_reserved[id] = false;
+  std::lock_guard<std::mutex> route_lock(g_route_mu);
+  int n = g_route_count.load(std::memory_order_relaxed);
+  for (int i = 0; i < n; ++i)
+    if (g_routes[i].id.load() == id) g_routes[i].target.store(-1, std::memory_order_release);
 }
 
 }  // extern "C"

@@ -38,6 +38,7 @@ def run_perplexity(model, pretrained, point, on_step=None, deadline=None) -> lis
              **({"max_keep_share": offload.max_keep_share}
                 if offload.mode == "hgca" and offload.max_keep_share is not None else {}),
              "budget": offload.budget if offload.mode in ("scout", "topk") else None,
+             **({"host_kv_dtype": offload.host_kv_dtype} if offload.host_kv_dtype is not None else {}),
              "predict_query": offload.predict_query if offload.mode == "scout" else None,
              "scout_exact_layers": exact_layers_of(offload),
              **({"exact_layers_used": exact_layers_of(backend.config)} if offload.mode == "scout" else {}),

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jhybrid.attention.base import AttentionBackend, LayerContext
 from jhybrid.hybrid.config import OffloadConfig
-from jhybrid.hybrid.exchange import CallbackExchange, FfiExchange, HostSlot, after, register_ffi_targets
+from jhybrid.hybrid.exchange import CallbackExchange, FfiExchange, HostSlot, ShardedSlots, after, register_ffi_targets
 from jhybrid.hybrid.modes import MODES
 from jhybrid.hybrid.modes.base import DecodeStep
 from jhybrid.hybrid.prefill import offloaded_attention
@@ -47,7 +47,10 @@ class HybridAttention(AttentionBackend):
 
     handles_long_context = True
 
-    def __init__(self, config: OffloadConfig):
+    def __init__(self, config: OffloadConfig, slot: HostSlot | ShardedSlots | None = None):
+        """slot: where the traced step's host calls find their runtime; a `ShardedSlots` makes this
+        the device-side template of a tensor-parallel backend (`jhybrid.parallel.offload`), whose
+        per-device runtimes are other HybridAttention objects."""
         if config.mode == "full":
             raise ValueError("mode 'full' is FullAttention; use jhybrid.hybrid.make_backend(config)")
         if config.window_tokens is None:
@@ -55,7 +58,7 @@ class HybridAttention(AttentionBackend):
         self.config = config
         self.name = config.mode
         self.mode = MODES[config.mode](config)
-        self._slot = HostSlot()  # where the traced step's host calls find the open runtime
+        self._slot = slot or HostSlot()  # where the traced step's host calls find the open runtime
         self._plan: LayerPlan | None = None  # the open model's global layers (set by open)
         self.native = self._native_exchange()  # host.exchange_worker.NativeExchange, or None
         self.exchange = CallbackExchange(self._slot) if self.native is None else FfiExchange(self._slot, self.native.id)
@@ -90,9 +93,14 @@ class HybridAttention(AttentionBackend):
     @property
     def runtime(self) -> HostRuntime | None:
         """The open batch's host side (store, workers, counters), or None."""
-        return self._slot.runtime
+        return getattr(self._slot, "runtime", None)
 
-    def open(self, config, batch_size, max_len, dtype=None):
+    def open(self, config, batch_size, max_len, dtype=None, device=None):
+        """device: where this batch's cache lives (default: the first device); its native exchange
+        is opened there."""
+        if isinstance(self._slot, ShardedSlots):
+            raise RuntimeError("this backend is the device-side template of a tensor-parallel backend; "
+                               "open the jhybrid.parallel backend instead")
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"hybrid attention needs head_dim in {SUPPORTED_HEAD_DIMS} (the Pallas kernels); "
                              f"the model has {config.head_dim}")
@@ -107,7 +115,7 @@ class HybridAttention(AttentionBackend):
         self.mode.check(offloaded, max_len)
         self.close()
         self._slot.runtime = HostRuntime(self.config, self.mode, offloaded, batch_size, max_len,
-                                         dtype or config.dtype, native=self.native)
+                                         dtype or config.dtype, native=self.native, device=device)
         self._plan = plan
         return self
 

@@ -37,14 +37,33 @@ class HostSlot:
     """Where a traced step finds its host runtime when it runs. A backend owns one slot for its
     lifetime; `open` puts a runtime in it, `close` takes it out."""
 
+    axis = None  # a single runtime: host calls carry no shard index
+
     def __init__(self):
         self.runtime = None
 
-    def bridge(self):
+    def bridge(self, shard: int | None = None):
         if self.runtime is None:
             raise RuntimeError("hybrid backend: the host side is not open (call backend.open(...) before "
                                "running a step)")
         return self.runtime.bridge
+
+
+class ShardedSlots:
+    """Tensor parallelism (`jhybrid.parallel.offload`): the same traced step runs on every device of
+    a mesh axis, and each device's host calls must reach that device's own runtime. The calls pass
+    their position on `axis` (`jax.lax.axis_index`) and find the runtime in `slots[position]`
+    (the positions whose device this process owns)."""
+
+    def __init__(self, axis: str, slots: dict[int, HostSlot]):
+        self.axis, self.slots = axis, dict(slots)
+
+    def bridge(self, shard: int | None = None):
+        slot = self.slots.get(-1 if shard is None else int(shard))
+        if slot is None:
+            raise RuntimeError(f"tensor-parallel host call from shard {shard}: this process holds the runtimes "
+                               f"of shards {sorted(self.slots)} only")
+        return slot.bridge()
 
 
 def _partial_shapes(q_shape):
@@ -62,41 +81,44 @@ class CallbackExchange:
     """The exchange through `jax.pure_callback` (works on every backend). `kind` is the host
     attention kind: "context" (hgca's kept tokens), "all" (every offloaded token), "blocks"."""
 
-    def __init__(self, slot: HostSlot):
+    def __init__(self, slot: HostSlot | ShardedSlots):
         self.slot = slot
+
+    def _call(self, fn, shapes, *args):
+        """jax.pure_callback of fn(bridge, *args) on the host bridge of the runtime this device's
+        call belongs to (under tensor parallelism, its shard's: `ShardedSlots`)."""
+        slot = self.slot
+        if slot.axis is None:
+            return jax.pure_callback(lambda *a: fn(slot.bridge(), *a), shapes, *args)
+        shard = jax.lax.axis_index(slot.axis).astype(jnp.int32)
+        return jax.pure_callback(lambda s, *a: fn(slot.bridge(int(s)), *a), shapes, shard, *args)
 
     def submit(self, layer: int, kind: str, q: jax.Array, block_ids: jax.Array | None = None):
         """Queue host attention of q [B, Tq, Hq, D]; returns an int32 ticket (scalar)."""
-        slot = self.slot
         args = (q.astype(jnp.float32),) + (() if block_ids is None else (block_ids.astype(jnp.int32),))
-        return jax.pure_callback(lambda *a: slot.bridge().cb_submit(layer, kind, *a),
-                                 jax.ShapeDtypeStruct((), jnp.int32), *args)
+        return self._call(lambda bridge, *a: bridge.cb_submit(layer, kind, *a),
+                          jax.ShapeDtypeStruct((), jnp.int32), *args)
 
     def collect(self, layer: int, ticket: jax.Array, q_shape, *dependencies):
         """(o float32 [B, Tq, Hq, D], lse float32 [B, Tq, Hq]) of a ticket, after `dependencies`."""
-        slot = self.slot
-        return jax.pure_callback(lambda t, *deps: slot.bridge().cb_collect(t), _partial_shapes(q_shape),
-                                 ticket, *dependencies)
+        return self._call(lambda bridge, t, *deps: bridge.cb_collect(t), _partial_shapes(q_shape),
+                          ticket, *dependencies)
 
     def attend_now(self, layer: int, kind: str, q: jax.Array, block_ids: jax.Array | None = None):
         """Synchronous host attention inside one callback -> (o, lse)."""
-        slot = self.slot
         args = (q.astype(jnp.float32),) + (() if block_ids is None else (block_ids.astype(jnp.int32),))
-        return jax.pure_callback(lambda *a: slot.bridge().cb_attend_now(layer, kind, *a),
-                                 _partial_shapes(q.shape), *args)
+        return self._call(lambda bridge, *a: bridge.cb_attend_now(layer, kind, *a), _partial_shapes(q.shape), *args)
 
     def exchange(self, layer: int, ticket: jax.Array, q_shape, kind: str, next_layer: int | None,
                  next_q: jax.Array | None, next_ids: jax.Array | None, *dependencies):
         """One host visit: collect `ticket` (of `layer`) and submit next_layer's work (layer-ahead
         pipelining). Returns (o, lse, next ticket int32; 0 when next_layer is None)."""
-        slot = self.slot
         shapes = _partial_shapes(q_shape) + (jax.ShapeDtypeStruct((), jnp.int32),)
         if next_layer is None:
-            return jax.pure_callback(lambda t, *deps: slot.bridge().cb_exchange(None, kind, t), shapes,
-                                     ticket, *dependencies)
-        return jax.pure_callback(
-            lambda t, nq, ni, *deps: slot.bridge().cb_exchange(next_layer, kind, t, nq, ni), shapes,
-            ticket, next_q.astype(jnp.float32), next_ids.astype(jnp.int32), *dependencies)
+            return self._call(lambda bridge, t, *deps: bridge.cb_exchange(None, kind, t), shapes, ticket,
+                              *dependencies)
+        return self._call(lambda bridge, t, nq, ni, *deps: bridge.cb_exchange(next_layer, kind, t, nq, ni), shapes,
+                          ticket, next_q.astype(jnp.float32), next_ids.astype(jnp.int32), *dependencies)
 
     def record_tail(self, layer: int, q: jax.Array, positions: jax.Array, keep: int):
         """Hand the host the last `keep` valid queries of each row of a chunk (hgca's re-evaluation
@@ -107,9 +129,8 @@ class CallbackExchange:
         valid = jnp.sum(positions >= 0, axis=1)  # [B]
         idx = jnp.clip(valid[:, None] - keep + jnp.arange(keep)[None, :], 0, q.shape[1] - 1)  # [B, keep]
         tail = jnp.take_along_axis(q, idx[:, :, None, None], axis=1).astype(jnp.float32)
-        slot = self.slot
-        return jax.pure_callback(lambda t, v: slot.bridge().cb_record_tail(layer, t, v),
-                                 jax.ShapeDtypeStruct((), jnp.int32), tail, valid.astype(jnp.int32))
+        return self._call(lambda bridge, t, v: bridge.cb_record_tail(layer, t, v),
+                          jax.ShapeDtypeStruct((), jnp.int32), tail, valid.astype(jnp.int32))
 
 
 
@@ -134,9 +155,11 @@ def register_ffi_targets(lib, platform: str) -> None:
 class FfiExchange:
     """Decode steps (Tq = 1) through the native library's custom calls; prefill chunks, "sync"
     attention and record_tail through `self.fallback` (a CallbackExchange). `exchange_id` is the
-    backend's reserved native exchange (host.exchange_worker.NativeExchange)."""
+    backend's reserved native exchange (host.exchange_worker.NativeExchange); under tensor
+    parallelism the library routes each device's calls to that device's exchange by its XLA device
+    ordinal (`NativeExchange.route`)."""
 
-    def __init__(self, slot: HostSlot, exchange_id: int):
+    def __init__(self, slot: HostSlot | ShardedSlots, exchange_id: int):
         self.slot, self.id = slot, int(exchange_id)
         self.fallback = CallbackExchange(slot)
 
@@ -177,4 +200,4 @@ class FfiExchange:
         return self.fallback.record_tail(layer, q, positions, keep)
 
 
-__all__ = ["HostSlot", "CallbackExchange", "FfiExchange", "register_ffi_targets", "after"]
+__all__ = ["HostSlot", "ShardedSlots", "CallbackExchange", "FfiExchange", "register_ffi_targets", "after"]

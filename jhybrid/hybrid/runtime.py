@@ -45,7 +45,7 @@ from jhybrid.hybrid.config import OffloadConfig
 from jhybrid.hybrid.eviction import Evictor
 from jhybrid.hybrid.prefill import PrefillCopies
 from jhybrid.hybrid.state import StepMeta
-from jhybrid.hybrid.transfer import device_of
+from jhybrid.hybrid.transfer import device_of, device_ordinal
 from jhybrid.hybrid.window import evicted_blocks
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class HostRuntime:
 
     HISTORY = 4096  # steps kept in `history`
 
-    def __init__(self, config: OffloadConfig, mode, model_config, batch: int, max_len: int, dtype, native=None):
+    def __init__(self, config: OffloadConfig, mode, model_config, batch: int, max_len: int, dtype, native=None,
+                 device=None):
         self.config, self.mode = config, mode
         self.batch, self.max_len = batch, max_len
         self.n_layers = model_config.num_layers
@@ -118,11 +119,9 @@ class HostRuntime:
         self.native, self.worker = native, None
         self.slot_tables = np.zeros((self.n_layers, batch, self.nb_max), np.int64)  # store slot of each block
         if native is not None:
-            import jax
-
-            device = jax.devices()[0]
+            device = device or jax.devices()[0]
             slots = native.open(self.n_layers, batch, self.hq, self.hkv, self.d, mode.max_block_ids(max_len),
-                                gpu=device.platform == "gpu", device_ordinal=device.id,
+                                gpu=device.platform == "gpu", device_ordinal=device_ordinal(device),
                                 timeout_s=config.exchange_timeout_s, timing=config.exchange_timing)
             self.declare_counters("exchange_wait_s", "exchange_gpu_s", "exchange_timed_layers")
             self.worker = ExchangeWorker(native, slots, self.n_threads, self.scale, config.exchange_timeout_s)

@@ -31,6 +31,13 @@ def device_of(x: jax.Array):
     return next(iter(x.devices()))
 
 
+def device_ordinal(device) -> int:
+    """The device ordinal XLA hands a custom call running on `device`: on a GPU the CUDA device
+    number (`local_hardware_id`), on the CPU the device id (which, across processes, is global)."""
+    local = getattr(device, "local_hardware_id", None)
+    return int(device.id if local is None or device.platform == "cpu" else local)
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """Device array -> NumPy: through `pinned_host` memory on a GPU, a plain copy elsewhere."""
     device = device_of(x)
@@ -79,4 +86,4 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-__all__ = ["log_once", "to_host", "to_device", "device_of", "next_pow2", "stored_as"]
+__all__ = ["log_once", "to_host", "to_device", "device_of", "device_ordinal", "next_pow2", "stored_as"]

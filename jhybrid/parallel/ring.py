@@ -140,7 +140,12 @@ def ring_prefill_cache(model, backend, prompt, mesh, max_len: int):
                        for i, layer in enumerate(cache.layers))
         return logits, cache.replace(layers=layers, lengths=jnp.full((1,), t, jnp.int32))
     from jhybrid.hybrid.ingest import HybridCacheWriter
+    from jhybrid.parallel.offload import ShardedOffload
 
+    if isinstance(backend, ShardedOffload):
+        raise ValueError("ring_prefill_cache hands the prompt's KV to one device's backend; handing it to a "
+                         "tensor-parallel offloading backend is not supported (prefill through TensorParallel's "
+                         "step instead)")
     writer = HybridCacheWriter(model, backend, max_len, t)
     keep = min(writer.num_queries, -(-t // mesh.shape[SEQ]))
     logits, k, v, q = ring_prefill(model, tokens, mesh, keep_queries=keep)

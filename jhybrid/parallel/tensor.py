@@ -6,14 +6,15 @@ collectives: one all-reduce after each attention output projection and after eac
   embedding [V, d], LM head [d, V]    vocabulary sharded (replicated when V does not divide)
   norms, biases of row-sharded layers replicated
   `full` cache {"k", "v"} [B, L, Hkv, D]   sharded by KV head
+  offloading modes                          every LayerState array sharded by KV head, one host side
+                                            per device (`jhybrid.parallel.offload.ShardedOffload`)
 
-    tp = TensorParallel(model, tensor_mesh(2, model.config))
+    tp = TensorParallel(model, tensor_mesh(2, model.config))      # or (..., backend=make_backend("hgca", ...))
+    tp.backend.open(model.config, batch, max_len)                  # host side per device (no-op for full)
     step, params = tp.make_step()             # jitted, parameters placed on the mesh
     cache = tp.init_cache(batch, max_len)     # KV heads sharded
+    cache = tp.backend.before_step(cache, positions)               # per-step host work (no-op for full)
     logits, cache = step(params, tokens, positions, cache)
-
-Only `full` runs tensor-parallel so far: the offloading modes' host stores, exchange and digests
-are per device in the design (issue "Scale out") but not built; `TensorParallel` refuses them.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def param_spec(path: tuple, shape: tuple, tp: int) -> P:
 def place(value, sharding: NamedSharding) -> jax.Array:
     """`value` (the same on every process) as a global array with `sharding`: each process supplies
     the shards of its addressable devices (single process: a device_put)."""
+    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
+        return value  # placed already (e.g. a tensor-parallel backend's own cache arrays)
     if jax.process_count() == 1:
         return jax.device_put(value, sharding)
     host = np.asarray(value)
@@ -59,14 +62,21 @@ def place(value, sharding: NamedSharding) -> jax.Array:
 
 
 class TensorParallel:
-    """A model placed over a ("tp",) mesh. backend: `full` only (see the module docstring)."""
+    """A model placed over a ("tp",) mesh. backend: `full` (default) or an offloading mode's
+    backend (`make_backend(...)`), which becomes a `ShardedOffload` over the mesh (`self.backend`)."""
 
     def __init__(self, model, mesh, backend=None):
+        from jhybrid.hybrid.backend import HybridAttention
+        from jhybrid.parallel.offload import ShardedOffload
+
         backend = backend or FullAttention()
         tp = mesh.shape[TP]
-        if not isinstance(backend, FullAttention) and tp > 1:
-            raise ValueError(f"tensor parallelism (degree {tp}) runs mode 'full' only so far; mode "
-                             f"{backend.name!r} needs per-device host stores, which are not built yet")
+        if isinstance(backend, HybridAttention):
+            backend = ShardedOffload(backend.config, mesh)
+        elif not isinstance(backend, (FullAttention, ShardedOffload)):
+            raise ValueError(f"tensor parallelism runs `full` or an offloading mode's backend, not {backend.name!r}")
+        if isinstance(backend, ShardedOffload) and backend.mesh is not mesh:
+            raise ValueError("the tensor-parallel backend was built for another mesh")
         self.model, self.mesh, self.backend, self.tp = model, mesh, backend, tp
         self.graphdef, state = nnx.split(model)
         self.params = jax.tree_util.tree_map_with_path(self._place, state)
@@ -83,27 +93,35 @@ class TensorParallel:
         return place(leaf, NamedSharding(self.mesh, spec))
 
     def cache_sharding(self) -> NamedSharding:
+        """The sharding of a `full` cache's K and V [B, L, Hkv, D]."""
         return NamedSharding(self.mesh, P(None, None, TP, None))
 
+    def _cache_specs(self, cache):
+        if isinstance(self.backend, FullAttention):
+            kv = P(None, None, TP, None)
+            return cache.replace(layers=tuple({name: kv for name in layer} for layer in cache.layers), lengths=P())
+        from jhybrid.parallel.offload import cache_specs
+
+        return cache_specs(cache)
+
     def init_cache(self, batch: int, max_len: int):
-        """An empty `full` cache with its K, V sharded by KV head."""
+        """An empty cache with every KV-head axis sharded over the mesh."""
         cache = self.model.init_cache(batch, max_len, self.backend)
-        sharding = self.cache_sharding()
-        layers = tuple({name: place(x, sharding) for name, x in layer.items()} for layer in cache.layers)
-        replicated = NamedSharding(self.mesh, P())
-        return cache.replace(layers=layers, lengths=place(cache.lengths, replicated))
+        return jax.tree_util.tree_map(lambda spec, x: place(x, NamedSharding(self.mesh, spec)),
+                                      self._cache_specs(cache), cache, is_leaf=lambda x: isinstance(x, P))
 
     def make_step(self):
         """(step, params): `logits, cache = step(params, tokens, positions, cache)`, jitted with the
         cache donated; logits [B, T, V] float32 replicated, the cache keeps its sharding."""
-        graphdef, backend = self.graphdef, self.backend
-        kv, replicated = self.cache_sharding(), NamedSharding(self.mesh, P())
+        graphdef, backend, mesh = self.graphdef, self.backend, self.mesh
+        replicated = NamedSharding(mesh, P())
 
         def step(params, tokens, positions, cache):
             logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache, backend)
-            layers = tuple({name: jax.lax.with_sharding_constraint(x, kv) for name, x in layer.items()}
-                           for layer in cache.layers)
-            return jax.lax.with_sharding_constraint(logits, replicated), cache.replace(layers=layers)
+            cache = jax.tree_util.tree_map(
+                lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+                self._cache_specs(cache), cache, is_leaf=lambda x: isinstance(x, P))
+            return jax.lax.with_sharding_constraint(logits, replicated), cache
 
         return jax.jit(step, donate_argnums=(3,)), self.params
 

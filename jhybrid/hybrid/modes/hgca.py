@@ -64,9 +64,9 @@ class HgcaHost(ModeHost):
         runtime.declare_counters("n_reevaluations")
 
     def step_start(self, cache):
-        if self.runtime.prefill.attached_last_step:  # that chunk handed its query tails over inside
-            jax.block_until_ready(cache)              # the step: let those callbacks finish
-        return cache
+        if self.last_chunk_valid is not None:  # the last step was a prefill chunk: its queries reach the
+            jax.block_until_ready(cache)       # host inside the step (host attention calls or query tails);
+        return cache                           # let them land before the turn's queries are read
 
     def blocks_evicted(self, layer, numbers_by_seq):
         """(Eviction thread) keep the salient tokens of the blocks just stored: done before the

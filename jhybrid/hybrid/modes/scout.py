@@ -133,6 +133,9 @@ class ScoutHost(ModeHost):
         self.warm = np.zeros(runtime.n_layers, bool)  # layers whose warm-start recall is still due
         self.epoch = 0  # bumped when the store is replaced: older recalls are void
         self.recall_hook = None  # tests: called at the start of each background recall job
+        # tensor parallelism: {layer: CPU blocks of the last step over every shard} and the shards' KV heads
+        self.shared_counts: dict[int, int | None] | None = None
+        self.shared_heads = runtime.hkv
         self.recall_log: list[dict] = []
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="jhybrid-recall")
         runtime.declare_counters("recall_s", "recall_bg_s", "n_recall_triggers", "n_recalls", "recall_rows")
@@ -171,15 +174,26 @@ class ScoutHost(ModeHost):
         return cache
 
     # ---- recalls --------------------------------------------------------------------------------
+    def cpu_blocks(self, layer: int) -> int | None:
+        """(sequence, KV head, block) entries of `layer`'s selection the CPU attended at the last
+        decode step, over this runtime's KV heads (None: no decode step yet)."""
+        ids = self.runtime.last_block_ids(layer)
+        return None if ids is None else int((ids >= 0).sum())
+
     def cpu_share(self, layer: int, n_blocks: np.ndarray) -> float | None:
-        """CPU-attended blocks / selected blocks of `layer` at the last decode step (None: unknown).
-        n_blocks [B]: offloaded blocks per sequence when the selection was made."""
+        """CPU-attended blocks / selected blocks of `layer` at the last decode step over every KV
+        head of the model (None: unknown). n_blocks [B]: offloaded blocks per sequence then. Under
+        tensor parallelism the shards of this process count together (`shared_counts`, set before
+        each step by jhybrid.parallel.offload), so each recalls exactly when a single device would."""
         runtime = self.runtime
-        ids = runtime.last_block_ids(layer)
-        budget = int(np.minimum(runtime.config.topk_blocks or runtime.nb_max, n_blocks).sum()) * runtime.hkv
-        if ids is None or budget == 0:
+        if self.shared_counts is not None:
+            cpu, heads = self.shared_counts.get(layer), self.shared_heads
+        else:
+            cpu, heads = self.cpu_blocks(layer), runtime.hkv
+        budget = int(np.minimum(runtime.config.topk_blocks or runtime.nb_max, n_blocks).sum()) * heads
+        if cpu is None or budget == 0:
             return None
-        return float((ids >= 0).sum()) / budget
+        return cpu / budget
 
     def _trigger(self, cache, n_blocks: np.ndarray) -> None:
         """Start the recalls due at this step start; never blocks on one."""
