@@ -101,6 +101,9 @@ class ShardedOffload(AttentionBackend):
         # The device-side template: the traced attend of every shard, its host calls routed by shard.
         slots = ShardedSlots(TP, {i: shard._slot for i, shard in self.shards.items()})
         self.template = HybridAttention(shard_config, slots)
+        if (self.template.native is not None) != (transports == {True}):
+            raise RuntimeError("tensor-parallel hybrid backend: the shards and their device-side template would use "
+                               "different exchange transports")
         if self.template.native is not None:
             for i, shard in self.shards.items():
                 self.template.native.route(device_ordinal(self.devices[i]), shard.native)
