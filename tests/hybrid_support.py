@@ -27,24 +27,33 @@ GEMMA3_LIKE = ModelConfig(
 
 
 def wait_recalls(backend) -> None:
-    """Block until scout's in-flight recalls are staged (the next step start applies them)."""
-    runtime = getattr(backend, "runtime", None)
-    wait = getattr(getattr(runtime, "mode_host", None), "wait", None)
-    if wait is not None:
-        wait()
+    """Block until scout's in-flight recalls are staged (the next step start applies them); a
+    tensor-parallel backend's on every shard."""
+    shards = getattr(backend, "runtimes", None)
+    for runtime in shards.values() if shards else [getattr(backend, "runtime", None)]:
+        wait = getattr(getattr(runtime, "mode_host", None), "wait", None)
+        if wait is not None:
+            wait()
 
 
-def run_forced(model, backend, prompt, continuation, turns=(), chunk=CHUNK, max_len=MAX_LEN):
+def run_forced(model, backend, prompt, continuation, turns=(), chunk=CHUNK, max_len=MAX_LEN, parallel=None):
     """Teacher-forced: prefill `prompt` [B, P] in chunks, then one token per step; each (at_step,
     tokens [B, T]) of `turns` is appended as a new chunk before that decode step. Returns (logits of
-    every decode step [B, steps, V], backend, final cache, tokens held).
+    every decode step [B, steps, V], backend, final cache, tokens held). `parallel`: a
+    jhybrid.parallel.TensorParallel whose step, cache and backend run instead (`backend` unused).
 
     Background recalls (scout) are waited for before each decode step start, so a recall triggered
     at one step start is applied at the next: the run never depends on timing."""
     batch = prompt.shape[0]
-    step, params = make_step(model, backend)
-    backend.open(model.config, batch, max_len)
-    cache = model.init_cache(batch, max_len, backend)
+    if parallel is not None:
+        backend = parallel.backend
+        step, params = parallel.make_step()
+        backend.open(model.config, batch, max_len)
+        cache = parallel.init_cache(batch, max_len)
+    else:
+        step, params = make_step(model, backend)
+        backend.open(model.config, batch, max_len)
+        cache = model.init_cache(batch, max_len, backend)
     held = 0
 
     def chunk_in(cache, toks, held):

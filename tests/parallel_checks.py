@@ -17,7 +17,7 @@ from jhybrid.models import create_model
 from jhybrid.parallel import TensorParallel, ring_prefill, ring_prefill_cache, sequence_mesh, tensor_mesh
 from jhybrid.parallel.mesh import SEQ
 from jhybrid.parallel.ring import ring_attention
-from tests.hybrid_support import CHUNK, GEMMA3_LIKE, KEEP_ALL, MAX_LEN, SCOUT_RECALLS, TINY, WINDOW, run_forced
+from tests.hybrid_support import GEMMA3_LIKE, KEEP_ALL, SCOUT_RECALLS, TINY, WINDOW, run_forced
 
 TOL = 2e-4
 # 4 KV heads (TP 1, 2, 4), a vocabulary that divides by 4
@@ -113,39 +113,17 @@ def distributed_prompts(seed: int):
     return rng.integers(0, 96, (2, 40)).astype(np.int32), rng.integers(0, 96, (2, 24)).astype(np.int32)
 
 
-def forced_tp(model, backend, tp, prompt, continuation, chunk=CHUNK, max_len=MAX_LEN):
-    """tests.hybrid_support.run_forced's schedule (chunked prefill, then one forced token per step,
-    scout's recalls waited for) through TensorParallel at degree `tp` -> (logits [B, steps, V],
+def forced_tp(model, backend, tp, prompt, continuation):
+    """tests.hybrid_support.run_forced through TensorParallel at degree `tp` -> (logits [B, steps, V],
     counters, the open ShardedOffload; close it)."""
     parallel = TensorParallel(model, tensor_mesh(tp, model.config), backend)
-    sharded, batch = parallel.backend, prompt.shape[0]
-    sharded.open(model.config, batch, max_len)
-    cache = parallel.init_cache(batch, max_len)
-    step, params = parallel.make_step()
-    for s in range(0, prompt.shape[1], chunk):
-        part = prompt[:, s:s + chunk]
-        pos = s + np.arange(part.shape[1])[None].repeat(batch, 0)
-        pad = chunk - part.shape[1]
-        part = np.pad(part, ((0, 0), (0, pad)))
-        pos = np.pad(pos, ((0, 0), (0, pad)), constant_values=-1).astype(np.int32)
-        cache = sharded.before_step(cache, pos)
-        _, cache = step(params, part, pos, cache)
-    out, held = [], prompt.shape[1]
-    for i in range(continuation.shape[1]):
-        pos = np.full((batch, 1), held + i, np.int32)
-        for runtime in sharded.runtimes.values():
-            wait = getattr(runtime.mode_host, "wait", None)
-            if wait is not None:
-                wait()
-        cache = sharded.before_step(cache, pos)
-        logits, cache = step(params, continuation[:, i:i + 1], pos, cache)
-        out.append(np.asarray(logits[:, 0]))
+    logits, sharded, cache, _ = run_forced(model, None, prompt, continuation, parallel=parallel)
     window = cache.layers[-1].window.k_ring
     assert len(window.sharding.device_set) == tp
     assert window.addressable_shards[0].data.shape[1] == model.config.num_kv_heads // tp
     for runtime in sharded.runtimes.values():  # each device's own host-store shard over its own heads
         assert runtime.store.config.n_kv_heads == model.config.num_kv_heads // tp
-    return np.stack(out, 1), sharded.counters(), sharded
+    return logits, sharded.counters(), sharded
 
 
 def check_tensor_parallel_offload(rng):

@@ -112,7 +112,6 @@ class PrefillCopies:
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self.attached_last_step = False  # did the last step get copies (hgca's tails went over)?
         self._blocks: np.ndarray | None = None  # [B] blocks per sequence the last copies hold
         self._previous: tuple | None = None  # the last chunk's copies, kept while chunks follow
         self._evicted: tuple | None = None  # (k, v, seq, blk, added [B]) evicted before this step
@@ -121,7 +120,6 @@ class PrefillCopies:
         """At a step start: drop every layer's copies from the cache (kept aside when this step is a
         prefill chunk that may extend them). Returns the cache without copies."""
         self._previous = self._evicted = None
-        self.attached_last_step = False
         if cache.layers[0].offloaded is None:
             return cache
         if next_is_prefill:
@@ -173,7 +171,6 @@ class PrefillCopies:
                        for state, (k, v) in zip(cache.layers, layers_kv))
         runtime.count("transfer_s", time.perf_counter() - start)
         self._blocks = blocks
-        self.attached_last_step = True
         runtime.count("n_prefill_device_chunks")
         return cache.replace(layers=layers)
 

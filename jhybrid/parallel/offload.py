@@ -201,14 +201,10 @@ class ShardedOffload(AttentionBackend):
         if not per_shard or not per_shard[0]:
             return {}
         out = {}
-        for key, value in per_shard[0].items():
+        for key in per_shard[0]:
             values = [c.get(key, 0) for c in per_shard]
-            if key.endswith("_s"):
-                out[key] = max(values)
-            elif key.startswith("bytes") or "tokens" in key or key.endswith("_rows"):
-                out[key] = sum(values)
-            else:
-                out[key] = max(values)
+            summed = key.startswith("bytes") or "tokens" in key or key.endswith("_rows")
+            out[key] = sum(values) if summed else max(values)
         return out
 
     def query_ahead(self, layer_idx, config):
