@@ -16,6 +16,22 @@ touched ahead) separately from first-touch appends and from one arena growth (se
     PYTHONPATH=. python3 benchmarks/bench_host_attention.py --out benchmarks/results/host-attention-TAG.json
     PYTHONPATH=. python3 benchmarks/bench_host_attention.py --quick     # small grid (2-core machine)
 
+Scout pattern (issue 29 item 3, `--pattern scout`): the CPU part of ScoutAttention on its production
+path, `host.exchange_worker.serve_blocks` (block ids -> page lists -> `attend_pages`), over blocks
+selected at random from a store arena much larger than the LLC (`--arena-gib`), against the same
+kernel streaming contiguous pages of the same bytes, same process; bf16 and int8, block sizes
+16/32/64, CPU shares of a 2048-token budget per (sequence, KV head):
+
+    PYTHONPATH=. python3 benchmarks/bench_host_attention.py --pattern scout --json $OUT/scout.json
+    PYTHONPATH=. python3 benchmarks/bench_host_attention.py --pattern scout --small --json /tmp/s.json  # 2 cores
+
+Defaults: batch 32, Hkv 8, G 4, D 128, a 4 GiB K + V arena, 16 layers per serve_blocks call, CPU
+shares 10 % and 100 %; measuring takes ~20 s on the 16-core H100 host, plus Numba's compilation
+on a first run (~2.5 min there; bf16 and int8 can be compiled in two processes at once by a
+small run of each: `--batch 8 --arena-gib 0.25 --layers 16 --repeats 1 --min-seconds 0
+--kv-formats bf16` and `... int8`). Numba's cache of serve_blocks does not notice edits of
+host/attention.py: delete host/__pycache__/exchange_worker.*.nb[ic] after such an edit.
+
 Rows carry `kv_format` and `bf16_equiv_GBps` (tokens attended per second x the bytes they take in
 bf16: what 8-bit storage buys in attention throughput); the baselines run on bf16 points only.
 """
@@ -36,7 +52,12 @@ import time
 import ml_dtypes
 import numpy as np
 
-from host.attention import THREADING_LAYER, paged_attention
+from host.attention import THREADING_LAYER, attend_pages, paged_attention
+
+try:
+    from host.attention import attend_pages_into
+except ImportError:  # older kernels (A/B runs of --pattern scout against them): outputs copied
+    attend_pages_into = None
 from host.paged_view import PagedKV
 from host.reference import norm_relative_error, reference_attention
 
@@ -50,6 +71,30 @@ INT8 = 3  # FORMAT_CODE["int8"]: rows of D int8 + a float32 scale (host.store_fo
 # ---- data --------------------------------------------------------------------------------------
 
 @njit(parallel=True, cache=True)
+
+def _header(name: str, n_threads: int) -> dict:
+    """name, device, date, versions and command of a results file."""
+    return {"name": name, "device": device_name(n_threads),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "versions": versions(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+
+
+def _verdict(failures: list[str], ok: str) -> int:
+    """Print the correctness verdict -> the exit code (1 when any check failed)."""
+    if failures:
+        print("CORRECTNESS FAILURES:\n  " + "\n  ".join(failures))
+        return 1
+    print(f"correctness: {ok}")
+    return 0
+
+
+def _write_json(result: dict, path: str, note: str = "") -> None:
+    """Write a results file (creating its folder) and say where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {path}{note}")
+
 def _fill_random_bf16(buf, seed):
     """Random bf16 bit patterns of magnitude in [0.25, 1) with random sign (a hash of the index:
     fast, parallel, and it touches every page before timing)."""
@@ -151,6 +196,22 @@ def timeit(fn, min_seconds: float, min_repeats: int, max_repeats: int = 200, war
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), min(times), len(times)
+
+
+def timeit_alternating(fns, min_seconds: float, min_repeats: int, max_repeats: int = 200, warmup: int = 2):
+    """[(median, min) seconds per call of each fn], repeats: the functions timed in turn (one call
+    of each per round, after warm-up), so that load from elsewhere on the machine falls on all alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    start = time.perf_counter()
+    while len(times[0]) < max_repeats and (len(times[0]) < min_repeats or time.perf_counter() - start < min_seconds):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [(statistics.median(ts), min(ts)) for ts in times], len(times[0])
 
 
 def numpy_attention(q, k_bits, v_bits, scale):
@@ -261,6 +322,243 @@ def arrays_gib(arena) -> str:
     return f"{sum(a.nbytes for a in arena.arrays.values()) / 2**30:.2f}"
 
 
+# ---- scout pattern: selected blocks on the production path vs streaming (issue 29 item 3) -------
+
+@njit(nogil=True, cache=True)
+def _stream_layers(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, hkv, scale, n_threads, o_out, lse_out):
+    """The streaming reference: the kernel over each layer's contiguous pages (page_ids [L, P];
+    q [L, B, 1, Hq, D]), written into preallocated outputs o_out [L, B*Hq*D], lse_out [L, B*Hq]
+    as serve_blocks writes its slots (`attend_pages_into`)."""
+    n_b, tq, hq, d = q.shape[1:]
+    for layer in range(page_ids.shape[0]):
+        attend_pages_into(q[layer], k_pages, v_pages, fmt, page_ptr, page_ids[layer], unit_tokens, hkv, scale,
+                          n_threads, o_out[layer].reshape(n_b, tq, hq, d), lse_out[layer].reshape(n_b, tq, hq))
+
+
+@njit(nogil=True, cache=True)
+def _stream_layers_copy(q, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, hkv, scale, n_threads, o_out,
+                        lse_out):
+    """`_stream_layers` for kernels without `attend_pages_into`: outputs copied out, as such a
+    kernel's serve_blocks does."""
+    for layer in range(page_ids.shape[0]):
+        o, lse = attend_pages(q[layer], k_pages, v_pages, fmt, page_ptr, page_ids[layer], unit_tokens, hkv, scale,
+                              n_threads)
+        o_out[layer, :o.size] = o.reshape(o.size)
+        lse_out[layer, :lse.size] = lse.reshape(lse.size)
+
+
+def _scout_arena(nbytes: int):
+    """uint8 [nbytes] like the store's arenas (an address-space reservation with transparent huge
+    pages requested: host.memory), else np.empty."""
+    from host.memory import _reserve_address_space
+
+    buf = _reserve_address_space(nbytes)
+    return buf[:nbytes] if buf is not None else np.empty(nbytes, np.uint8)
+
+
+def _scout_select(rng, n_layers, batch, hkv, n_blocks, n_sel, n_pad):
+    """ids int32 [L, B, Hkv, n_sel + n_pad]: n_sel distinct random block numbers < n_blocks per
+    (layer, sequence, head), in random order, with n_pad -1 entries at random positions."""
+    keys = rng.random((n_layers, batch, hkv, n_blocks), dtype=np.float32)
+    chosen = np.argpartition(keys, n_sel - 1, axis=-1)[..., :n_sel] if n_sel < n_blocks else \
+        np.argsort(keys, axis=-1)
+    width = n_sel + n_pad
+    ids = np.full((n_layers, batch, hkv, width), -1, np.int32)
+    pos = np.argsort(rng.random((n_layers, batch, hkv, width), dtype=np.float32), axis=-1)[..., :n_sel]
+    np.put_along_axis(ids, pos, chosen.astype(np.int32), axis=-1)
+    return ids
+
+
+def bench_scout(args) -> int:
+    """`--pattern scout`: see the module docstring. Per (kv format, block size, CPU share):
+      stream    the kernel (`attend_pages_into`, writing preallocated outputs as serve_blocks writes
+                its slots) over contiguous pages (`--stream-page-tokens` rows each, every unit's
+                pages adjacent, units adjacent) of the same tokens per unit, one region per layer of
+                the call (regions cycle through the arena, so nothing is served from the LLC);
+      selected  `serve_blocks` (the native exchange's worker body: ids -> page lists -> attend_pages
+                -> answer) over `--layers` layers per call, each layer's blocks chosen at random
+                (distinct, random order, some -1 padding) among its sequence's blocks, whose slots
+                are a random permutation of the whole arena (sequences interleaved, as appends make
+                them).
+    GB/s = K + V bytes of the attended rows (int8 scales included) per second; ratio = selected /
+    stream. Median of repeats after warm-up."""
+    from host.exchange_worker import serve_blocks
+    from host.store_format import from_storage
+
+    n_threads = numba.get_num_threads()
+    stream_fn = _stream_layers if attend_pages_into is not None else _stream_layers_copy
+    batch, hkv, group, d, budget = args.batch, args.hkv, args.group, args.head_dim, args.budget
+    hq = hkv * group
+    n_layers = args.layers
+    rng = np.random.default_rng(args.seed)
+    arena_bytes = int(args.arena_gib * 2**30) // 2  # K and V arenas, each half of --arena-gib
+    reuse = min(arena_bytes, 2**31)  # bytes read between two reads of the same block (see below)
+    print(f"device: {device_name(n_threads)}; threading layer {THREADING_LAYER}", flush=True)
+    t_start = time.perf_counter()
+    k_raw, v_raw = _scout_arena(arena_bytes), _scout_arena(arena_bytes)
+    scale = np.float32(1.0 / math.sqrt(d))
+    rows, failures = [], []
+    for fmt_name in args.kv_formats:
+        fmt = INT8 if fmt_name == "int8" else BF16
+        width = d + 4 if fmt == INT8 else d
+        itemsize = 1 if fmt == INT8 else 2
+        row_bytes = width * itemsize
+        t0 = time.perf_counter()
+        if fmt == INT8:
+            n_rows_all = arena_bytes // row_bytes
+            for raw, seed in ((k_raw, 1), (v_raw, 2)):
+                _fill_random_int8(raw[:n_rows_all * row_bytes].view(np.int8).reshape(n_rows_all, width), seed)
+        else:
+            for raw, seed in ((k_raw, 1), (v_raw, 2)):
+                _fill_random_bf16(raw[:arena_bytes // 2 * 2].view(np.uint16), seed)
+        print(f"{fmt_name}: filled 2 x {arena_bytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
+        storage = np.int8 if fmt == INT8 else np.uint16
+        for bs in args.block_sizes:
+            slot_bytes = hkv * bs * row_bytes
+            n_slots = arena_bytes // slot_bytes
+            nb = n_slots // batch  # blocks stored per sequence
+            k_pages = k_raw[:n_slots * slot_bytes].view(storage).reshape(n_slots * hkv, bs, width)
+            v_pages = v_raw[:n_slots * slot_bytes].view(storage).reshape(n_slots * hkv, bs, width)
+            slot_table = rng.permutation(n_slots)[:batch * nb].reshape(batch, nb).astype(np.int64)
+            for share in args.shares:
+                n_sel = max(1, min(nb, round(share * budget / bs)))
+                n_pad = max(1, n_sel // 8)
+                k_ids = n_sel + n_pad
+                tokens = n_sel * bs
+                units = batch * hkv
+                layer_bytes = units * tokens * 2 * row_bytes
+                ids = _scout_select(rng, n_layers, batch, hkv, nb, n_sel, n_pad)
+                q = rng.standard_normal((n_layers, batch, 1, hq, d)).astype(np.float32)
+                # (b) selected blocks: serve_blocks over n_layers "layers" (all views of the one arena)
+                layers = np.arange(n_layers, dtype=np.int32)
+                served = np.zeros(n_layers, np.uint32)
+                ready = np.ones(n_layers, np.uint32)
+                done = np.zeros(n_layers, np.uint32)
+                abort = np.zeros(1, np.uint32)
+                slots_q = tuple(q[i].reshape(-1).copy() for i in range(n_layers))
+                slots_ids = tuple(ids[i].reshape(-1).copy() for i in range(n_layers))
+                slots_o = tuple(np.full(batch * hq * d, np.nan, np.float32) for _ in range(n_layers))
+                slots_lse = tuple(np.full(batch * hq, np.nan, np.float32) for _ in range(n_layers))
+                # calls cycle through n_var variants of the slot tables (every block moved by a random
+                # number of slots) and of the stream regions, so that what one call reads was last
+                # read >= `reuse` bytes earlier (no LLC hits between calls)
+                call_bytes = n_layers * layer_bytes
+                n_var = int(min(64, max(1, -(-reuse // call_bytes))))
+                shifts = rng.integers(0, n_slots, n_var)
+                shifts[0] = 0
+                table_vars = [np.broadcast_to((slot_table + s) % n_slots, (n_layers, batch, nb)).copy()
+                              for s in shifts]
+                calls = [0, 0]
+                n_blocks = np.full((n_layers, batch), nb, np.int64)
+                last_ids = np.full((n_layers, batch * hkv * k_ids), -1, np.int32)
+                stats = np.zeros(2, np.int64)
+                kt, vt = (k_pages,) * n_layers, (v_pages,) * n_layers
+
+                def selected():
+                    served[:] = 0
+                    ready[:] = 1
+                    tables = table_vars[calls[0] % n_var]
+                    calls[0] += 1
+                    n, bad = serve_blocks(layers, served, ready, done, abort, slots_q, slots_ids, slots_o,
+                                          slots_lse, batch, hq, d, hkv, k_ids, scale, n_threads, fmt, bs, kt, vt,
+                                          tables, n_blocks, last_ids, stats)
+                    if n != n_layers or bad != -1:
+                        raise RuntimeError(f"serve_blocks served {n} of {n_layers} layers (bad {bad})")
+
+                selected()  # variant 0: the slot table checked below
+                if stats[0] != n_layers * units * tokens:
+                    failures.append(f"{fmt_name} bs {bs} share {share}: {stats[0]} tokens attended, expected "
+                                    f"{n_layers * units * tokens}")
+                # correctness: layer 0 and the last layer, two units each, against the float64 reference
+                for layer in (0, n_layers - 1):
+                    o = slots_o[layer].reshape(batch, 1, hq, d)
+                    lse = slots_lse[layer].reshape(batch, 1, hq)
+                    for u in (0, units - 1):
+                        bi, h = divmod(u, hkv)
+                        sel = ids[layer, bi, h][ids[layer, bi, h] >= 0]
+                        pages = slot_table[bi, sel] * hkv + h
+                        kf = from_storage(k_pages[pages].reshape(-1, width), fmt_name)
+                        vf = from_storage(v_pages[pages].reshape(-1, width), fmt_name)
+                        heads = slice(h * group, (h + 1) * group)
+                        ro, rl = reference_attention(q[layer, bi:bi + 1, :, heads], [[kf]], [[vf]], 1)
+                        err = max(norm_relative_error(o[bi:bi + 1, :, heads], ro),
+                                  norm_relative_error(lse[bi:bi + 1, :, heads], rl))
+                        if err > 1e-4:
+                            failures.append(f"selected {fmt_name} bs {bs} share {share} layer {layer} unit {u}: "
+                                            f"rel err {err:.2e}")
+                # (a) streaming: contiguous pages of the same tokens per unit, one region per layer
+                pt = min(args.stream_page_tokens, tokens)
+                per_unit = -(-tokens // pt)
+                s_pages = units * per_unit
+                n_pages_all = arena_bytes // (pt * row_bytes)
+                n_regions = n_pages_all // s_pages
+                if n_regions < 1:
+                    raise ValueError(f"--arena-gib {args.arena_gib} too small for one layer's {layer_bytes} bytes")
+                sk = k_raw[:n_pages_all * pt * row_bytes].view(storage).reshape(n_pages_all, pt, width)
+                sv = v_raw[:n_pages_all * pt * row_bytes].view(storage).reshape(n_pages_all, pt, width)
+                s_ptr = np.arange(units + 1, dtype=np.int64) * per_unit
+                s_ids_vars = [np.stack([((c * n_layers + i) % n_regions) * s_pages + np.arange(s_pages, dtype=np.int64)
+                                        for i in range(n_layers)]) for c in range(n_var)]
+                s_tokens = np.full(units, tokens, np.int64)
+                s_o = np.full((n_layers, batch * hq * d), np.nan, np.float32)
+                s_lse = np.full((n_layers, batch * hq), np.nan, np.float32)
+
+                def stream():
+                    s_ids = s_ids_vars[calls[1] % n_var]
+                    calls[1] += 1
+                    stream_fn(q, sk, sv, fmt, s_ptr, s_ids, s_tokens, hkv, scale, n_threads, s_o, s_lse)
+
+                stream()
+                if not (np.isfinite(s_o).all() and np.isfinite(s_lse).all()):
+                    failures.append(f"stream {fmt_name} bs {bs} share {share}: non-finite output")
+                ((t_sel, t_sel_min), (t_str, t_str_min)), reps = timeit_alternating(
+                    (selected, stream), 2 * args.min_seconds, args.repeats)
+                sel_gbps = n_layers * layer_bytes / t_sel / 1e9
+                str_gbps = n_layers * layer_bytes / t_str / 1e9
+                row = {"pattern": "scout", "kv_format": fmt_name, "block_size": bs, "cpu_share": share,
+                       "blocks_per_unit": n_sel, "ids_per_unit": k_ids, "tokens_per_unit": tokens, "batch": batch,
+                       "hkv": hkv, "G": group, "D": d, "layers_per_call": n_layers, "bytes_per_layer": layer_bytes,
+                       "stream_page_tokens": pt, "stream_regions": n_regions, "call_variants": n_var,
+                       "stream_us_per_layer": t_str / n_layers * 1e6, "selected_us_per_layer": t_sel / n_layers * 1e6,
+                       "stream_min_us_per_layer": t_str_min / n_layers * 1e6,
+                       "selected_min_us_per_layer": t_sel_min / n_layers * 1e6,
+                       "repeats": reps, "stream_GBps": str_gbps, "selected_GBps": sel_gbps,
+                       "ratio": sel_gbps / str_gbps}
+                rows.append(row)
+                print(f"{fmt_name:>5} bs {bs:3d} share {share:5.2f} ({n_sel:4d} blocks, {layer_bytes / 2**20:7.1f} MiB"
+                      f"/layer): stream {str_gbps:6.1f} GB/s, selected {sel_gbps:6.1f} GB/s, ratio "
+                      f"{row['ratio']:.2f}", flush=True)
+                del slots_q, slots_ids, slots_o, slots_lse, table_vars, last_ids, s_o, s_lse, s_ids_vars
+    wall = time.perf_counter() - t_start
+    result = {
+        **_header("host-attention-scout", n_threads),
+        "config": {"batch": batch, "hkv": hkv, "G": group, "D": d, "budget_tokens": budget, "shares": args.shares,
+                   "block_sizes": args.block_sizes, "kv_formats": args.kv_formats, "layers_per_call": n_layers,
+                   "arena_gib": args.arena_gib, "stream_page_tokens": args.stream_page_tokens, "threads": n_threads,
+                   "threading_layer": numba.threading_layer(), "Tq": 1, "small": args.small,
+                   "timing": f"median of >= {args.repeats} calls and >= {args.min_seconds} s after 2 warm-up calls; "
+                             "a call serves layers_per_call layers",
+                   "bytes": "K+V bytes of the attended rows (int8: D + 4 bytes per row)",
+                   "selected": "host.exchange_worker.serve_blocks over random blocks of the arena",
+                   "stream": "host.attention.attend_pages_into over contiguous pages of the same tokens per unit "
+                             "(attend_pages + an output copy for kernels without it)",
+                   "wall_seconds": round(wall, 1), "correctness_failures": failures},
+        "rows": rows,
+    }
+    out_path = args.json or args.out or f"benchmarks/results/host-attention-scout-{socket.gethostname()}.json"
+    _write_json(result, out_path, f" ({wall:.0f} s)")
+    print(f"{'format':>6} {'bs':>3} {'share':>5} {'blocks':>6} {'MiB/layer':>9} {'stream GB/s':>11} "
+          f"{'selected GB/s':>13} {'ratio':>5}")
+    for r in rows:
+        print(f"{r['kv_format']:>6} {r['block_size']:>3} {r['cpu_share']:>5.2f} {r['blocks_per_unit']:>6} "
+              f"{r['bytes_per_layer'] / 2**20:>9.1f} {r['stream_GBps']:>11.1f} {r['selected_GBps']:>13.1f} "
+              f"{r['ratio']:>5.2f}")
+    ratios = [r["ratio"] for r in rows]
+    if ratios:
+        print(f"ratio selected / stream: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}")
+    return _verdict(failures, "checked units match the float64 reference")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/host-attention-<host>.json)")
@@ -279,8 +577,38 @@ def main(argv=None):
     p.add_argument("--baseline-max-mib", type=float, default=256.0, help="NumPy/torch only up to this size")
     p.add_argument("--time-budget", type=float, default=170.0,
                    help="seconds; past it the remaining NumPy/torch baselines are skipped (left null)")
-    p.add_argument("--min-seconds", type=float, default=0.4, help="per measured function and point")
+    p.add_argument("--min-seconds", type=float, default=None,
+                   help="per measured function and point (default 0.4; scout 0.3, --small 0.2)")
+    p.add_argument("--json", default=None, help="JSON path (same as --out)")
+    p.add_argument("--pattern", default="grid", choices=["grid", "scout"],
+                   help="grid: the kernels over the point grid; scout: selected blocks vs streaming (issue 29)")
+    g = p.add_argument_group("--pattern scout")
+    g.add_argument("--small", action="store_true", help="scout sizes for the 2-core machine (batch 8, 1 GiB arena)")
+    g.add_argument("--batch", type=int, default=32)
+    g.add_argument("--head-dim", type=int, default=128)
+    g.add_argument("--budget", type=int, default=2048, help="tokens per (sequence, KV head) selected in all")
+    g.add_argument("--shares", type=float, nargs="+", default=[0.1, 1.0], help="CPU shares of the budget")
+    g.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64])
+    g.add_argument("--layers", type=int, default=16, help="layers served per serve_blocks call")
+    g.add_argument("--arena-gib", type=float, default=4.0, help="K + V store arena the blocks are scattered over")
+    g.add_argument("--stream-page-tokens", type=int, default=256, help="page size of the streaming reference")
+    g.add_argument("--repeats", type=int, default=7, help="at least this many timed calls per point")
+    g.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
+    if args.pattern == "scout":
+        if args.small:
+            args.batch = min(args.batch, 8)
+            args.arena_gib = min(args.arena_gib, 1.0)
+            args.layers = min(args.layers, 8)
+            args.repeats = max(args.repeats, 9)
+        if args.min_seconds is None:
+            args.min_seconds = 0.2 if args.small else 0.3
+        if args.threads:
+            numba.set_num_threads(args.threads)
+        return bench_scout(args)
+    if args.min_seconds is None:
+        args.min_seconds = 0.4
+    args.out = args.out or args.json
     if args.quick:
         args.batch_heads = [8, 32]
         args.tokens = [1024, 4096, 16384]
@@ -416,11 +744,7 @@ def main(argv=None):
     bench_sparsify(rows, args, rng)
 
     result = {
-        "name": "host-attention",
-        "device": device_name(n_threads),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "versions": versions(),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        **_header("host-attention", n_threads),
         "config": {"group": args.group, "hkv": args.hkv, "page_tokens": args.page_tokens,
                    "block_size": args.block_size, "threads": n_threads, "threading_layer": numba.threading_layer(),
                    "kv_formats": args.kv_formats, "Tq": 1, "quick": args.quick, "max_gib": args.max_gib,
@@ -432,10 +756,7 @@ def main(argv=None):
                    "correctness_failures": failures},
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\nwrote {out_path}")
+    _write_json(result, out_path)
     print(f"{'kernel':>14} {'D':>4} {'batch_heads':>11} {'tokens':>6} {'dtype':>5} {'median_us':>9} {'min_us':>9} "
           f"{'achieved_GBps':>13} {'read_ceiling_GBps':>17} {'fraction_of_ceiling':>19} {'numpy_us':>9} {'torch_us':>9}")
     for r in rows:
@@ -447,11 +768,7 @@ def main(argv=None):
     for r in rows:
         if r["achieved_GBps"] is None:
             print(f"{r['kernel']}: median {r['median_us']:.0f} us ({r['note']})")
-    if failures:
-        print("CORRECTNESS FAILURES:\n  " + "\n  ".join(failures))
-        return 1
-    print("correctness: all points match the float64 reference (and the NumPy/torch baselines)")
-    return 0
+    return _verdict(failures, "all points match the float64 reference (and the NumPy/torch baselines)")
 
 
 if __name__ == "__main__":

@@ -239,6 +239,33 @@ def atomic_fetch_add(typingctx, arr, index, value):
     return types.int64(arr, index, value), codegen
 
 
+def _atomic_load(dtype, ordering: str):
+    """An intrinsic `load(arr, index)`: arr[index] read atomically with `ordering` (a 1-D array of
+    `dtype`): a call, so Numba's parfor pass never hoists it (or what depends on it) out of a loop,
+    as it does a plain read of an array it sees unchanged there."""
+
+    @intrinsic
+    def load(typingctx, arr, index):
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == dtype
+                and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            aryty, idxty = signature.args
+            ary = context.make_array(aryty)(context, builder, args[0])
+            idx = context.cast(builder, args[1], idxty, types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False, boundscheck=False)
+            return builder.load_atomic(ptr, ordering, dtype.bitwidth // 8)
+
+        return dtype(arr, index), codegen
+
+    return load
+
+
+atomic_load = _atomic_load(types.int64, "monotonic")  # a shared work counter (int64, relaxed)
+load_acquire = _atomic_load(types.uint32, "acquire")  # a flag another thread releases (uint32)
+
+
 # ---- explicit SIMD micro-kernels (LLVM vector IR) ----------------------------------------------
 #
 # Vectors of VEC float32 lanes (16 with AVX-512, else 8), written as LLVM vector IR: the loop

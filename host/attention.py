@@ -17,15 +17,24 @@ used (host._page_math: explicit SIMD micro-kernels in LLVM vector IR where D is 
 vectors: four query rows x four keys per pass over D with the 16 dot products reduced together,
 value accumulators of four rows kept in registers over a whole chunk, vectorised max / exp; else
 loop-vectorised Numba code), fp16 by an exact bit-level conversion into scratch; accumulation is float32 with an online
-softmax per piece and an exact LSE merge of the pieces of a unit. The next page of a piece is
-prefetched in software while the current one ends.
+softmax per piece and an exact LSE merge of the pieces of a unit. A chunk of up to 128 tokens
+spans several pages when they are small (16-token store blocks: one softmax step per chunk, not
+per block), and the rows a few KiB ahead are prefetched in software in the piece's page order, so
+across scattered pages (hardware prefetchers stop at 4 KiB boundaries).
 
 Work split (for all core counts and batch*heads, 8 units on 16 threads included): the units' tokens
 are cut into pieces of decreasing size (guided scheduling, `_plan_pieces`), one worker per thread
 takes the next piece from an atomic counter, so a unit larger than its share is split over several
 threads (its partial (o, lse) states merged exactly) and all threads finish within about one small
-piece of each other. Each worker allocates its scratch once per call; one Numba call per
-attention (planning aside), so the per-call cost is two dispatches and two parallel regions.
+piece of each other. Each worker allocates its scratch once per call and writes a whole unit's
+(o, lse) itself; the last worker to finish a piece of a split unit merges it. One Numba call per
+attention (planning aside) and one parallel region; `attend_pages_into` (the native exchange's
+worker) writes straight into its output slots.
+
+Selected blocks (scout, issue 29 item 3): `benchmarks/bench_host_attention.py --pattern scout`
+measures the production path (`host.exchange_worker.serve_blocks`) on blocks scattered over a 4 GiB
+arena against the same kernel streaming contiguous pages: on the 16-core H100 host 0.78-0.93 of the
+streaming rate (bf16 49-73 GB/s; before: 27-60 GB/s with 16-token blocks at 0.44 of streaming).
 """
 
 from __future__ import annotations
@@ -39,8 +48,8 @@ from numba.extending import overload
 
 from host.store_format import FORMAT_CODE
 from host.numba_threads import configure_threading_layer
-from host._page_math import (PV_VEC, QK_VEC, accumulate1, accumulate4, atomic_fetch_add, bf16_lane_pos, exp_row,
-                              f32_from_bits, prefetch, pv_rows, qk_rows, row_max, scores1, scores4)
+from host._page_math import (PV_VEC, QK_VEC, accumulate1, accumulate4, atomic_fetch_add, atomic_load, bf16_lane_pos,
+                              exp_row, f32_from_bits, prefetch, pv_rows, qk_rows, row_max, scores1, scores4)
 from host.paged_view import PagedKV
 
 THREADING_LAYER = configure_threading_layer()
@@ -58,10 +67,18 @@ _CHUNK = 16
 # 64-token store block is one chunk): with the SIMD micro-kernels, measured on the 2-core EPYC
 # (Zen 4), 128 tokens beat 64 by ~5% and 16 by ~20% (fixed per-chunk softmax cost).
 _CHUNK_BYTES = 32768
-# Software prefetch distance (rows of the next page fetched while the current page ends); measured
-# on the 2-core EPYC: +10-20% for 64-token store blocks, and no loss on 256-token context pages
-# (prefetching whole pages ahead there was 25% slower).
-_PREFETCH_ROWS = 64
+# Software prefetch distance: the K and V rows up to this many bytes of K past the segment being
+# computed are prefetched (in the piece's page order, so across page boundaries: pages lie
+# scattered and hardware prefetchers do not cross 4 KiB). Pages larger than
+# _OWN_PAGE_PREFETCH_BYTES are left to the hardware prefetcher inside (only the next pages' rows
+# are prefetched); smaller ones (16-32-token store blocks) are prefetched whole, ahead. Measured on
+# the 16-core H100 host (--pattern scout): 4, 8 and 16 KiB within noise of each other (8 KiB best
+# median); before, only pages >= 64 rows got any prefetch (the window never reached 16-32-token
+# blocks). _PREFETCH_NEXT_PIECE: a worker starting a piece also prefetches the first rows of the
+# piece handed out next (scout's units are short lists: a piece often is a whole unit).
+_PREFETCH_BYTES = 8192
+_OWN_PAGE_PREFETCH_BYTES = 8192
+_PREFETCH_NEXT_PIECE = True
 
 
 @njit(inline="always", nogil=True)
@@ -74,40 +91,42 @@ def _row_scale(rows, j, d_size):
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _widen_rows(src, n, fmt, dst):
-    """dst[:n] = float32 values of src[:n] ([page_tokens, W]); fmt 0 fp32, 1 bf16 bits, 2 fp16 bits,
-    3 int8 rows of D values + their float32 scale in the last 4 bytes (W = D + 4; host.store_format)."""
+def _widen_rows(src, n, fmt, dst, off):
+    """dst[off:off + n] = float32 values of src[:n] ([page_tokens, W]); fmt 0 fp32, 1 bf16 bits,
+    2 fp16 bits, 3 int8 rows of D values + their float32 scale in the last 4 bytes (W = D + 4;
+    host.store_format)."""
     d_size = dst.shape[1]
     if fmt == 0:
         for j in range(n):
             for d in range(d_size):
-                dst[j, d] = np.float32(src[j, d])
+                dst[off + j, d] = np.float32(src[j, d])
         return
     if fmt == 3:
         for j in range(n):
             row_scale = _row_scale(src, j, d_size)
             for d in range(d_size):
-                dst[j, d] = np.float32(src[j, d]) * row_scale
+                dst[off + j, d] = np.float32(src[j, d]) * row_scale
         return
     bits = dst.view(np.uint32)
     if fmt == 1:
         for j in range(n):
             for d in range(d_size):
-                bits[j, d] = np.uint32(src[j, d]) << 16
+                bits[off + j, d] = np.uint32(src[j, d]) << 16
         return
     # fp16: exponent/mantissa shifted into float32 position, then scaled by 2^112 (exact for normal
     # and subnormal halves); inf/nan patched; sign or-ed in.
     for j in range(n):
+        o = off + j
         for d in range(d_size):
-            bits[j, d] = (np.uint32(src[j, d]) & np.uint32(0x7FFF)) << 13
+            bits[o, d] = (np.uint32(src[j, d]) & np.uint32(0x7FFF)) << 13
         for d in range(d_size):
-            dst[j, d] = dst[j, d] * _TWO_POW_112
+            dst[o, d] = dst[o, d] * _TWO_POW_112
         for d in range(d_size):
             h = np.uint32(src[j, d])
-            b = bits[j, d]
+            b = bits[o, d]
             if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):
                 b = np.uint32(0x7F800000) | ((h & np.uint32(0x3FF)) << 13)
-            bits[j, d] = b | ((h & np.uint32(0x8000)) << 16)
+            bits[o, d] = b | ((h & np.uint32(0x8000)) << 16)
 
 
 def _rows_in_place(pages, page, c0, n):
@@ -178,25 +197,61 @@ def _softmax_update(s, n, acc, run_max, run_sum):
         run_sum[r] += total
 
 
+@njit(inline="always", nogil=True)
+def _segment(t, c_lo, c_hi, page_tokens, page_ids, base):
+    """The run of a chunk [c_lo, c_hi) that starts at token t and stays inside one page: (page index
+    in the unit, first row in the page, rows, the page, column in the chunk)."""
+    pi = t // page_tokens
+    r0 = t - pi * page_tokens
+    return pi, r0, min(page_tokens - r0, c_hi - t), page_ids[base + pi], t - c_lo
+
+
+@njit(inline="always", nogil=True)
+def _prefetch_tokens(k_pages, v_pages, page_ids, base, page_tokens, row_bytes, t0, t1):
+    """Prefetch hints for the K and V rows of tokens [t0, t1) of a unit whose pages are
+    page_ids[base:] (every cache line of those rows)."""
+    t = t0
+    while t < t1:
+        pi = t // page_tokens
+        r1 = min(page_tokens, t1 - pi * page_tokens)
+        page = page_ids[base + pi]
+        b0 = (t - pi * page_tokens) * row_bytes
+        b0 -= b0 % 64
+        for off in range(b0, r1 * row_bytes, 64):
+            prefetch(k_pages, page, off)
+            prefetch(v_pages, page, off)
+        t = pi * page_tokens + r1
+
+
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _attend_chunk_int8(qs, k, v, n, acc, run_max, run_sum, s, k_scale, v_scale):
-    """`_attend_chunk` for int8 rows [n, D + 4] read in place by the SIMD micro-kernels (values
-    converted in registers): the raw dot products are scaled by each key row's scale, and the
-    probabilities by each value row's scale after the softmax sums (the sums are of the true
-    probabilities). Exactly the attention over the dequantized rows, to float32 rounding."""
-    n_rows, d_size = qs.shape
-    for j in range(n):
-        k_scale[j] = _row_scale(k, j, d_size)
-        v_scale[j] = _row_scale(v, j, d_size)
-    _scores_simd(qs, k, n, s)
-    for r in range(n_rows):
-        for j in range(n):
-            s[r, j] *= k_scale[j]
-    _softmax_update(s, n, acc, run_max, run_sum)
-    for r in range(n_rows):
-        for j in range(n):
-            s[r, j] *= v_scale[j]
-    _values_simd(s, v, n, acc)
+def _scores_at(qs, k, n, s, off, simd):
+    """s[:, off:off + n] = qs . k[:n]^T (k bf16 bits or float32, read in place); the SIMD
+    micro-kernel also writes up to 3 columns past (s needs them)."""
+    if simd:
+        _scores_simd(qs, k, n, s[:, off:])
+        return
+    n_rows = qs.shape[0]
+    n4 = n_rows - n_rows % 4
+    for r in range(0, n4, 4):
+        scores4(qs[r], qs[r + 1], qs[r + 2], qs[r + 3], k, n, s[r, off:], s[r + 1, off:], s[r + 2, off:],
+                s[r + 3, off:])
+    for r in range(n4, n_rows):
+        scores1(qs[r], k, n, s[r, off:])
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _values_at(s, off, v, n, acc, simd):
+    """acc += s[:, off:off + n] . v[:n] (v bf16 bits or float32, read in place)."""
+    if simd:
+        _values_simd(s[:, off:], v, n, acc)
+        return
+    n_rows = acc.shape[0]
+    n4 = n_rows - n_rows % 4
+    for r in range(0, n4, 4):
+        accumulate4(s[r, off:], s[r + 1, off:], s[r + 2, off:], s[r + 3, off:], v, n, acc[r], acc[r + 1],
+                    acc[r + 2], acc[r + 3])
+    for r in range(n4, n_rows):
+        accumulate1(s[r, off:], v, n, acc[r])
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -285,22 +340,75 @@ def _plan_pieces(unit_tokens, n_threads, min_piece, align):
     return piece_unit[:n_p], piece_lo[:n_p], piece_hi[:n_p], unit_piece_ptr
 
 
-@njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
+@njit(nogil=True, cache=True)
 def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, scale,
                       piece_unit, piece_lo, piece_hi, unit_piece_ptr, n_workers):
-    """o [B, Tq, Hq, D], lse [B, Tq, Hq] float32 over the pieces of `_plan_pieces`.
+    """(o [B, Tq, Hq, D], lse [B, Tq, Hq]) float32 over the pieces of `_plan_pieces`
+    (`_attention_kernel_into` fresh arrays)."""
+    n_batch, tq, hq, d_size = q.shape
+    o = np.empty((n_batch, tq, hq, d_size), np.float32)
+    lse = np.empty((n_batch, tq, hq), np.float32)
+    _attention_kernel_into(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, scale, piece_unit, piece_lo,
+                           piece_hi, unit_piece_ptr, n_workers, o, lse)
+    return o, lse
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _merge_unit(u, n_kv_heads, group, n_rows, d_size, lo, hi, part_acc, part_max, part_sum, out, o, lse):
+    """o, lse of unit u = exact LSE merge of its pieces lo:hi (none, or -inf scores everywhere:
+    o = 0, lse = -inf)."""
+    b = u // n_kv_heads
+    h = u % n_kv_heads
+    for r in range(n_rows):
+        t = r // group
+        head = h * group + r % group
+        m = -np.inf
+        for it in range(lo, hi):
+            m = max(m, part_max[it, r])
+        if m == -np.inf:
+            for d in range(d_size):
+                o[b, t, head, d] = 0.0
+            lse[b, t, head] = -np.inf
+            continue
+        total = np.float32(0.0)
+        for d in range(d_size):
+            out[d] = 0.0
+        for it in range(lo, hi):
+            if part_max[it, r] == -np.inf:
+                continue
+            w = np.exp(part_max[it, r] - m)
+            total += w * part_sum[it, r]
+            for d in range(d_size):
+                out[d] += w * part_acc[it, r, d]
+        inv = np.float32(1.0) / total
+        for d in range(d_size):
+            o[b, t, head, d] = out[d] * inv
+        lse[b, t, head] = m + np.log(total)
+
+
+@njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
+def _attention_kernel_into(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, scale,
+                           piece_unit, piece_lo, piece_hi, unit_piece_ptr, n_workers, o, lse):
+    """o [B, Tq, Hq, D], lse [B, Tq, Hq] float32 (written, C-contiguous) over the pieces of
+    `_plan_pieces`.
 
     Phase 1: `n_workers` workers (one per thread) take pieces from a shared atomic counter, each
     keeping its scratch (scaled queries, accumulators, scores) for all its pieces, and write per
     piece the unnormalised accumulator [R, D], running max [R], sum of exp [R] (R = Tq * G rows:
-    the G query heads of the KV head x Tq queries, so each K/V row is read once per group).
-    Phase 2: exact LSE merge of each unit's pieces into o, lse (no piece: o = 0, lse = -inf).
+    the G query heads of the KV head x Tq queries, so each K/V row is read once per group). A
+    unit of one piece is written to o, lse directly by its worker; the worker that completes the
+    last piece of a split unit (a per-unit atomic count) merges its pieces exactly (LSE merge).
+    So one parallel region per call, and no piece state is written for most units. Units without
+    pieces get o = 0, lse = -inf (serially, after the region).
 
-    Pages are processed in chunks of about `_CHUNK_BYTES` of K (16-128 tokens); near the end of
-    page i of a piece, the first rows of its page i + 1 (K and V) are prefetched. bf16, float32
-    and (with the SIMD micro-kernels) int8 pages are read in place (widened in registers; int8 row
-    scales applied to scores and probabilities, `_attend_chunk_int8`); fp16 chunks, and int8 ones
-    without SIMD, are first converted into float32 scratch.
+    A piece is processed in chunks of about `_CHUNK_BYTES` of K (16-128 tokens) that run across
+    page boundaries: pass 1 computes each segment's scores (a segment: the chunk's rows inside one
+    page) into its columns of the chunk, one online-softmax step covers the whole chunk, pass 2
+    adds each segment's values. Before each segment, the K and V rows up to `_PREFETCH_BYTES` of
+    K ahead are prefetched (`_prefetch_tokens`). bf16, float32 and (with the SIMD micro-kernels)
+    int8 pages are read in place (widened in registers; int8 key scales applied to the scores,
+    value scales to the probabilities after the softmax sums); fp16 chunks, and int8 ones without
+    SIMD, are first converted into float32 scratch (`_attend_chunk`).
     """
     n_batch, tq, hq, d_size = q.shape
     group = hq // n_kv_heads
@@ -308,6 +416,8 @@ def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, 
     page_tokens = k_pages.shape[1]
     row_bytes = k_pages.strides[1]
     chunk = min(128, max(16, _CHUNK_BYTES // max(1, row_bytes)))
+    pf_rows = max(4, _PREFETCH_BYTES // max(1, row_bytes))
+    own_page_hw = page_tokens * row_bytes > _OWN_PAGE_PREFETCH_BYTES
     # explicit SIMD micro-kernels where D is a multiple of 2 vectors and rows are unit-stride; for
     # bf16 pages read in place, queries and accumulators are kept in its permuted lane order
     simd = d_size % (2 * max(QK_VEC, PV_VEC)) == 0 and (fmt >= 2 or (k_pages.strides[2] == k_pages.itemsize
@@ -318,7 +428,12 @@ def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, 
     part_max = np.empty((n_pieces, n_rows), np.float32)
     part_sum = np.empty((n_pieces, n_rows), np.float32)
     counter = np.zeros(16, np.int64)  # one cache line of its own
+    n_units = unit_piece_ptr.shape[0] - 1
+    left = np.empty(n_units, np.int64)  # pieces of each unit not yet done
+    for u in range(n_units):
+        left[u] = unit_piece_ptr[u + 1] - unit_piece_ptr[u]
     for _w in prange(n_workers):
+        out = np.empty(d_size, np.float32)
         qs = np.empty((n_rows, d_size), np.float32)
         acc = np.empty((n_rows, d_size), np.float32)
         stats = np.empty((2, max(n_rows, 16)), np.float32)  # running max / sum, >= a cache line each
@@ -327,7 +442,7 @@ def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, 
         s = np.empty((n_rows, chunk + 4), np.float32)
         kf = np.empty((chunk if fmt == 2 or (fmt == 3 and not simd) else 0, d_size), np.float32)
         vf = np.empty((chunk if fmt == 2 or (fmt == 3 and not simd) else 0, d_size), np.float32)
-        row_scales = np.empty((2, chunk if fmt == 3 else 0), np.float32)
+        k_scale = np.empty(chunk if fmt == 3 else 0, np.float32)
         while True:
             p = atomic_fetch_add(counter, 0, 1)
             if p >= n_pieces:
@@ -348,71 +463,96 @@ def _attention_kernel(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, 
             lo = piece_lo[p]
             hi = piece_hi[p]
             base = page_ptr[u]
-            last = (hi - 1) // page_tokens
-            for pi in range(lo // page_tokens, last + 1):
-                page = page_ids[base + pi]
-                r0 = max(lo - pi * page_tokens, 0)
-                r1 = min(hi - pi * page_tokens, page_tokens)
-                next_page = page_ids[base + pi + 1] if pi < last else -1
-                n_next = min(page_tokens, hi - (pi + 1) * page_tokens) if pi < last else 0
-                for c0 in range(r0, r1, chunk):
-                    n = min(chunk, r1 - c0)
-                    # rows _PREFETCH_ROWS ahead that lie in the next page (hardware prefetchers
-                    # cover the rest of a page but do not cross into the next, scattered one)
-                    p_lo = max(0, c0 + _PREFETCH_ROWS - r1)
-                    p_hi = min(n_next, c0 + n + _PREFETCH_ROWS - r1)
-                    for off in range(p_lo * row_bytes, p_hi * row_bytes, 64):
-                        prefetch(k_pages, next_page, off)
-                        prefetch(v_pages, next_page, off)
+            if _PREFETCH_NEXT_PIECE:  # the first rows of the piece handed out next (to some worker)
+                nxt = atomic_load(counter, 0)  # (a plain read would be hoisted out of the loop)
+                if nxt < n_pieces:
+                    n_lo = piece_lo[nxt]
+                    _prefetch_tokens(k_pages, v_pages, page_ids, page_ptr[piece_unit[nxt]], page_tokens, row_bytes,
+                                     n_lo, min(piece_hi[nxt], n_lo + pf_rows))
+            pf_t = lo  # the piece's tokens [lo, pf_t) are prefetched
+            c_lo = lo
+            while c_lo < hi:  # chunks of up to `chunk` tokens, across page boundaries
+                c_hi = min(hi, c_lo + chunk)
+                # pass 1 over the chunk's segments (its rows inside one page each): prefetch ahead,
+                # then scores (or the widened rows) of the segment at column `off` of the chunk
+                t = c_lo
+                while t < c_hi:
+                    pi, r0, n, page, off = _segment(t, c_lo, c_hi, page_tokens, page_ids, base)
+                    if own_page_hw:  # the hardware prefetcher covers the rest of a large page
+                        pf_t = max(pf_t, (pi + 1) * page_tokens)
+                    want = min(hi, t + n + pf_rows)
+                    if want > pf_t:
+                        _prefetch_tokens(k_pages, v_pages, page_ids, base, page_tokens, row_bytes, pf_t, want)
+                        pf_t = want
                     if fmt == 3 and simd:
-                        _attend_chunk_int8(qs, k_pages[page, c0:c0 + n], v_pages[page, c0:c0 + n], n, acc,
-                                           run_max, run_sum, s, row_scales[0], row_scales[1])
+                        k = k_pages[page, r0:r0 + n]
+                        for j in range(n):
+                            k_scale[off + j] = _row_scale(k, j, d_size)
+                        _scores_simd(qs, k, n, s[:, off:])
                     elif fmt >= 2:
-                        _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf)
-                        _widen_rows(v_pages[page, c0:c0 + n], n, fmt, vf)
-                        _attend_chunk(qs, kf, vf, n, acc, run_max, run_sum, s, simd)
+                        _widen_rows(k_pages[page, r0:r0 + n], n, fmt, kf, off)
+                        _widen_rows(v_pages[page, r0:r0 + n], n, fmt, vf, off)
                     else:
-                        _attend_chunk(qs, _rows_in_place(k_pages, page, c0, n), _rows_in_place(v_pages, page, c0, n),
-                                      n, acc, run_max, run_sum, s, simd)
+                        _scores_at(qs, _rows_in_place(k_pages, page, r0, n), n, s, off, simd)
+                    t += n
+                n_tok = c_hi - c_lo
+                if fmt >= 2 and not (fmt == 3 and simd):
+                    _attend_chunk(qs, kf, vf, n_tok, acc, run_max, run_sum, s, simd)
+                else:
+                    if fmt == 3:  # int8: raw dot products times each key row's scale
+                        for r in range(n_rows):
+                            for j in range(n_tok):
+                                s[r, j] *= k_scale[j]
+                    _softmax_update(s, n_tok, acc, run_max, run_sum)
+                    # pass 2: values of each segment
+                    t = c_lo
+                    while t < c_hi:
+                        pi, r0, n, page, off = _segment(t, c_lo, c_hi, page_tokens, page_ids, base)
+                        if fmt == 3:  # int8: probabilities times each value row's scale (after the sums)
+                            v = v_pages[page, r0:r0 + n]
+                            for j in range(n):
+                                v_scale = _row_scale(v, j, d_size)
+                                for r in range(n_rows):
+                                    s[r, off + j] *= v_scale
+                            _values_simd(s[:, off:], v, n, acc)
+                        else:
+                            _values_at(s, off, _rows_in_place(v_pages, page, r0, n), n, acc, simd)
+                        t += n
+                c_lo = c_hi
+            if unit_piece_ptr[u + 1] - unit_piece_ptr[u] == 1:  # the whole unit: its o, lse now
+                for r in range(n_rows):
+                    t = r // group
+                    head = h * group + r % group
+                    if run_max[r] == -np.inf:  # -inf scores everywhere
+                        for d in range(d_size):
+                            o[b, t, head, d] = 0.0
+                        lse[b, t, head] = -np.inf
+                        continue
+                    inv = np.float32(1.0) / run_sum[r]
+                    for d in range(d_size):
+                        o[b, t, head, d] = acc[r, bf16_lane_pos(d, PV_VEC) if perm else d] * inv
+                    lse[b, t, head] = run_max[r] + np.log(run_sum[r])
+                continue
             for r in range(n_rows):
                 part_max[p, r] = run_max[r]
                 part_sum[p, r] = run_sum[r]
                 for d in range(d_size):
                     part_acc[p, r, d] = acc[r, bf16_lane_pos(d, PV_VEC) if perm else d]
-
-    o = np.empty((n_batch, tq, hq, d_size), np.float32)
-    lse = np.empty((n_batch, tq, hq), np.float32)
-    for u in prange(unit_piece_ptr.shape[0] - 1):
-        b = u // n_kv_heads
-        h = u % n_kv_heads
-        lo, hi = unit_piece_ptr[u], unit_piece_ptr[u + 1]
-        out = np.empty(d_size, np.float32)
-        for r in range(n_rows):
-            t = r // group
-            head = h * group + r % group
-            m = -np.inf
-            for it in range(lo, hi):
-                m = max(m, part_max[it, r])
-            if m == -np.inf:  # nothing attended (no piece, or -inf scores everywhere)
+            # the last of a split unit's pieces to finish merges them (the atomic orders the other
+            # pieces' stores before this worker's reads)
+            if atomic_fetch_add(left, u, -1) == 1:
+                _merge_unit(u, n_kv_heads, group, n_rows, d_size, unit_piece_ptr[u], unit_piece_ptr[u + 1], part_acc,
+                            part_max, part_sum, out, o, lse)
+    for u in range(n_units):  # units without pieces
+        if unit_piece_ptr[u + 1] == unit_piece_ptr[u]:
+            b = u // n_kv_heads
+            h = u % n_kv_heads
+            for r in range(n_rows):
+                t = r // group
+                head = h * group + r % group
                 for d in range(d_size):
                     o[b, t, head, d] = 0.0
                 lse[b, t, head] = -np.inf
-                continue
-            total = np.float32(0.0)
-            for d in range(d_size):
-                out[d] = 0.0
-            for it in range(lo, hi):
-                if part_max[it, r] == -np.inf:
-                    continue
-                w = np.exp(part_max[it, r] - m)
-                total += w * part_sum[it, r]
-                for d in range(d_size):
-                    out[d] += w * part_acc[it, r, d]
-            inv = np.float32(1.0) / total
-            for d in range(d_size):
-                o[b, t, head, d] = out[d] * inv
-            lse[b, t, head] = m + np.log(total)
-    return o, lse
 
 
 @njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
@@ -444,7 +584,7 @@ def _token_probabilities(q, k_pages, fmt, page_ptr, page_ids, n_kv_heads, scale,
             r1 = min(hi - pi * page_tokens, page_tokens)
             for c0 in range(r0, r1, _CHUNK):
                 n = min(_CHUNK, r1 - c0)
-                _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf)
+                _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf, 0)
                 for j in range(n):
                     total = np.float32(0.0)
                     for r in range(n_rows):
@@ -625,6 +765,18 @@ def attend_blocks(store, layer: int, seq_ids, queries: np.ndarray, block_ids: np
 
 
 @njit(nogil=True, cache=True)
+def attend_pages_into(queries, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_heads, scale, n_workers,
+                      o, lse):
+    """`attend_pages` writing o [B, Tq, Hq, D] and lse [B, Tq, Hq] (float32, C-contiguous) in place:
+    the native exchange's worker passes its output slots (no per-call output arrays, no copy)."""
+    n_workers = max(1, min(n_workers, unit_tokens.sum() // (4 * MIN_PIECE_TOKENS)))
+    piece_unit, lo, hi, unit_piece_ptr = _plan_pieces(unit_tokens, n_workers, MIN_PIECE_TOKENS,
+                                                      min(_PIECE_ALIGN, MIN_PIECE_TOKENS))
+    _attention_kernel_into(queries, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, scale,
+                           piece_unit, lo, hi, unit_piece_ptr, n_workers, o, lse)
+
+
+@njit(nogil=True, cache=True)
 def attend_pages(queries, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_heads, scale, n_workers):
     """`paged_attention` callable from nopython code (the native exchange's worker loop,
     host.exchange_worker): plans the pieces for `n_workers` (the calling thread's Numba thread
@@ -632,8 +784,9 @@ def attend_pages(queries, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens
     kernel. Inputs are trusted (built by nopython code from validated tables). Small work runs on
     fewer threads (a piece per thread of at least MIN_PIECE_TOKENS * 4 tokens): waking all of them
     costs more than it saves. -> (o, lse) float32."""
-    n_workers = max(1, min(n_workers, unit_tokens.sum() // (4 * MIN_PIECE_TOKENS)))
-    piece_unit, lo, hi, unit_piece_ptr = _plan_pieces(unit_tokens, n_workers, MIN_PIECE_TOKENS,
-                                                      min(_PIECE_ALIGN, MIN_PIECE_TOKENS))
-    return _attention_kernel(queries, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_heads, scale,
-                             piece_unit, lo, hi, unit_piece_ptr, n_workers)
+    n_batch, tq, hq, d_size = queries.shape
+    o = np.empty((n_batch, tq, hq, d_size), np.float32)
+    lse = np.empty((n_batch, tq, hq), np.float32)
+    attend_pages_into(queries, k_pages, v_pages, fmt, page_ptr, page_ids, unit_tokens, n_kv_heads, scale, n_workers,
+                      o, lse)
+    return o, lse

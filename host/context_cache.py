@@ -27,16 +27,27 @@ from host.store_format import FORMAT_CODE, STORAGE_DTYPE, StoreConfig
 from host.paged_view import PagedKV
 
 
+def _page_templates(cfg: StoreConfig) -> dict[str, np.ndarray]:
+    """One page of a layer's arena (leading axis of 1)."""
+    p, d = cfg.context_page_tokens, cfg.row_width
+    sd = STORAGE_DTYPE[cfg.kv_dtype]
+    return {"k": np.empty((1, p, d), sd), "v": np.empty((1, p, d), sd),
+            "weight": np.empty((1, p), np.float32), "positions": np.empty((1, p), np.int64),
+            "token_index": np.empty((1, p), np.int64)}
+
+
+def page_nbytes(cfg: StoreConfig) -> int:
+    """Host bytes of one context-cache page (`cfg.context_page_tokens` kept tokens of one (layer,
+    KV head))."""
+    return arrays_nbytes(1, _page_templates(cfg))
+
+
 class _PageArena:
     def __init__(self, cfg: StoreConfig, budget: HostMemoryBudget, layer: int):
         self.budget, self.layer = budget, layer
         self.pool = SlotPool()
-        p, d = cfg.context_page_tokens, cfg.row_width
-        n = max(4, cfg.initial_blocks_per_layer * cfg.n_kv_heads * cfg.block_size // p)
-        sd = STORAGE_DTYPE[cfg.kv_dtype]
-        templates = {"k": np.empty((1, p, d), sd), "v": np.empty((1, p, d), sd),
-                     "weight": np.empty((1, p), np.float32), "positions": np.empty((1, p), np.int64),
-                     "token_index": np.empty((1, p), np.int64)}
+        n = max(4, cfg.initial_blocks_per_layer * cfg.n_kv_heads * cfg.block_size // cfg.context_page_tokens)
+        templates = _page_templates(cfg)
         budget.reserve(arrays_nbytes(n, templates), f"context cache of layer {layer}")
         self.slots = SlotArrays(templates, n, f"context cache of layer {layer}", budget.cap_bytes)
 

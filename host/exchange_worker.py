@@ -1,7 +1,7 @@
-"""The host end of the native exchange (host/native/exchange.cc): pinned slots and the worker.
+"""The host end of the native exchange (host/native/exchange.cc): pinned mailboxes and the worker.
 
 Per open hybrid batch, the native library holds one pinned allocation: flags ready[L], done[L],
-failed, and one slot per layer (q float32 [B, 1, Hq, D], block ids int32 [B, Hkv, k], o float32
+failed, and one mailbox per layer (the library's "slot" attribute) (q float32 [B, 1, Hq, D], block ids int32 [B, Hkv, k], o float32
 [B, 1, Hq, D], lse float32 [B, 1, Hq]). XLA's custom calls fill q (and ids) and raise ready[layer]
 in stream order; `ExchangeWorker` answers:
 
@@ -40,7 +40,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from host.attention import attend_pages
+from host._page_math import load_acquire
+from host.attention import attend_pages, attend_pages_into
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def load_library():
 
 class NativeExchange:
     """One reserved exchange id for a backend's lifetime (a compile-time attribute of its custom
-    calls); `open` installs pinned slots for a batch, `close` frees them."""
+    calls); `open` installs pinned mailboxes for a batch, `close` frees them."""
 
     def __init__(self):
         self.lib = load_library()
@@ -101,10 +102,10 @@ class NativeExchange:
         if self.id < 0:
             raise RuntimeError("native exchange: no free exchange id")
         weakref.finalize(self, self.lib.jh_exchange_release, self.id)
-        self.slots: Slots | None = None
+        self.mailboxes: Mailboxes | None = None
 
     def open(self, n_layers: int, batch: int, hq: int, hkv: int, head_dim: int, max_ids: int, gpu: bool,
-             device_ordinal: int = 0, timeout_s: float = 300.0, timing: bool = False) -> "Slots":
+             device_ordinal: int = 0, timeout_s: float = 300.0, timing: bool = False) -> "Mailboxes":
         q_bytes = batch * hq * head_dim * 4
         ids_bytes = max(4, batch * hkv * max_ids * 4)
         lse_bytes = batch * hq * 4
@@ -112,11 +113,11 @@ class NativeExchange:
         if self.lib.jh_exchange_open(self.id, n_layers, q_bytes, ids_bytes, q_bytes, lse_bytes, int(gpu),
                                      device_ordinal, float(timeout_s), int(timing), err, len(err)) != 0:
             raise RuntimeError(f"native exchange: {err.value.decode()}")
-        self.slots = Slots(self, n_layers, batch, hq, hkv, head_dim, max_ids)
-        return self.slots
+        self.mailboxes = Mailboxes(self, n_layers, batch, hq, hkv, head_dim, max_ids)
+        return self.mailboxes
 
     def close(self) -> None:
-        self.slots = None
+        self.mailboxes = None
         self.lib.jh_exchange_close(self.id)
 
     def fail(self, message: str) -> None:
@@ -140,8 +141,9 @@ class NativeExchange:
         return int(self.lib.jh_exchange_submitted(self.id, layer))
 
 
-class Slots:
-    """NumPy views of an open exchange's pinned memory (valid until the next open / close)."""
+class Mailboxes:
+    """NumPy views of an open exchange's pinned memory, one mailbox per layer (q, ids, o, lse rows;
+    valid until the next open / close)."""
 
     def __init__(self, exchange: NativeExchange, n_layers, batch, hq, hkv, head_dim, max_ids):
         layout = (ctypes.c_int64 * 10)()
@@ -151,7 +153,7 @@ class Slots:
         memory = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(address))
         self.memory = memory  # keeps the views' base alive with this object
 
-        def rows(offset, dtype, width):  # one C-contiguous 1-D array per slot (what nopython code indexes)
+        def rows(offset, dtype, width):  # one C-contiguous 1-D array per layer (what nopython code indexes)
             n_bytes = width * np.dtype(dtype).itemsize
             return tuple(memory[offset + i * stride:offset + i * stride + n_bytes].view(dtype) for i in range(n_layers))
 
@@ -166,22 +168,6 @@ class Slots:
 
 
 # ---- nopython pieces ----------------------------------------------------------------------------
-
-@intrinsic
-def _load_acquire(typingctx, arr, index):
-    """arr[index] read with acquire semantics (uint32 array): never hoisted out of a spin loop."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and isinstance(index, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        aryty, idxty = signature.args
-        ary = context.make_array(aryty)(context, builder, args[0])
-        idx = context.cast(builder, args[1], idxty, types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False, boundscheck=False)
-        return builder.load_atomic(ptr, "acquire", 4)
-
-    return types.uint32(arr, index), codegen
-
 
 @intrinsic
 def _store_release(typingctx, arr, index, value):
@@ -221,10 +207,10 @@ def _cpu_relax(typingctx):
 def _wait_ready(ready, layer, seq, abort) -> bool:
     """Spin until ready[layer] reaches seq (cyclic uint32 compare); False when abort[0] is raised."""
     while True:
-        value = _load_acquire(ready, layer)
+        value = load_acquire(ready, layer)
         if np.int32(np.uint32(value - seq)) >= 0:
             return True
-        if _load_acquire(abort, 0) != 0:
+        if load_acquire(abort, 0) != 0:
             return False
         _cpu_relax()
 
@@ -307,9 +293,11 @@ def serve_blocks(layers, served, ready, done, abort, slots_q, slots_ids, slots_o
         if bad >= 0:
             return i, bad
         stats[0] += unit_tokens.sum()
-        o, lse = attend_pages(q, k_pages[layer], v_pages[layer], fmt, page_ptr, page_ids, unit_tokens, hkv, scale,
-                              n_threads)
-        _answer(slots_o, slots_lse, done, layer, seq, o, lse)
+        # o, lse straight into the layer's output slots (no per-layer arrays, no copy), then done
+        attend_pages_into(q, k_pages[layer], v_pages[layer], fmt, page_ptr, page_ids, unit_tokens, hkv, scale,
+                          n_threads, slots_o[layer][:batch * hq * head_dim].reshape(batch, 1, hq, head_dim),
+                          slots_lse[layer][:batch * hq].reshape(batch, 1, hq))
+        _store_release(done, layer, seq)
         served[layer] = seq
     return layers.shape[0], -1
 
@@ -360,6 +348,29 @@ class ContextPages:
     ids_off: np.ndarray
     unit_tokens: np.ndarray
 
+    @classmethod
+    def of(cls, store, n_layers: int, batch: int, published_tokens: np.ndarray) -> "ContextPages":
+        """Every layer's kept tokens of the blocks the host side owns: token_index <
+        published_tokens[b] (int64 [B]). Call with the store's lock held."""
+        views = [clip_to_published(store.context.snapshot_locked(layer, range(batch)),
+                                   store.context.layers[layer].arrays["token_index"], published_tokens)
+                 for layer in range(n_layers)]
+        return cls(fmt=views[0].fmt, k_pages=tuple(v.k_pages for v in views), v_pages=tuple(v.v_pages for v in views),
+                   page_ptr=np.concatenate([v.page_ptr for v in views]),
+                   ptr_off=np.cumsum([0] + [v.page_ptr.shape[0] for v in views]).astype(np.int64),
+                   page_ids=np.concatenate([v.page_ids for v in views]),
+                   ids_off=np.cumsum([0] + [v.page_ids.shape[0] for v in views]).astype(np.int64),
+                   unit_tokens=np.concatenate([v.unit_tokens for v in views]))
+
+    def serve(self, worker: "ExchangeWorker", layers: np.ndarray) -> tuple[int, int]:
+        """Answer the plan's layers in order -> (entries served, -1)."""
+        s = worker.mailboxes
+        _, batch, hq, hkv, head_dim, _ = s.shape
+        served = serve_context(layers, worker.served, s.ready, s.done, worker.abort, s.q, s.o, s.lse, batch, hq,
+                               head_dim, hkv, worker.scale, worker.n_threads, self.fmt, self.k_pages, self.v_pages,
+                               self.page_ptr, self.ptr_off, self.page_ids, self.ids_off, self.unit_tokens)
+        return served, -1
+
 
 @dataclass
 class BlockPages:
@@ -376,13 +387,37 @@ class BlockPages:
     slot_tables: np.ndarray
     n_blocks: np.ndarray
 
+    @classmethod
+    def of(cls, store, k: int, slot_tables: np.ndarray, published: np.ndarray) -> "BlockPages":
+        """Every layer's store blocks: k block ids per (sequence, KV head) in a call, slot_tables
+        int64 [L, B, W] the store slot of each block (copied), published int64 [B] the blocks the host
+        side owns. Call with the store's lock held."""
+        from host.store_format import FORMAT_CODE
+
+        c = store.config
+        arenas = [store.layers[layer].arrays for layer in range(c.n_layers)]
+        return cls(k=k, fmt=FORMAT_CODE[c.kv_dtype], block_size=c.block_size,
+                   k_pages=tuple(a["k"].reshape(-1, c.block_size, c.row_width) for a in arenas),
+                   v_pages=tuple(a["v"].reshape(-1, c.block_size, c.row_width) for a in arenas),
+                   slot_tables=slot_tables.copy(),
+                   n_blocks=np.broadcast_to(published, (c.n_layers, slot_tables.shape[1])).copy())
+
+    def serve(self, worker: "ExchangeWorker", layers: np.ndarray) -> tuple[int, int]:
+        """Answer the plan's layers in order -> (entries served, -1 or the bad (sequence, block) code)."""
+        s = worker.mailboxes
+        _, batch, hq, hkv, head_dim, _ = s.shape
+        return serve_blocks(layers, worker.served, s.ready, s.done, worker.abort, s.q, s.ids, s.o, s.lse, batch, hq,
+                            head_dim, hkv, self.k, worker.scale, worker.n_threads, self.fmt, self.block_size,
+                            self.k_pages, self.v_pages, self.slot_tables, self.n_blocks, worker.last_ids,
+                            worker.stats)
+
 
 @dataclass
 class StepPlan:
-    """What one decode step asks of the host: layers int32 [n] in submission order, and `pages()`: run on the worker thread
-    before the step is served, it returns the pages to attend (ContextPages or BlockPages) and a
-    function to call once the step is served (the store's reader bracket); it may first wait for
-    host work that must precede the step (hgca's sparsification of the blocks just evicted)."""
+    """What one decode step asks of the host: layers int32 [n] in submission order, and `pages()`: run
+    on the worker thread before the step is served, it returns the pages to attend (ContextPages or
+    BlockPages: each serves itself) and a function to call once the step is served (the store's
+    reader bracket)."""
 
     layers: np.ndarray
     pages: object
@@ -391,15 +426,15 @@ class StepPlan:
 class ExchangeWorker:
     """One thread that serves armed steps in order (see the module docstring)."""
 
-    def __init__(self, exchange: NativeExchange, slots: Slots, n_threads: int, scale: float,
+    def __init__(self, exchange: NativeExchange, mailboxes: Mailboxes, n_threads: int, scale: float,
                  timeout_s: float = 300.0):
-        self.exchange, self.slots = exchange, slots
+        self.exchange, self.mailboxes = exchange, mailboxes
         self.n_threads, self.scale, self.timeout_s = n_threads, np.float32(scale), timeout_s
         self.abort = np.zeros(1, np.uint32)
         self.error: BaseException | None = None
         self.serve_s = 0.0  # worker seconds inside serve calls (waiting for queries included)
         self.steps = 0
-        n_layers, batch, _, hkv, _, max_ids = slots.shape
+        n_layers, batch, _, hkv, _, max_ids = mailboxes.shape
         self.last_ids = np.full((n_layers, max(1, batch * hkv * max_ids)), -1, np.int32)  # last step's ids
         self.stats = np.zeros(2, np.int64)  # [tokens attended (blocks kind), unused]
         self.served_any = False
@@ -465,20 +500,8 @@ class ExchangeWorker:
                 if self._plans.empty():
                     self._idle.set()
 
-    def _serve(self, plan: StepPlan, p) -> None:
-        s = self.slots
-        n_layers, batch, hq, hkv, head_dim, max_ids = s.shape
-        common = (plan.layers, self.served, s.ready, s.done, self.abort, s.q)
-        if isinstance(p, ContextPages):
-            served = serve_context(*common, s.o, s.lse, batch, hq, head_dim, hkv, self.scale, self.n_threads, p.fmt,
-                                   p.k_pages,
-                                   p.v_pages, p.page_ptr, p.ptr_off, p.page_ids, p.ids_off, p.unit_tokens)
-            bad = -1
-        else:
-            served, bad = serve_blocks(*common, s.ids, s.o, s.lse, batch, hq, head_dim, hkv, p.k, self.scale,
-                                       self.n_threads, p.fmt,
-                                       p.block_size, p.k_pages, p.v_pages, p.slot_tables, p.n_blocks,
-                                       self.last_ids, self.stats)
+    def _serve(self, plan: StepPlan, pages) -> None:
+        served, bad = pages.serve(self, plan.layers)
         if served < len(plan.layers):
             layer = int(plan.layers[served])
             if bad >= 0:
@@ -494,7 +517,7 @@ class ExchangeWorker:
 
     def _fail(self, error: BaseException) -> None:
         """Poison every output (NaN), keep the error, release every slot (nothing waits forever)."""
-        for rows in (self.slots.o, self.slots.lse):
+        for rows in (self.mailboxes.o, self.mailboxes.lse):
             for row in rows:
                 row[:] = np.nan
         if self.error is None:
@@ -503,5 +526,5 @@ class ExchangeWorker:
         self.exchange.fail(f"{type(error).__name__}: {error}")
 
 
-__all__ = ["NativeExchange", "Slots", "ExchangeWorker", "StepPlan", "ContextPages", "BlockPages",
+__all__ = ["NativeExchange", "Mailboxes", "ExchangeWorker", "StepPlan", "ContextPages", "BlockPages",
            "clip_to_published", "load_library", "library_path"]

@@ -1,10 +1,10 @@
 """Run CPU attention and sparsification in worker threads while JAX runs on the calling thread.
 
     executor = HostExecutor(store, n_workers=1, n_threads=15)
-    handle = executor.submit(layer, queries, seq_ids)                    # (a) context cache
-    handle = executor.submit(layer, queries, seq_ids, block_ids=ids)     # (c) chosen blocks
-    handle = executor.submit(layer, queries, seq_ids, mode="all")        # (b) every stored token
-    o, lse = executor.collect(handle)
+    handle = executor.submit(layer, queries, seq_ids, KEPT_TOKENS)                 # hgca's context cache
+    handle = executor.submit(layer, queries, seq_ids, CHOSEN_BLOCKS, block_ids=ids)
+    handle = executor.submit(layer, queries, seq_ids, ALL_OFFLOADED)               # every stored token
+    o, lse = executor.collect(handle)                   # targets: host.targets
     executor.submit_sparsify(layer, seq_ids, blocks, beta, window_tokens)   # right after an eviction
     executor.submit_reevaluate(layer, seq_ids, new_queries, beta)            # after a new user turn
 
@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from host.attention import THREADING_LAYER, attend_all, attend_blocks, attend_context, check_queries
+from host.attention import THREADING_LAYER, check_queries
 from host.sparsify import reevaluate, sparsify_evicted
+from host.targets import HostTarget
 
 log = logging.getLogger(__name__)
 
@@ -69,27 +70,17 @@ class HostExecutor:
         log.info("HostExecutor: %d worker(s) x %d Numba threads, threading layer %s",
                  n_workers, n_threads, THREADING_LAYER)
 
-    def submit(self, layer: int, queries: np.ndarray, seq_ids, mode: str = "context",
+    def submit(self, layer: int, queries: np.ndarray, seq_ids, target: HostTarget,
                block_ids: np.ndarray | None = None, scale: float | None = None) -> Handle:
-        """Queue one attention. mode "context" (a), "all" (b) or "blocks" (c; also implied by
-        passing block_ids). `queries` is used as is by the worker: do not modify it until collected."""
+        """Queue one attention over `target` (host.targets). `queries` is used as is by the worker:
+        do not modify it until collected."""
         seq_ids = list(seq_ids)
         cfg = self.store.config
         check_queries(queries, len(seq_ids), cfg.n_kv_heads, cfg.head_dim)
-        if block_ids is not None:
-            mode = "blocks"
-        if mode == "context":
-            return self.submit_task(attend_context, self.store, layer, seq_ids, queries, scale,
-                                    what=f"attend_context(layer={layer})")
-        if mode == "all":
-            return self.submit_task(attend_all, self.store, layer, seq_ids, queries, scale,
-                                    what=f"attend_all(layer={layer})")
-        if mode == "blocks":
-            if block_ids is None:
-                raise ValueError("mode='blocks' needs block_ids [B, Hkv, n]")
-            return self.submit_task(attend_blocks, self.store, layer, seq_ids, queries, block_ids, scale,
-                                    what=f"attend_blocks(layer={layer})")
-        raise ValueError(f"mode={mode!r}; expected 'context', 'all' or 'blocks'")
+        if target.needs_block_ids and block_ids is None:
+            raise ValueError(f"{target.name} attention needs block_ids [B, Hkv, n]")
+        return self.submit_task(target.attend, self.store, layer, seq_ids, queries, scale, block_ids,
+                                what=f"host attention over {target.name} (layer {layer})")
 
     def submit_sparsify(self, layer: int, seq_ids, block_numbers, beta: float, window_tokens: int,
                         keep_after: int = 0, max_keep_share: float | None = None) -> Handle:

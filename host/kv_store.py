@@ -35,6 +35,27 @@ from host.store_format import KV_DTYPES, STORAGE_DTYPE, StoreConfig, from_storag
 log = logging.getLogger(__name__)
 
 
+def _slot_templates(c: StoreConfig) -> dict[str, np.ndarray]:
+    """One slot of a layer's arena: the arrays' shapes and dtypes with a leading axis of 1."""
+    sd = STORAGE_DTYPE[c.kv_dtype]
+    shapes = {
+        "k": np.empty((1, c.n_kv_heads, c.block_size, c.row_width), sd),
+        "v": np.empty((1, c.n_kv_heads, c.block_size, c.row_width), sd),
+        "maw": np.empty((1, c.n_kv_heads, c.block_size), np.float32),
+        "positions": np.empty((1, c.block_size), np.int64),
+    }
+    if c.key_digests:
+        shapes["key_min"] = np.empty((1, c.n_kv_heads, c.head_dim), np.float32)
+        shapes["key_max"] = np.empty((1, c.n_kv_heads, c.head_dim), np.float32)
+    return shapes
+
+
+def block_nbytes(config: StoreConfig) -> int:
+    """Host bytes of one offloaded block of one layer (one arena slot: K, V of every KV head, MAW,
+    positions, digests when kept): what capacity predictions multiply."""
+    return arrays_nbytes(1, _slot_templates(config))
+
+
 class _LayerArena:
     """The offloaded blocks of one layer, all sequences together (see module docstring)."""
 
@@ -51,18 +72,7 @@ class _LayerArena:
         return self.slots.arrays
 
     def _templates(self) -> dict[str, np.ndarray]:
-        c = self.cfg
-        sd = STORAGE_DTYPE[c.kv_dtype]
-        shapes = {
-            "k": np.empty((1, c.n_kv_heads, c.block_size, c.row_width), sd),
-            "v": np.empty((1, c.n_kv_heads, c.block_size, c.row_width), sd),
-            "maw": np.empty((1, c.n_kv_heads, c.block_size), np.float32),
-            "positions": np.empty((1, c.block_size), np.int64),
-        }
-        if c.key_digests:
-            shapes["key_min"] = np.empty((1, c.n_kv_heads, c.head_dim), np.float32)
-            shapes["key_max"] = np.empty((1, c.n_kv_heads, c.head_dim), np.float32)
-        return shapes
+        return _slot_templates(self.cfg)
 
     @property
     def capacity(self) -> int:

@@ -1,9 +1,15 @@
 """The `jhybrid` console script: `jhybrid version`, `jhybrid generate`, `jhybrid convert`,
-`jhybrid bench`, `jhybrid budget`, `jhybrid sessions`."""
+`jhybrid bench`, `jhybrid budget`, `jhybrid sessions`.
+
+Bad input (a value, a file, a session store) is one line `error: ...` naming it and what was
+expected, exit code 2, found before a model loads wherever the input is known by then. Ctrl-C stops
+`generate` and `bench` at the next step (a second Ctrl-C at once), closes every backend the command
+opened and exits 130 after one line; anything else unexpected is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -132,6 +138,7 @@ def _generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed)  # validates before the slow load
     offload = offload_from_args(args)
+    check_generate_args(args)
     start = time.perf_counter()
     pretrained = _load_with_progress(args.model, args.dtype)
     if pretrained.tokenizer is None:
@@ -142,7 +149,9 @@ def _generate(args) -> int:
     prompt_ids = pretrained.encode(text)
     check_limits(offload, len(prompt_ids), args.max_tokens, pretrained.model.config.max_position_embeddings)
     calibration = None
-    if offload.mode == "scout":  # scout_exact_layers="auto": a calibration text, else the prompt itself
+    from jhybrid.hybrid.registry import mode_class
+
+    if mode_class(offload.mode).needs_calibration(offload):  # e.g. scout's "auto": a text, else the prompt
         from jhybrid.bench.texts import calibration_tokens
 
         calibration = calibration_tokens(pretrained)
@@ -167,24 +176,115 @@ def _generate(args) -> int:
                 sys.stdout.flush()
                 shown = full
 
-    generator = Generator(pretrained.model, backend, prefill_chunk=args.prefill_chunk)
-    start = time.perf_counter()
-    try:
-        result = generator.generate([prompt_ids], max_new_tokens=args.max_tokens, sampling=sampling,
-                                    stop_tokens=pretrained.stop_token_ids, on_tokens=stream)
-    except KeyboardInterrupt:
-        seconds = time.perf_counter() - start
-        print(f"\n[interrupted: {len(produced)} tokens in {seconds:.1f} s (compile "
-              f"{generator.compile_seconds:.1f} s included)]", file=sys.stderr)
-        return 130
-    finally:
-        backend.close()
+    with DeferredInterrupt() as interrupt, \
+            _interruptible(Generator, interrupt)(pretrained.model, backend, prefill_chunk=args.prefill_chunk) as generator:
+        start = time.perf_counter()  # the with block closes the backend, however it ends
+        try:
+            result = generator.generate([prompt_ids], max_new_tokens=args.max_tokens, sampling=sampling,
+                                        stop_tokens=pretrained.stop_token_ids, on_tokens=stream)
+        except KeyboardInterrupt:
+            seconds = time.perf_counter() - start
+            print(f"\n[interrupted: {len(produced)} tokens in {seconds:.1f} s (compile "
+                  f"{generator.compile_seconds:.1f} s included)]", file=sys.stderr)
+            with closing_after_interrupt():
+                generator.close()
+            return 130
     print()
     print(f"[prefill: {result.prompt_tokens} tokens, {result.prefill_tokens_per_second:.1f} tok/s | "
           f"decode: {len(result.tokens[0])} tokens, {result.decode_tokens_per_second:.1f} tok/s | "
           f"compile {result.compile_seconds:.1f} s | finish: {result.finish_reasons[0]}]",
           file=sys.stderr)
     return 0
+
+
+def check_generate_args(args) -> None:
+    """What `jhybrid generate` can check before the model loads (ValueError naming the flag or the
+    prompt and what was expected): --dtype, --max-tokens, --prefill-chunk, and a prompt that is
+    UTF-8 text (bytes that are not arrive from the shell as lone surrogates)."""
+    from jhybrid.config.schema import check_dtype
+
+    check_dtype(args.dtype, "--dtype")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}; expected >= 1")
+    if args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk {args.prefill_chunk}; expected >= 1")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = ord(error.object[error.start]) & 0xFF  # surrogateescape keeps the byte as U+DC80..U+DCFF
+        raise ValueError(f"the prompt is not UTF-8 text (byte {byte:#04x} at character {error.start}); "
+                         "expected a UTF-8 prompt") from None
+
+
+class DeferredInterrupt:
+    """Ctrl-C at a step boundary. While active (a `with` block on the main thread), the first
+    SIGINT only sets `requested`; the running loop calls `check()` where no device step, host
+    callback or host exchange is in flight and stops there (KeyboardInterrupt). A KeyboardInterrupt
+    raised anywhere else could land inside a host callback (surfacing as an XLA error, not an
+    interrupt), in a garbage-collection callback (lost), or before a backend closes under a step
+    still running. A second SIGINT raises KeyboardInterrupt at once, as Python does by default."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> "DeferredInterrupt":
+        import signal
+        import threading
+
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def check(self) -> None:
+        """KeyboardInterrupt when Ctrl-C was pressed (call at a step boundary)."""
+        if self.requested:
+            raise KeyboardInterrupt
+
+
+def _interruptible(generator_class, interrupt: DeferredInterrupt):
+    """A Generator subclass that stops at the first step boundary after Ctrl-C: before a step's
+    host work, once the previous step's cache is ready (nothing of it in flight)."""
+    import jax
+
+    class InterruptibleGenerator(generator_class):
+        def _before_step(self, cache, positions):
+            if interrupt.requested:
+                jax.block_until_ready(cache)
+                interrupt.check()
+            return super()._before_step(cache, positions)
+
+    return InterruptibleGenerator
+
+
+@contextlib.contextmanager
+def closing_after_interrupt():
+    """Around closing a backend after Ctrl-C: the native exchange worker may be armed for a step
+    the interrupt kept from running, and closing aborts it; that abort is the interrupt's doing,
+    not a failure, so its log record ("host exchange failed ... aborted: closed") is dropped. Any
+    other record passes."""
+    def keep(record) -> bool:
+        return "aborted: closed" not in record.getMessage()
+
+    logger = logging.getLogger("host.exchange_worker")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def check_limits(offload, prompt_tokens: int, max_tokens: int, context: int) -> None:
@@ -267,7 +367,9 @@ def _bench(args) -> int:
             if not args.only or any(text in point.key for text in args.only):
                 print(point.key)
         return 0
-    outcome = run_sweep(run, output_dir=args.output_dir, argv=args.argv, only=args.only)
+    with DeferredInterrupt() as interrupt:  # a point stops at its next step after Ctrl-C
+        outcome = run_sweep(run, output_dir=args.output_dir, argv=args.argv, only=args.only,
+                            stop=interrupt.check)
     print(f"{outcome.ran} points run, {outcome.resumed} resumed, {outcome.skipped} skipped, {outcome.errors} failed; wrote "
           + ", ".join(outcome.paths), file=sys.stderr)
     if outcome.interrupted:
@@ -275,20 +377,64 @@ def _bench(args) -> int:
     return 1 if outcome.errors else 0
 
 
-def _budget(args) -> int:
-    from jhybrid.bench.budget import format_budget, kv_budget, parse_bytes
-    from jhybrid.bench.shapes import model_config_for
+def check_budget_args(args) -> None:
+    """`jhybrid budget`'s numbers, before anything is computed (ValueError naming the flag, the
+    value and what was expected)."""
+    import math
 
-    budget = kv_budget(args.model, model_config_for(args.model), args.context, args.batch,
-                       parse_bytes(args.gpu_mem), gpu_share=args.gpu_share, sink=args.sink,
-                       block_size=args.block_size, kv_dtype=args.kv_dtype, host_kv_dtype=args.host_kv_dtype,
-                       reserve_bytes=parse_bytes(args.reserve) if args.reserve != "0" else 0)
+    for flag, value, least in (("--context", args.context, 1), ("--batch", args.batch, 1),
+                               ("--block-size", args.block_size, 1), ("--sink", args.sink, 0)):
+        if value < least:
+            raise ValueError(f"{flag} {value}; expected an integer >= {least}")
+    if not (math.isfinite(args.gpu_share) and 0.0 < args.gpu_share <= 1.0):
+        raise ValueError(f"--gpu-share {args.gpu_share}; expected a fraction in (0, 1]")
+    from jhybrid.bench.budget import DTYPE_BYTES
+
+    if args.kv_dtype is not None and args.kv_dtype not in DTYPE_BYTES:
+        raise ValueError(f"--kv-dtype {args.kv_dtype}; expected one of {', '.join(DTYPE_BYTES)}")
+
+
+def _memory_flag(flag: str, text: str, parse_bytes) -> int:
+    """A memory-size flag's bytes (ValueError naming the flag when it does not read)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise ValueError(f"{flag} {text}: {error}") from None
+
+
+def _budget_model(name: str):
+    """The ModelConfig of --model: a known shape, or a config.json (file or folder) read with errors
+    that name the file (jhybrid.loading.hf.read_hf_config)."""
+    from jhybrid.bench.shapes import SHAPES, model_config_for
+    from jhybrid.loading.hf import hf_config_path, read_hf_config
+
+    path = None if name in SHAPES else hf_config_path(name)
+    return read_hf_config(path) if path is not None else model_config_for(name)
+
+
+def _budget(args) -> int:
+    from jhybrid.bench.budget import format_budget, human_bytes, kv_budget, parse_bytes
+
+    check_budget_args(args)
+    config = _budget_model(args.model)
+    gpu_bytes = _memory_flag("--gpu-mem", args.gpu_mem, parse_bytes)
+    reserve = _memory_flag("--reserve", args.reserve, parse_bytes) if args.reserve != "0" else 0
+    if gpu_bytes <= 0:
+        raise ValueError(f"--gpu-mem {args.gpu_mem}; expected a positive memory size (e.g. 80GiB)")
+    budget = kv_budget(args.model, config, args.context, args.batch, gpu_bytes, gpu_share=args.gpu_share,
+                       sink=args.sink, block_size=args.block_size, kv_dtype=args.kv_dtype,
+                       host_kv_dtype=args.host_kv_dtype, reserve_bytes=reserve)
+    if budget.weight_bytes + reserve >= gpu_bytes:
+        kept = f" + --reserve {human_bytes(reserve)}" if reserve else ""
+        raise ValueError(f"--gpu-mem {args.gpu_mem}: the weights of {args.model} (~{human_bytes(budget.weight_bytes)})"
+                         f"{kept} do not fit in {human_bytes(gpu_bytes)}, leaving nothing for KV; expected more "
+                         f"than {human_bytes(budget.weight_bytes + reserve)}")
     lines = format_budget(budget)
     if args.split == "balanced":
         from jhybrid.bench.budget import balanced_budget_split, format_split
         from jhybrid.hybrid.split import machine_profile
 
-        offload, report = balanced_budget_split(budget, model_config_for(args.model), args.mode,
+        offload, report = balanced_budget_split(budget, config, args.mode,
                                                 machine_profile(measure=args.measure), sink=args.sink,
                                                 block_size=args.block_size)
         lines += format_split(offload, report)
@@ -302,10 +448,10 @@ def _add_sessions(sub) -> None:
     p = sub.add_parser("sessions", help="list / delete saved HCache sessions, collect orphaned data")
     p.add_argument("--root", required=True, help="the session store (an HCacheEngine's root)")
     actions = p.add_subparsers(dest="action", required=True)
-    actions.add_parser("list", help="sessions, their generations, tokens and bytes")
+    actions.add_parser("list", help="sessions, their generations, tokens and bytes, and what is damaged")
     delete = actions.add_parser("delete", help="remove a session (refused while it is open for writing)")
     delete.add_argument("session_id")
-    actions.add_parser("gc", help="remove chunk data no committed save refers to")
+    actions.add_parser("gc", help="remove chunk data no committed save refers to, and stale lock files")
 
 
 def _sessions(args) -> int:
@@ -325,8 +471,8 @@ def _sessions(args) -> int:
     else:
         r = collect_garbage(args.root)
         print(f"removed {len(r.orphan_data_dirs)} orphaned chunk folder(s), {len(r.stale_tail_files)} stale tail "
-              f"file(s), {r.prefix_entries} prefix entr(ies); skipped (being written): "
-              f"{', '.join(r.skipped_locked) or 'none'}", file=sys.stderr)
+              f"file(s), {len(r.stale_lock_files)} stale lock file(s), {r.prefix_entries} prefix entr(ies); "
+              f"skipped (being written): {', '.join(r.skipped_locked) or 'none'}", file=sys.stderr)
     return 0
 
 
@@ -360,6 +506,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        if not _interrupted_inside_xla(error):
+            raise  # a bug: its traceback
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _interrupted_inside_xla(error: BaseException) -> bool:
+    """A second Ctrl-C (DeferredInterrupt lets it through at once) that landed inside a host
+    callback reaches Python as an XLA runtime error carrying the KeyboardInterrupt's traceback."""
+    return type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and "KeyboardInterrupt" in str(error)
 
 
 if __name__ == "__main__":

@@ -304,3 +304,22 @@ class Generator:
         self.backend.open(self.config, batch, max_len)
         model = nnx.merge(self.graphdef, self.params)
         return model.init_cache(batch, max_len, self.backend)
+
+    # -- the backend's host side --
+
+    def close(self) -> None:
+        """Closes the backend's host side (host store, worker threads, native exchange).
+
+        Ownership: a Generator owns its backend's host side, whoever built the backend object:
+        every `generate` opens it for its batch (closing what was open before), and leaves it open
+        afterwards so that `backend.counters()` can still be read; `close()` (or leaving a `with
+        Generator(...)` block, also by an exception or Ctrl-C) closes it. The backend object stays
+        usable: a later `generate` opens it again. Closing twice, or a backend never opened, is
+        a no-op."""
+        self.backend.close()
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -97,7 +97,8 @@ def check_query_and_kv(q, k, v, k_name: str, v_name: str, kv_layout: str):
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+    """The smallest power of two >= n (>= 1): padded sizes, so few shapes are ever compiled."""
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def default_tuning(programs: int, tokens: int, d: int, block_k=None, num_splits=None, num_warps=None,

@@ -11,8 +11,9 @@ from jhybrid.models import ModelConfig
 
 TINY = ModelConfig(family="llama", vocab_size=97, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=64, mlp_dim=128, max_position_embeddings=256)
-# Window 40 = 8 sinks + 2 blocks of 16 (max prefill chunk 16). beta -> 0 keeps every offloaded token.
-WINDOW = dict(window_tokens=40, block_size=16, sink=8, host_threads=1)
+# Window 40 = 8 sinks + 2 blocks of 16 (max prefill chunk 16); scout / topk select every block
+# (budget None). beta -> 0 keeps every offloaded token.
+WINDOW = dict(window_tokens=40, block_size=16, sink=8, host_threads=1, budget=None)
 KEEP_ALL = dict(WINDOW, beta=1e-30)
 SCOUT_RECALLS = dict(recall_blocks=2, recall_min_interval=2, recall_threshold=0.0)
 CHUNK, MAX_LEN = 16, 128

@@ -43,8 +43,8 @@ def test_llama3_8b_128k_on_80gib():
 
 
 def test_window_and_bytes_parsing():
-    assert window_for_share(1000, 0.25) == 16 + 14 * 16
-    assert window_for_share(100, 1.0) == 96
+    assert window_for_share(1000, 0.25, 16, 16) == 16 + 14 * 16
+    assert window_for_share(100, 1.0, 16, 16) == 96
     assert parse_bytes("80") == parse_bytes("80GiB") == 80 * GIB
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512MiB") == 512 * 2**20
     with pytest.raises(ValueError, match="memory size"):

@@ -54,7 +54,9 @@ def test_rows_keep_all_equals_full_and_skips_have_reasons(first_run):
     rows = {r["point"]: r for r in json.loads((folder / "results" / "tiny-bench.json").read_text())["rows"]}
     full = rows["offload.mode=full"]
     keep_all = rows["offload.mode=hgca,offload.beta=1e-30"]
-    assert set(full) >= {"mode", "text", "tokens", "gpu_ratio", "beta", "budget", "ppl"}
+    assert set(full) >= {"mode", "text", "tokens", "gpu_ratio", "ppl"}
+    assert "beta" not in full and "budget" not in full  # a mode's columns only where the mode reads them
+    assert rows["offload.mode=hgca,offload.beta=1e-30"]["beta"] == 1e-30
     assert keep_all["ppl"] == pytest.approx(full["ppl"], rel=1e-4)
     assert rows["offload.mode=hgca"]["window"] == 48
     skipped = rows["offload.mode=topk,offload.budget=4096"]
@@ -103,6 +105,10 @@ def test_rerun_with_a_changed_setting_runs_again_and_rows_keep_their_config(firs
     assert hashes["offload.mode=hgca"] == old["offload.mode=hgca"]  # not rerun: its own config kept
     assert doc["configs"][hashes["offload.mode=full"]]["benchmark"]["scored_tokens"] == 24
     assert doc["configs"][hashes["offload.mode=hgca"]]["benchmark"]["scored_tokens"] != 24
+    # the rows measured with the old setting stay beside the new ones (keyed by point and config)
+    full = [r["config_hash"] for r in doc["rows"] if r["point"] == "offload.mode=full"]
+    assert sorted(full) == sorted([old["offload.mode=full"], hashes["offload.mode=full"]])
+    assert len(doc["rows"]) == len(before["rows"]) + 2
 
 
 def test_bench_exits_non_zero_when_a_point_fails_and_checks_models_first(tmp_path, monkeypatch, capsys):

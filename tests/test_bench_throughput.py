@@ -11,12 +11,13 @@ import pytest
 
 from jhybrid.bench import runner, synthetic
 from jhybrid.bench.budget import kv_bytes_per_token, point_memory, weight_bytes
-from jhybrid.bench.offload import PointSkipped, backend_for
+from jhybrid.bench.offload import PointSkipped, backend_for, resolve
 from jhybrid.bench.shapes import SHAPES, load_model
 from jhybrid.bench.throughput import max_len_for, run_throughput
 from jhybrid.config import ConfigError, expand_sweep
 from jhybrid.config.loading import config_from_dict
 from jhybrid.config.schema import ModelSpec
+from jhybrid.hybrid import OffloadConfig
 from jhybrid.hybrid.window import evicted_blocks
 from tests.bench_support import OFFLOAD, point
 
@@ -36,9 +37,8 @@ def test_predicted_device_bytes_equal_the_real_cache(tiny, mode):
     max_len = max_len_for(p.benchmark)
     cache = tiny.init_cache(3, max_len, backend)
     real = sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(cache))
-    pred = point_memory(tiny.config, mode, 3, 256, max_len, window, sink=16, block_size=16,
-                        recall_blocks=2, ring_slack_blocks=p.offload.ring_slack_blocks, topk_blocks=p.offload.topk_blocks if mode in ("scout", "topk") else None)
-    assert pred.device_cache_per_seq * 3 == real
+    pred = point_memory(tiny.config, resolve(p.offload, 256), 3, 256, max_len)
+    assert pred.device_cache_per_seq * 3 + pred.device_fixed - pred.weight_bytes == real
 
 
 @pytest.mark.parametrize("host_kv_dtype", [None, "int8"])
@@ -46,8 +46,7 @@ def test_predicted_host_store_bytes_equal_the_filled_store(tiny, host_kv_dtype):
     p = point("scout", batch=2, context=512, offload={"host_kv_dtype": host_kv_dtype})
     backend, window = backend_for(p.offload, 512)
     max_len = max_len_for(p.benchmark)
-    pred = point_memory(tiny.config, "scout", 2, 512, max_len, window, sink=16, block_size=16,
-                        host_kv_dtype=host_kv_dtype)
+    pred = point_memory(tiny.config, backend.config, 2, 512, max_len)
     e_end = int(evicted_blocks(np.int64(max_len), backend.config))  # blocks held at the end of the run
     host = synthetic.HostContext(synthetic.host_shape(tiny.config, 16, host_kv_dtype), sink=16, keep=0.1)
     host.prepare(2, e_end, slack_blocks=0)
@@ -72,17 +71,17 @@ def test_llama3_8b_on_h100_full_runs_out_of_device_hgca_of_host():
     max_len = 131072 + 64
     kw = dict(weights=weight_bytes(cfg), device_limit=80 * GIB, host_limit=128 * GIB,
               device_reserve=2 * GIB, host_reserve=8 * GIB)
-    full = point_memory(cfg, "full", 1, 131072, max_len, None, **kw)
+    full = point_memory(cfg, OffloadConfig(mode="full"), 1, 131072, max_len, **kw)
     assert full.device_cache_per_seq == kv_bytes_per_token(cfg) * max_len + 4  # 16 GiB + a little
     assert full.limited_by == "device"
     assert full.max_batch_device == (80 * GIB - weight_bytes(cfg) - 2 * GIB) // full.device_per_seq == 3
     window = 16 + (131072 // 4 - 16) // 16 * 16
-    hgca = point_memory(cfg, "hgca", 1, 131072, max_len, window, **kw)
-    recall = point_memory(cfg, "recall", 1, 131072, max_len, window, **kw)
+    hgca = point_memory(cfg, OffloadConfig(mode="hgca", window_tokens=window), 1, 131072, max_len, **kw)
+    recall = point_memory(cfg, OffloadConfig(mode="recall", window_tokens=window), 1, 131072, max_len, **kw)
     assert hgca.limited_by == "host" and hgca.max_batch > full.max_batch
     assert hgca.max_batch == (120 * GIB) // hgca.host_per_seq
     assert recall.limited_by == "device" and recall.max_batch < full.max_batch  # window + uploads
-    over = point_memory(cfg, "full", 4, 131072, max_len, None, **kw).over_capacity()
+    over = point_memory(cfg, OffloadConfig(mode="full"), 4, 131072, max_len, **kw).over_capacity()
     assert "over device capacity" in over and "max batch 3" in over
 
 
@@ -250,7 +249,7 @@ def test_xla_max_batch_fits_and_the_next_does_not(tiny):
     for spec in ("max", "max+1", 3):
         p = point("full", batch=spec, context=256, device_memory_gib=limit_gib, device_reserve_gib=0)
         backend, window = backend_for(p.offload, 256)
-        memories[spec] = resolve_batch(tiny, p, window, weights, backend)
+        memories[spec] = resolve_batch(tiny.config, p, weights, tiny, backend)
     (b_max, m_max), (b_next, m_next), (b3, m3) = memories["max"], memories["max+1"], memories[3]
     assert m_max.temp_source == m_next.temp_source == m3.temp_source == "xla"
     assert m_max.max_batch_device_checked == b_max and b_next == b_max + 1 and b3 == 3
@@ -258,7 +257,7 @@ def test_xla_max_batch_fits_and_the_next_does_not(tiny):
     assert m_max.device_bytes <= m_max.device_limit < m_next.device_bytes
     assert "over device capacity" in m_next.over_capacity() and "(xla)" in m_next.over_capacity()
     assert m_max.fields()["pred_temp_source"] == "xla" and m_max.fields()["pred_max_batch_checked"]
-    assert getattr(m_max, "compiled", None) is not None  # the run reuses the prediction's compile
+    assert m_max.compiled is not None  # the run reuses the prediction's compile
 
 
 def test_synthetic_hybrid_fill_frees_each_zero_array_it_replaces(tiny):

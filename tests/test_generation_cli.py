@@ -74,3 +74,56 @@ def test_out_of_vocabulary_prompt_ids_are_an_error():
         generator.generate([[1, 2, 3], [4, 5, TINY.vocab_size]], max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt 0 token 0 is id -1"):
         generator.generate([[-1, 2]], max_new_tokens=2)
+
+
+def test_generator_closes_the_backend_it_opened():
+    """`with Generator(...)` closes its backend's host side however the block ends; the backend
+    object opens again for a later generate."""
+    from jhybrid.generation import Generator
+    from jhybrid.hybrid import make_backend
+    from jhybrid.models import create_model
+    from tests.hybrid_support import KEEP_ALL, TINY
+
+    model, backend = create_model(TINY, seed=0), make_backend("hgca", **KEEP_ALL)
+    prompt = [list(range(1, 61))]
+    with Generator(model, backend, prefill_chunk=16) as generator:
+        first = generator.generate(prompt, max_new_tokens=3).tokens
+        assert backend.runtime is not None  # left open for its counters until the block ends
+    assert backend.runtime is None
+    with pytest.raises(ZeroDivisionError):
+        with Generator(model, backend, prefill_chunk=16) as generator:
+            assert generator.generate(prompt, max_new_tokens=3).tokens == first
+            1 / 0
+    assert backend.runtime is None
+    generator.close()  # twice: a no-op
+
+
+def test_ctrl_c_in_hgca_generate_stops_cleanly(capsys, caplog, monkeypatch):
+    """SIGINT in the middle of an hgca decode: the step in flight finishes, the command stops at the
+    next step, closes the backend (no "host exchange failed"), prints one line and exits 130."""
+    pytest.importorskip("gguf")
+    import os
+    import signal
+
+    from jhybrid import generation, hybrid
+
+    backends = []
+    real_make, real_before = hybrid.make_backend, generation.Generator._before_step
+    monkeypatch.setattr(hybrid, "make_backend", lambda *a, **k: backends.append(real_make(*a, **k)) or backends[-1])
+    steps = []
+
+    def before_step(self, cache, positions):
+        steps.append(positions.shape[1])
+        if len(steps) == 3:  # the second decode step is about to start: the user presses Ctrl-C
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_before(self, cache, positions)
+
+    monkeypatch.setattr(generation.Generator, "_before_step", before_step)
+    with caplog.at_level("WARNING"):
+        rc = main(["generate", "--mode", "hgca", "--window-tokens", "48", "--sink", "16", "--block-size", "16",
+                   "--max-tokens", "40", "hello"])
+    err = capsys.readouterr().err
+    assert rc == 130 and len(steps) == 3  # no step started after the interrupt
+    assert "[interrupted: 2 tokens in" in err and "Traceback" not in err
+    assert "host exchange failed" not in err + caplog.text
+    assert backends and backends[0].runtime is None  # closed

@@ -409,3 +409,108 @@ def test_all_units_empty_and_bad_views(rng):
         paged_attention(queries(rng, 1, 1, 2, 32), view, min_piece_tokens=0)
     with pytest.raises(ValueError, match="head dim 16"):
         paged_attention(queries(rng, 1, 1, 2, 16), view)
+
+
+# ---- selected blocks on the production path (issue 29 item 3) ---------------------------------------
+
+@pytest.mark.parametrize("kv_dtype,d", [("bf16", 16), ("bf16", 64), ("fp16", 64), ("fp32", 48), ("int8", 64),
+                                        ("int8", 16)])
+@pytest.mark.parametrize("page_tokens", [16, 5])
+def test_small_pages_chunks_across_pages_poisoned_outputs(rng, kv_dtype, d, page_tokens):
+    """Chunks that span many small pages (segments at column offsets, odd segment lengths, partial
+    last pages), SIMD and loop-vectorised paths, several work splits: every output row written
+    (outputs poisoned with NaN first) and equal to the float64 reference."""
+    from host.attention import _attention_kernel_into
+
+    hkv, group = 2, 4
+    unit_tokens = [700, 0, 13, 37, 512, 1]  # B = 3 x Hkv = 2
+    view, keys, values = _random_paged_view(rng, kv_dtype, d, page_tokens, unit_tokens, hkv)
+    q = queries(rng, 3, 1, hkv * group, d)
+    ro, rl = reference_attention(q, keys, values, hkv)
+    for n_threads, min_piece in ((1, 10**6), (16, 16), (7, 1)):
+        o = np.full(q.shape, np.nan, np.float32)
+        lse = np.full(q.shape[:3], np.nan, np.float32)
+        unit, lo, hi, ptr = plan_pieces(view, n_threads, min_piece)
+        _attention_kernel_into(q, view.k_pages, view.v_pages, view.fmt, view.page_ptr, view.page_ids, hkv,
+                               np.float32(1 / np.sqrt(d)), unit, lo, hi, ptr, n_threads, o, lse)
+        assert norm_relative_error(o, ro) < TOL and norm_relative_error(lse, rl) < TOL
+        assert np.all(lse[0, :, group:] == -np.inf) and np.all(o[0, :, group:] == 0)
+
+
+def _scattered_block_store(rng, kv_dtype, n_slots, hkv, bs, d):
+    """k, v pages [n_slots * Hkv, bs, W] of random values (int8: row scales spread over 2^-6..2^6)
+    and their float32 values [n_slots * Hkv, bs, D]."""
+    k = (rng.standard_normal((n_slots * hkv, bs, d)) * 2).astype(np.float32)
+    v = rng.standard_normal((n_slots * hkv, bs, d)).astype(np.float32)
+    if kv_dtype == "int8":
+        k = k * np.float32(2.0) ** rng.integers(-6, 7, size=(n_slots * hkv, bs, 1)).astype(np.float32)
+        v = v * np.float32(2.0) ** rng.integers(-6, 7, size=(n_slots * hkv, bs, 1)).astype(np.float32)
+    ks, vs = to_storage(k, kv_dtype), to_storage(v, kv_dtype)
+    return ks, vs, from_storage(ks, kv_dtype), from_storage(vs, kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize("group", [4, 1])
+def test_serve_blocks_matches_reference_on_scattered_blocks(rng, kv_dtype, bs, group):
+    """The native exchange's block path (`serve_blocks`: int32 ids -> page lists -> kernel -> the
+    output slots, as scout's CPU part runs) on fresh random inputs: blocks scattered over the arena
+    (sequences' slots interleaved), ragged counts, -1 padding anywhere, empty lists, long lists
+    split over pieces, two layers per call, GQA. Output slots are poisoned (NaN) first, so a row
+    the kernel does not write fails; float64 reference on the dequantized rows."""
+    from host.exchange_worker import serve_blocks
+    from host.store_format import FORMAT_CODE
+
+    hkv, d, batch, n_layers, k_max = 2, 64, 3, 2, 45
+    hq = hkv * group
+    n_slots = 160
+    ks, vs, kf, vf = _scattered_block_store(rng, kv_dtype, n_slots, hkv, bs, d)
+    n_have = np.array([60, 7, 45])  # blocks each sequence has in the store
+    perm = rng.permutation(n_slots)
+    slot_table = np.zeros((batch, n_have.max()), np.int64)
+    start = 0
+    for b, nb in enumerate(n_have):
+        slot_table[b, :nb] = perm[start:start + nb]
+        start += nb
+    ids = np.full((n_layers, batch, hkv, k_max), -1, np.int32)
+    for layer in range(n_layers):
+        for b in range(batch):
+            for h in range(hkv):
+                count = int(rng.integers(0, min(n_have[b], k_max) + 1))
+                if (layer, b, h) == (0, 1, 0):
+                    count = 0  # an empty list
+                if (layer, b, h) == (1, 0, 1):
+                    count = k_max  # a long list: split over several pieces
+                chosen = rng.choice(n_have[b], size=count, replace=False)
+                ids[layer, b, h, rng.choice(k_max, size=count, replace=False)] = chosen
+    q = queries(rng, n_layers * batch, 1, hq, d).reshape(n_layers, batch, 1, hq, d)
+    slots_q = tuple(q[i].reshape(-1).copy() for i in range(n_layers))
+    slots_ids = tuple(ids[i].reshape(-1).copy() for i in range(n_layers))
+    slots_o = tuple(np.full(batch * hq * d, np.nan, np.float32) for _ in range(n_layers))
+    slots_lse = tuple(np.full(batch * hq, np.nan, np.float32) for _ in range(n_layers))
+    layers = np.arange(n_layers, dtype=np.int32)
+    served = np.zeros(n_layers, np.uint32)
+    ready = np.ones(n_layers, np.uint32)
+    done = np.zeros(n_layers, np.uint32)
+    last_ids = np.full((n_layers, batch * hkv * k_max), -7, np.int32)
+    stats = np.zeros(2, np.int64)
+    n, bad = serve_blocks(layers, served, ready, done, np.zeros(1, np.uint32), slots_q, slots_ids, slots_o,
+                          slots_lse, batch, hq, d, hkv, k_max, np.float32(1 / np.sqrt(d)), 16, FORMAT_CODE[kv_dtype],
+                          bs, (ks,) * n_layers, (vs,) * n_layers,
+                          np.broadcast_to(slot_table, (n_layers,) + slot_table.shape).copy(),
+                          np.broadcast_to(n_have, (n_layers, batch)).astype(np.int64), last_ids, stats)
+    assert (n, bad) == (n_layers, -1)
+    assert np.all(done == 1) and np.all(served == 1)
+    np.testing.assert_array_equal(last_ids, ids.reshape(n_layers, -1))
+    assert stats[0] == (ids >= 0).sum() * bs
+    for layer in range(n_layers):
+        keys = [[kf[slot_table[b, ids[layer, b, h][ids[layer, b, h] >= 0]] * hkv + h].reshape(-1, d)
+                 for h in range(hkv)] for b in range(batch)]
+        values = [[vf[slot_table[b, ids[layer, b, h][ids[layer, b, h] >= 0]] * hkv + h].reshape(-1, d)
+                   for h in range(hkv)] for b in range(batch)]
+        ro, rl = reference_attention(q[layer], keys, values, hkv)
+        o = slots_o[layer].reshape(batch, 1, hq, d)
+        lse = slots_lse[layer].reshape(batch, 1, hq)
+        assert norm_relative_error(o, ro) < TOL and norm_relative_error(lse, rl) < TOL
+    assert np.all(slots_lse[0].reshape(batch, hq)[1, :group] == -np.inf)
+    assert np.all(slots_o[0].reshape(batch, hq, d)[1, :group] == 0)

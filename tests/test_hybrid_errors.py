@@ -11,6 +11,7 @@ import pytest
 
 from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
+from host.targets import ALL_OFFLOADED, CHOSEN_BLOCKS
 from host.reference import reference_attention, stored_tokens
 from jhybrid.generation import Generator, make_step
 from jhybrid.hybrid import OffloadConfig, make_backend
@@ -31,10 +32,10 @@ def model():
     (dict(window_tokens=64, gpu_ratio=0.25), "are exclusive"),
     (dict(alpha=0.0), "alpha"),
     (dict(beta=0.0), "beta"),
-    (dict(budget=0), r"budget=0 \(expected None or a positive int\)"),
+    (dict(budget=0), r"budget=0 \(expected 'auto', None \(every block\) or a positive int \(tokens\)\)"),
     (dict(window_tokens=64, gpu_ratio=0.25), "are exclusive"),
     (dict(gpu_ratio=1.5), r"gpu_ratio=1.5 \(expected a fraction"),
-    (dict(exchange="async"), "exchange"),
+    (dict(host_overlap="async"), r"host_overlap='async' \(expected true or false\)"),
     (dict(keep_after=-1), r"keep_after=-1 \(expected an int >= 0\)"),
     (dict(keep_after=2.5), r"keep_after=2.5 \(expected an int >= 0\)"),
     (dict(mode="scout", scout_exact_layers="all"), r"scout_exact_layers='all' \(expected 'auto', a tuple"),
@@ -51,7 +52,7 @@ def test_bad_config(options, message):
 
 
 def test_scout_exact_layers_forms():
-    from jhybrid.hybrid.modes import Scout, TopK
+    from jhybrid.hybrid.modes.scout import Scout
 
     def scout(**kw):
         return Scout(OffloadConfig(mode="scout", **kw))
@@ -62,7 +63,6 @@ def test_scout_exact_layers_forms():
     assert scout().exact_layers() == {0}
     assert scout(scout_exact_layers=0).exact_layers() == {0}
     assert [scout(scout_exact_layers=(2,)).selects_exactly(i) for i in range(4)] == [True, False, True, False]
-    assert all(TopK(OffloadConfig(mode="topk")).selects_exactly(i) for i in range(4))
 
 
 def test_gpu_ratio_resolves_in_one_place():
@@ -101,7 +101,7 @@ def test_unknown_mode_through_make_backend():
 
 
 def test_budget_larger_than_context(model):
-    backend = make_backend("topk", budget=64 * 16, **SMALL)
+    backend = make_backend(**{**SMALL, "mode": "topk", "budget": 64 * 16})
     with pytest.raises(ValueError, match="larger than the context"):
         backend.open(model.config, 2, 128)
 
@@ -145,11 +145,9 @@ def test_host_exception_in_callback_surfaces(model, monkeypatch):
     monkeypatch.setattr(backend.runtime.bridge, "_timed_attention", broken)
     positions = np.arange(16, dtype=np.int32)[None]
     cache = backend.before_step(cache, positions)
-    start = time.perf_counter()
-    with pytest.raises(Exception, match="host attention exploded") as info:
-        logits, cache = step(params, np.zeros((1, 16), np.int32), positions, cache)
-        np.asarray(logits)
-    assert time.perf_counter() - start < 60
+    with pytest.raises(Exception, match="host attention exploded") as info:  # not a hang: the collect
+        logits, cache = step(params, np.zeros((1, 16), np.int32), positions, cache)  # waits at most
+        np.asarray(logits)                                                          # collect_timeout
     text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
     assert "host attention exploded" in text
     # The original exception (with the worker's traceback note) is re-raised before the next step.
@@ -169,9 +167,9 @@ def test_bridge_submit_collect_matches_reference(rng):
     with HostExecutor(store, n_threads=1) as executor:
         bridge = HostBridge(store, executor, [0], scale=d ** -0.5)
         q = rng.standard_normal((1, 1, 4, d)).astype(np.float32)
-        o, lse = bridge.collect(bridge.submit(0, q, "all"))
+        o, lse = bridge.collect(bridge.submit(0, q, ALL_OFFLOADED))
         ids = np.array([[[2, -1], [0, 1]]])
-        o_b, lse_b = bridge.cb_collect(bridge.cb_submit(0, "blocks", q, ids))
+        o_b, lse_b = bridge.cb_collect(bridge.cb_submit(0, CHOSEN_BLOCKS, q, ids))
         with pytest.raises(RuntimeError, match="unknown ticket"):
             bridge.collect(12345)
         counters = bridge.counters()

@@ -55,7 +55,7 @@ CASES = {
     "recall": dict(mode="recall"),
     "streaming": dict(mode="streaming"),
     "hgca": dict(mode="hgca"),
-    "hgca-sync": dict(mode="hgca", exchange="sync"),
+    "hgca-sync": dict(mode="hgca", host_overlap=False),
     "topk": dict(mode="topk"),
     "scout-exact-query": dict(mode="scout", predict_query=False, **SCOUT_RECALLS),
     # predict_query=True, but every layer listed as exact: the same exact path, chosen per layer.

@@ -159,8 +159,8 @@ def test_rounding_store_device_and_host_prefill_agree(model, mode, extra, host_k
     rounding step: the bounds are per format, between the fixed and the broken behaviour."""
     runs = {}
     for where in ("host", "device"):
-        backend = make_backend(OffloadConfig(mode=mode, prefill_offloaded=where, host_kv_dtype=host_kv_dtype,
-                                            **WINDOW, **extra))
+        backend = make_backend(OffloadConfig(**{**WINDOW, "mode": mode, "prefill_offloaded": where,
+                                                "host_kv_dtype": host_kv_dtype, **extra}))
         logits, backend, _, _ = forced(model, backend)
         runs[where] = (logits, backend.counters())
     # Measured: int8 fixed <= 2e-6 / 3e-4, unfixed 1e-2; bf16 fixed <= 2e-5 / 1.1e-4, unfixed 1.4e-3 / 1.8e-3.
@@ -204,8 +204,8 @@ def test_device_prefill_ragged_lengths_equal_full_and_host(model):
                                                                     prefill_offloaded="device", **WINDOW)))
     np.testing.assert_allclose(keep_all, full, atol=TOL, rtol=TOL)
     assert backend.counters()["n_prefill_extends"] >= 1
-    runs = {where: run_ragged(model, make_backend(OffloadConfig(mode="topk", budget=16, prefill_offloaded=where,
-                                                               **WINDOW)))[0] for where in ("host", "device")}
+    runs = {where: run_ragged(model, make_backend(OffloadConfig(
+        **{**WINDOW, "mode": "topk", "budget": 16, "prefill_offloaded": where})))[0] for where in ("host", "device")}
     np.testing.assert_allclose(runs["device"], runs["host"], atol=1e-5, rtol=1e-5)
 
 

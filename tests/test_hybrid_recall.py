@@ -15,7 +15,7 @@ import pytest
 
 from jhybrid.generation import make_step
 from jhybrid.hybrid import make_backend
-from jhybrid.hybrid.modes.scout_recall import plan_recall
+from jhybrid.hybrid.modes.scout import plan_recall
 from jhybrid.models import create_model
 from tests.hybrid_support import CHUNK, MAX_LEN, SCOUT_RECALLS, TINY as CONFIG, TOL, WINDOW
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from host.bridge import HostBridge
+from host.targets import CHOSEN_BLOCKS
 from jhybrid.hybrid import OffloadConfig, make_backend
 from jhybrid.models import create_model
 from tests.hybrid_support import CHUNK, SCOUT_RECALLS, TINY, TOL, WINDOW, run_forced as run_forced_full
@@ -51,20 +52,20 @@ def submissions(monkeypatch):
     """Decode-step submissions seen by the host bridge: {"exact": [layer, ...], "ahead": [layer, ...]}
     (exact: submitted by the layer itself with its own query; ahead: submitted by the layer before)."""
     seen = {"exact": [], "ahead": []}
-    submit, exchange = HostBridge.cb_submit, HostBridge.cb_exchange
+    submit, exchange = HostBridge.cb_submit, HostBridge.cb_collect_and_submit
 
-    def cb_submit(self, layer, mode, *args):
-        if mode == "blocks":
+    def cb_submit(self, layer, target, *args):
+        if target is CHOSEN_BLOCKS:
             seen["exact"].append(layer)
-        return submit(self, layer, mode, *args)
+        return submit(self, layer, target, *args)
 
-    def cb_exchange(self, next_layer, mode, *args):
+    def cb_collect_and_submit(self, next_layer, target, *args):
         if next_layer is not None:
             seen["ahead"].append(next_layer)
-        return exchange(self, next_layer, mode, *args)
+        return exchange(self, next_layer, target, *args)
 
     monkeypatch.setattr(HostBridge, "cb_submit", cb_submit)
-    monkeypatch.setattr(HostBridge, "cb_exchange", cb_exchange)
+    monkeypatch.setattr(HostBridge, "cb_collect_and_submit", cb_collect_and_submit)
     return seen
 
 

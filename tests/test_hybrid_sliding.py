@@ -133,9 +133,7 @@ def test_predicted_device_bytes_count_each_layer_kind(mode):
     max_len = 256
     cache = create_model(GEMMA3_LIKE, seed=0).init_cache(3, max_len, backend)
     real = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
-    pred = point_memory(GEMMA3_LIKE, mode, 3, 256, max_len, 64, sink=16, block_size=16, recall_blocks=2,
-                        ring_slack_blocks=cfg.ring_slack_blocks,
-                        topk_blocks=cfg.topk_blocks if mode in ("scout", "topk") else None)
+    pred = point_memory(GEMMA3_LIKE, cfg, 3, 256, max_len)
     assert pred.device_cache_per_seq * 3 == real
 
 

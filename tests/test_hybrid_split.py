@@ -7,6 +7,7 @@ import pytest
 
 from jhybrid.bench.shapes import model_config_for
 from jhybrid.hybrid.config import OffloadConfig
+from jhybrid.hybrid.modes.base import Workload
 from jhybrid.hybrid.split import MachineProfile, balanced_split
 
 PROFILE = MachineProfile(hbm_gbps=3000.0, host_attention_gbps=60.0, exchange_us_per_layer=20.0, source="test")
@@ -28,13 +29,19 @@ def test_window_is_the_largest_that_fits_and_the_cpu_share_balances(rng, mode):
     fits = lambda offload: batch * offload.window_tokens * per_token_layer * config.num_layers <= limit  # noqa: E731
     base = OffloadConfig(mode=mode)
     try:
-        offload, report = balanced_split(config, base, batch, context, fits, PROFILE, wpl, resident_share=0.75)
+        offload, report = balanced_split(config, base, batch, context, fits, PROFILE, wpl,
+                                         workload=Workload(resident_share=0.75))
     except ValueError as error:
-        assert "not even a window" in str(error)
-        assert not fits(OffloadConfig(mode=mode, window_tokens=base.sink + 2 * base.block_size))
+        smallest = base.resolved(context).window_tokens if mode == "scout" else base.sink + 2 * base.block_size
+        assert "not even a window" in str(error) or "does not fit the device" in str(error)
+        assert not fits(OffloadConfig(mode=mode, window_tokens=smallest))
         return
     bs, sink, window = base.block_size, base.sink, offload.window_tokens
     assert window == report.window_tokens and (window - sink) % bs == 0 and fits(offload)
+    if mode == "scout":  # the paper's regime: the short window stays, the pool holds twice the budget
+        assert window == base.resolved(context).window_tokens and offload.effective_budget == 2048
+        assert offload.recall_blocks == report.changes["recall_blocks"] == 2 * 2048 // bs
+        return
     bigger = window + bs
     assert bigger > context - bs or not fits(OffloadConfig(mode=mode, window_tokens=bigger))
     gpu_s = (wpl + batch * window * per_token_layer) / (PROFILE.hbm_gbps * 1e9)
@@ -44,24 +51,22 @@ def test_window_is_the_largest_that_fits_and_the_cpu_share_balances(rng, mode):
     offloaded = context - window
     if mode == "hgca":
         share = min(1.0, cpu_tokens / offloaded)
-        assert report.hgca_balanced_keep == pytest.approx(share, abs=1e-4)
+        assert report.cpu_share == pytest.approx(share, abs=1e-4)
         if share < 1.0:
             assert offload.max_keep_share == pytest.approx(max(share, 1e-4), abs=1e-4)
         else:
             assert offload.max_keep_share is None
     else:
-        on_cpu = 0.25 if mode == "scout" else 1.0
-        want = min(max(bs, int(cpu_tokens / on_cpu) // bs * bs), max(bs, offloaded // bs * bs))
-        assert offload.budget == report.budget == want
-        assert (offload.recall_blocks == 2 * -(-want // bs)) if mode == "scout" else offload.max_keep_share is None
+        want = min(max(bs, cpu_tokens // bs * bs), max(bs, offloaded // bs * bs))
+        assert offload.budget == report.changes["budget"] == want and offload.max_keep_share is None
 
 
 def test_a_tighter_cap_given_in_the_config_is_kept():
     config = model_config_for("llama3-8b")
     fits = lambda offload: offload.window_tokens <= 4096  # noqa: E731
     _, report = balanced_split(config, OffloadConfig(mode="hgca"), 16, 32768, fits, PROFILE, 436 * 2**20)
-    assert 0.0 < report.hgca_balanced_keep < 1.0
-    tight = report.hgca_balanced_keep / 2
+    assert 0.0 < report.cpu_share < 1.0
+    tight = report.cpu_share / 2
     offload, _ = balanced_split(config, OffloadConfig(mode="hgca", max_keep_share=tight), 16, 32768, fits,
                                 PROFILE, 436 * 2**20)
     assert offload.max_keep_share == tight
@@ -91,7 +96,7 @@ def test_budget_command_prints_the_balanced_split(capsys):
     assert main(["budget", "--model", "llama3-8b", "--context", "32768", "--batch", "16", "--gpu-mem", "80",
                  "--reserve", "8", "--split", "balanced", "--mode", "hgca"]) == 0
     out = capsys.readouterr().out
-    assert "balanced split" in out and "hgca kept share" in out and "GPU window" in out
+    assert "balanced split" in out and "kept share" in out and "GPU window" in out
     window = int(out.split("GPU window")[1].split("tokens")[0].replace(",", "").strip())
     assert 16 < window < 32768
     assert np.isfinite(float(out.split("GPU time per layer")[1].split("ms")[0]))

@@ -244,7 +244,7 @@ def simulate_hgca(cfg: OffloadConfig, q, k):
 def test_topk_selection_matches_numpy_top_k(model):
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, 97, (1, PROMPT + STEPS)).astype(np.int32)
-    cfg = OffloadConfig(mode="topk", budget=32, **WINDOW).resolved()  # 2 of up to 5 blocks
+    cfg = OffloadConfig(**{**WINDOW, "mode": "topk", "budget": 32}).resolved()  # 2 of up to 5 blocks
     q, k = projections(model, tokens)
     selected, published = [], []
 

@@ -11,7 +11,7 @@ offloading modes are `jhybrid.hybrid.HybridAttention`. Callers use exactly what 
     for each step:
         cache = backend.before_step(cache, positions)       # per-step host work (eviction, ...)
         logits, cache = step(params, tokens, positions, cache)  # each layer calls attend(...)
-    backend.counters(); backend.close()
+    backend.counters(); backend.row_fields(); backend.close()
 
 Position convention (all backends): `positions [B, T]` int32 holds each token's absolute position
 in its sequence; a padding slot has position -1 and must be neither stored nor attended. Valid
@@ -89,6 +89,27 @@ class AttentionBackend(abc.ABC):
 
     def counters(self) -> dict:
         """Cumulative instrumentation of the open batch (seconds, counts); {} when there is none."""
+        return {}
+
+    def reset_counters(self) -> None:
+        """Zero the counters (e.g. after a warm-up)."""
+
+    def step_history(self) -> list[dict]:
+        """Per-step changes of the counters since the last reset (one dict per step); [] when none."""
+        return []
+
+    def host_bytes(self) -> int:
+        """Host bytes the open batch holds (offloaded KV and what the mode keeps besides); 0 for none."""
+        return 0
+
+    def selections(self, cache) -> list | None:
+        """The top-k block ids each selecting layer chose at the last decode step (NumPy [B, Hkv, k]
+        int, -1 = none, best first), or None for a backend that selects nothing."""
+        return None
+
+    def row_fields(self) -> dict:
+        """Benchmark row columns of this backend: its mode's settings and what its host side measured
+        (e.g. hgca's kept share); {} when there is nothing to add."""
         return {}
 
     def query_ahead(self, layer_idx: int, config: ModelConfig) -> int | None:

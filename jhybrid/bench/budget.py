@@ -78,7 +78,7 @@ def parse_bytes(text: str) -> int:
     return int(value * base ** "BKMGT".index(unit if unit else "B"))
 
 
-def window_for_share(context: int, share: float, sink: int = 16, block_size: int = 16) -> int:
+def window_for_share(context: int, share: float, sink: int, block_size: int) -> int:
     """GPU window tokens (sinks included) holding `share` of the context, in whole blocks."""
     ring = max(0, int(share * context) - sink)
     return min(context, sink + max(1, ring // block_size) * block_size)
@@ -110,10 +110,16 @@ class Budget:
 
 
 def kv_budget(name: str, config, context: int, batch: int, gpu_bytes: int, gpu_share: float = 0.25,
-              sink: int = 16, block_size: int = 16, kv_dtype: str | None = None,
+              sink: int | None = None, block_size: int | None = None, kv_dtype: str | None = None,
               reserve_bytes: int = 0, host_kv_dtype: str | None = None) -> Budget:
     """The numbers of `jhybrid budget`. reserve_bytes: device memory kept for activations etc.
-    host_kv_dtype: the host store's format (OffloadConfig.host_kv_dtype; None: as kv_dtype)."""
+    host_kv_dtype: the host store's format (OffloadConfig.host_kv_dtype; None: as kv_dtype).
+    sink, block_size: None = OffloadConfig's defaults."""
+    from jhybrid.hybrid.config import OffloadConfig
+
+    defaults = OffloadConfig()
+    sink = defaults.sink if sink is None else sink
+    block_size = defaults.block_size if block_size is None else block_size
     if context <= 0 or batch <= 0 or gpu_bytes <= 0:
         raise ValueError("context, batch and gpu memory must be positive")
     if not 0.0 < gpu_share <= 1.0:
@@ -181,13 +187,15 @@ def format_budget(b: Budget) -> list[tuple[str, str]]:
     ]
 
 
-def balanced_budget_split(b: Budget, config, mode: str, profile, sink: int = 16, block_size: int = 16,
-                          resident_share: float = 0.73):
+def balanced_budget_split(b: Budget, config, mode: str, profile, sink: int | None = None,
+                          block_size: int | None = None, workload=None):
     """`jhybrid budget --split balanced`: the balanced split (jhybrid.hybrid.split) of this budget's
     point for an offloading mode, a window fitting when the global layers' window K/V plus the
     sliding layers' fit the memory left for KV. -> (OffloadConfig, SplitReport).
-    resident_share: scout's share of the selection its pool holds (real text: 0.73, BENCHMARKS.md)."""
+    workload: the attention statistics the mode sizes its CPU work with (None: Workload's
+    defaults, e.g. scout's resident share of real text, 0.73, BENCHMARKS.md)."""
     from jhybrid.hybrid.config import OffloadConfig
+    from jhybrid.hybrid.modes.base import Workload
     from jhybrid.hybrid.split import balanced_split
 
     n_global, n_sliding = layer_kinds(config)
@@ -197,9 +205,14 @@ def balanced_budget_split(b: Budget, config, mode: str, profile, sink: int = 16,
     def fits(offload) -> bool:
         return b.batch * (n_global * offload.window_tokens * per_token_layer + sliding) <= b.free_gpu_bytes
 
-    base = OffloadConfig(mode=mode, sink=sink, block_size=block_size)
+    base = OffloadConfig(mode=mode, **_given(sink=sink, block_size=block_size))
     return balanced_split(config, base, b.batch, b.context, fits, profile,
-                          b.weight_bytes // max(1, config.num_layers), resident_share=resident_share)
+                          b.weight_bytes // max(1, config.num_layers), workload=workload or Workload())
+
+
+def _given(**fields) -> dict:
+    """The fields given (not None): the rest keep OffloadConfig's defaults (stated once, there)."""
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def format_split(offload, report) -> list[tuple[str, str]]:
@@ -208,36 +221,51 @@ def format_split(offload, report) -> list[tuple[str, str]]:
              ("  GPU window", f"{report.window_tokens:,} tokens (sinks included)"),
              ("  GPU time per layer", f"{report.gpu_ms_per_layer:.3f} ms"),
              ("  CPU may read per layer", f"{human_bytes(report.cpu_bytes_per_layer)} "
-                                          f"({report.cpu_tokens_per_seq_head:,} tokens per sequence and KV head)")]
-    if report.budget is not None:
-        lines.append(("  budget", f"{report.budget:,} tokens per sequence and KV head"))
-    if report.recall_blocks is not None:
-        lines.append(("  recall pool", f"{report.recall_blocks} blocks per sequence and KV head"))
-    if report.hgca_balanced_keep is not None:
-        cap = offload.max_keep_share
-        lines.append(("  hgca kept share", f"at most {report.hgca_balanced_keep:.2%} of the offloaded tokens"
-                                           + ("" if cap is not None else " (the threshold keeps less: no cap)")))
+                                          f"({report.cpu_tokens_per_seq_head:,} tokens per sequence and KV head"
+                                          + (f", {report.cpu_share:.2%} of the offloaded tokens)"
+                                             if report.cpu_share is not None else ")"))]
+    labels = {"budget": ("  budget", "{:,} tokens per sequence and KV head"),
+              "recall_blocks": ("  GPU pool", "{} blocks per sequence and KV head"),
+              "max_keep_share": ("  kept share", "at most {:.2%} of the offloaded tokens")}
+    for name, value in report.changes.items():
+        label, text = labels.get(name, (f"  {name}", "{}"))
+        lines.append((label, text.format(value)))
+    return lines
+
+
+def mode_capacity(model_config, offload, context: int, gpu_bytes: int, host_bytes: int | None,
+                  weights: int | None = None, reserve: int = 0, host_reserve: int = 0, workload=None) -> PointMemory:
+    """How many sequences of `context` tokens a mode holds (`offload`, resolved or not): the memory
+    prediction of one sequence against the device and host capacities; its max_batch_device,
+    max_batch_host and limited_by say which memory bounds the batch."""
+    from jhybrid.hybrid.config import OffloadConfig  # noqa: F401 - the type of `offload`
+
+    return point_memory(model_config, offload.resolved(context), 1, context, context, weights=weights,
+                        device_limit=gpu_bytes, host_limit=host_bytes, device_reserve=reserve,
+                        host_reserve=host_reserve, workload=workload)
+
+
+def format_capacity(rows: list[tuple[str, PointMemory]]) -> list[tuple[str, str]]:
+    """(label, value) lines: per mode, its bytes per sequence and its largest batch, and which
+    memory limits it."""
+    lines = [("capacity per mode", "device / host bytes per sequence; largest batch (limited by)")]
+    for label, m in rows:
+        device_max = m.max_batch_device if m.max_batch_device is not None else "-"
+        host_max = m.max_batch_host if m.max_batch_host is not None else "-"
+        lines.append((f"  {label}", f"{human_bytes(m.device_per_seq)} / {human_bytes(m.host_per_seq)}; "
+                                    f"{m.max_batch if m.max_batch is not None else '-'} sequences "
+                                    f"(device {device_max}, host {host_max}: {m.limited_by or 'no limit given'})"))
     return lines
 
 
 # ---------------------------------------------------------------------------- one sweep point
-# The bytes one throughput point needs, per mode, from the layouts the code allocates (checked
-# against real caches in tests/test_bench_throughput.py):
-#   device, per layer and sequence (S sinks, W ring tokens, nb = host blocks of max_len, r pool blocks)
-#     full    K + V of max_len tokens                              [B, max_len, Hkv, D] x 2
-#     others  K + V of S + W tokens, MAW float32 of W tokens
-#     recall  + K + V of nb x block tokens (the offloaded KV uploaded every step), twice: the new
-#             upload exists before the previous one is released
-#     scout / topk  + key min/max digests [Hkv, nb, D] x 2 (one set per layer; scout's layer-ahead
-#             copies replace the per-layer ones) ; scout + r pool blocks (K + V) + int32 ids
-#   + per sequence: decode activations (logits float32 twice; full: the float32 score rows of the
-#     jnp attention, 4 x Hq x max_len x 4 bytes of one layer at a time)
-#   sliding-window layers (offloading modes): K + V of min(sliding_window, max_len) tokens + int32
-#     positions, nothing on the host; the per-layer figures below are for the global layers
-#   host, per layer and sequence (e = offloaded blocks at the end of the run)
-#     store   e x (K + V + MAW float32 + positions int64)  (host.kv_store)
-#     hgca    + kept tokens (hgca_keep x e x block) x Hkv x (K + V + weight + position + index)
-#     recall  + the NumPy mirror of nb x block tokens (K + V) uploaded every step
+# The bytes one throughput point needs, from the layouts the code allocates (jhybrid.hybrid.capacity:
+# the device cache from the shapes the mode's backend allocates, the host from the store's slot
+# layout and the mode; checked against real caches in tests/test_bench_throughput.py), plus per
+# sequence the decode step's transient bytes: the logits (float32, twice), the mode's own scratch
+# (`OffloadMode.step_scratch_bytes`: full's float32 score rows) and what a step start rebuilds while
+# the previous copy lives (recall's upload). Host bytes at max_len: the blocks offloaded by the end
+# of the run.
 
 @dataclasses.dataclass
 class PointMemory:
@@ -263,6 +291,10 @@ class PointMemory:
     # The largest device batch found by compiling the step at it and at the next one (None: from
     # the linear model above).
     max_batch_device_checked: int | None = None
+    # XLA's account (temp_source "xla"): the decode step compiled at this batch, and its compile
+    # seconds, reused by the run (None: not compiled here)
+    compiled: object = dataclasses.field(default=None, repr=False, compare=False)
+    compile_seconds: float | None = None
 
     @property
     def device_per_seq(self) -> int:
@@ -346,61 +378,26 @@ class PointMemory:
                 "pred_max_batch_checked": self.max_batch_device_checked is not None}
 
 
-def point_memory(config, mode: str, batch: int, context: int, max_len: int, window: int | None,
-                 sink: int = 16, block_size: int = 16, recall_blocks: int = 8, hgca_keep: float = 0.1,
-                 weights: int | None = None, device_limit: int | None = None,
-                 host_limit: int | None = None, device_reserve: int = 0, host_reserve: int = 0,
-                 predict_query: bool = True, host_kv_dtype: str | None = None,
-                 topk_blocks: int | None = None, ring_slack_blocks: int = 4) -> PointMemory:
-    """Predicted device and host bytes of one throughput point (see the table above).
+def point_memory(model_config, offload, batch: int, context: int, max_len: int, weights: int | None = None,
+                 device_limit: int | None = None, host_limit: int | None = None, device_reserve: int = 0,
+                 host_reserve: int = 0, workload=None) -> PointMemory:
+    """Predicted device and host bytes of one throughput point: `offload` a resolved OffloadConfig
+    (its window concrete), `batch` sequences of `context` tokens growing to max_len. weights:
+    parameter bytes (None: estimated from the shape); workload: the attention statistics that size
+    the mode's host state (jhybrid.hybrid.modes.base.Workload; None: its defaults). The limits are
+    the capacities to check against."""
+    from jhybrid.hybrid import capacity
+    from jhybrid.hybrid.modes.base import Workload
+    from jhybrid.hybrid.registry import mode_class
 
-    window: GPU tokens per sequence and layer, sinks included (None for full); the device ring
-    holds ring_slack_blocks more blocks (OffloadConfig.ring_slack_blocks). topk_blocks: scout /
-    topk's selected blocks per (sequence, KV head) (None: every block). weights: parameter
-    bytes (None: estimated from the shape). The limits are the capacities to check against."""
-    it = dtype_bytes(config.dtype)
-    st = host_bytes_per_value(config, host_kv_dtype)
-    hkv, d, bs = config.num_kv_heads, config.head_dim, block_size
-    n_layers, n_sliding = layer_kinds(config)  # the offloading modes' global (offloaded) layers
-    nb = max(1, -(-max(0, max_len - sink) // bs))
-    logits = 2 * config.vocab_size * 4
-    extra = upload = 0
-    sliding = 0
-    if mode == "full":
-        n_layers, n_sliding = config.num_layers, 0  # every layer holds max_len tokens
-        per_layer = 2 * max_len * hkv * d * it
-        activations = logits + 4 * config.num_heads * max_len * 4
-        host_layer = 0
-    else:
-        if window is None:
-            raise ValueError(f"mode {mode}: a window is needed")
-        ring = window - sink + ring_slack_blocks * block_size  # the device ring buffer's capacity
-        per_layer = 2 * (sink + ring) * hkv * d * it + ring * hkv * 4
-        if mode == "recall":  # the device copy of the offloaded KV, and its int32 valid-token count
-            per_layer += 2 * nb * bs * hkv * d * it + 4
-            upload = n_layers * 2 * nb * bs * hkv * d * it  # the next upload before the last is freed
-        if mode in ("scout", "topk"):  # digests, and the int32 [Hkv, k] selected block ids
-            per_layer += 2 * hkv * nb * d * it + hkv * min(topk_blocks or nb, nb) * 4
-        if mode == "scout":
-            # pool K + V, and int32 [Hkv, r] pool block ids and pool use
-            per_layer += 2 * recall_blocks * hkv * bs * d * it + 2 * recall_blocks * hkv * 4
-            if predict_query:  # the layer-ahead copy of the next layer's pool ids (not the last layer)
-                extra = recall_blocks * hkv * 4 * (n_layers - 1)
-        activations = logits
-        sliding = n_sliding * (2 * sliding_tokens(config, max_len) * hkv * d * it + sliding_tokens(config, max_len) * 4)
-        over = max_len - window
-        e = max(0, -(-over // bs))
-        block = int(2 * hkv * bs * d * st) + hkv * bs * 4 + bs * 8
-        host_layer = e * block
-        if mode == "hgca":
-            kept = -(-int(hgca_keep * e * bs) // 256) * 256  # whole 256-token pages per head
-            host_layer += kept * hkv * (int(2 * d * st) + 4 + 8 + 8)
-        if mode == "recall":
-            host_layer += 2 * nb * bs * hkv * d * it
-    weights = weight_bytes(config) if weights is None else weights
-    return PointMemory(mode=mode, batch=batch, context=context, max_len=max_len, window=window,
-                       # + int32 lengths, and the offloading modes' StepMeta.offloaded_blocks
-                       weight_bytes=weights, device_cache_per_seq=n_layers * per_layer + sliding + extra + 4 + 4 * (mode != "full"),
-                       device_activations_per_seq=activations + upload,
-                       device_fixed=weights + device_reserve, device_limit=device_limit,
-                       host_per_seq=n_layers * host_layer, host_fixed=host_reserve, host_limit=host_limit)
+    mode = mode_class(offload.mode)(offload)
+    per_seq, fixed = capacity.device_bytes(offload, model_config, max_len)
+    transient = (2 * model_config.vocab_size * 4 + mode.step_scratch_bytes(model_config, max_len)
+                 + capacity.step_rebuilt_bytes(offload, model_config, max_len))
+    host = capacity.host_bytes_per_sequence(offload, model_config, max_len, max_len, workload or Workload())
+    weights = weight_bytes(model_config) if weights is None else weights
+    return PointMemory(mode=offload.mode, batch=batch, context=context, max_len=max_len,
+                       window=offload.window_tokens if mode.offloads else None, weight_bytes=weights,
+                       device_cache_per_seq=per_seq, device_activations_per_seq=transient,
+                       device_fixed=weights + device_reserve + fixed, device_limit=device_limit,
+                       host_per_seq=host, host_fixed=host_reserve, host_limit=host_limit)

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from jhybrid.bench.offload import PointSkipped, backend_for, exact_layers_of
+from jhybrid.bench.offload import PointSkipped, backend_for
 from jhybrid.bench.texts import calibration_tokens, text_tokens
 from jhybrid.config.schema import NIAH_STYLES
 from jhybrid.generation import Generator
@@ -102,10 +102,11 @@ def run_niah(model, pretrained, point, on_step=None, deadline=None) -> list[dict
     prompt, spec = build_prompt(pretrained, bench.text, bench.niah_length, bench.niah_depth,
                                 bench.niah_style, bench.niah_needles)
     backend, window = backend_for(offload, len(prompt) + bench.answer_tokens, model, calibration_tokens(pretrained))
-    generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk,
-                          max_len=len(prompt) + bench.answer_tokens)
-    result = generator.generate([prompt], max_new_tokens=bench.answer_tokens,
-                                on_tokens=(lambda *_: on_step(0, 0)) if on_step else None)
+    with Generator(model, backend, prefill_chunk=bench.prefill_chunk,
+                   max_len=len(prompt) + bench.answer_tokens) as generator:
+        result = generator.generate([prompt], max_new_tokens=bench.answer_tokens,
+                                    on_tokens=(lambda *_: on_step(0, 0)) if on_step else None)
+        fields = backend.row_fields()
     answer = pretrained.tokenizer.decode(result.tokens[0])
     digits = answer.replace(" ", "").replace(",", "")
     found = [str(n) in digits for n in spec.expected]
@@ -113,13 +114,4 @@ def run_niah(model, pretrained, point, on_step=None, deadline=None) -> list[dict
              "depth": bench.niah_depth, "retrieved": all(found), "found": round(sum(found) / len(found), 4),
              "number": spec.expected[0], "numbers": spec.expected, "needles": len(spec.sentences),
              "answer": answer.strip(), "window": window,
-             "gpu_ratio": offload.gpu_ratio if window else None,
-             "beta": offload.beta if offload.mode == "hgca" else None,
-             **({"keep_after": offload.keep_after} if offload.mode == "hgca" and offload.keep_after else {}),
-             **({"max_keep_share": offload.max_keep_share}
-                if offload.mode == "hgca" and offload.max_keep_share is not None else {}),
-             "budget": offload.budget if offload.mode in ("scout", "topk") else None,
-             **({"host_kv_dtype": offload.host_kv_dtype} if offload.host_kv_dtype is not None else {}),
-             "predict_query": offload.predict_query if offload.mode == "scout" else None,
-             "scout_exact_layers": exact_layers_of(offload),
-             **({"exact_layers_used": exact_layers_of(backend.config)} if offload.mode == "scout" else {})}]
+             "gpu_ratio": offload.gpu_ratio if window else None, **fields}]

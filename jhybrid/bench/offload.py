@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jhybrid.hybrid import OffloadConfig, make_backend
+from jhybrid.hybrid.registry import mode_class
 
 
 class PointSkipped(Exception):
@@ -23,27 +24,19 @@ def resolve(offload: OffloadConfig, context: int) -> OffloadConfig:
 
 
 def backend_for(offload: OffloadConfig, context: int, model=None, calibration_tokens=None):
-    """(backend, window_tokens or None for full) for a point whose sequences hold `context` tokens.
-    model, calibration_tokens: resolve scout's scout_exact_layers="auto" (`make_backend`).
+    """(backend, window_tokens or None for a mode without a window) for a point whose sequences hold
+    `context` tokens. model, calibration_tokens: resolve the mode's per-model settings (`make_backend`).
 
     Raises PointSkipped when the point cannot run: the window holds the whole context (nothing
     would be offloaded), or the budget exceeds the offloaded tokens."""
     config = resolve(offload, context)
-    if config.mode == "full":
-        return make_backend("full"), None
+    mode = mode_class(config.mode)
+    if not mode.offloads:
+        return make_backend(config, model=model, calibration_tokens=calibration_tokens), None
     window = config.window_tokens
     if window >= context:
         raise PointSkipped(f"window {window} >= context {context}: nothing is offloaded")
-    if config.budget is not None and config.mode in ("scout", "topk") and config.budget > context - window:
+    if "budget" in mode.settings and isinstance(config.budget, int) and config.budget > context - window:
         raise PointSkipped(f"budget {config.budget} > offloaded tokens {context - window} "
                            f"(context {context} - window {window})")
     return make_backend(config, model=model, calibration_tokens=calibration_tokens), window
-
-
-def exact_layers_of(offload: OffloadConfig):
-    """The row value of offload.scout_exact_layers: a list of layer indices or an int N (JSON-friendly);
-    None outside scout."""
-    if offload.mode != "scout":
-        return None
-    exact = offload.scout_exact_layers
-    return exact if isinstance(exact, (int, str)) else list(exact)

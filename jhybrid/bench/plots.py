@@ -17,6 +17,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jhybrid.hybrid.registry import reference_mode  # noqa: E402
+
+REFERENCE = reference_mode()  # the mode every other is measured against (drawn in black)
+
 log = logging.getLogger(__name__)
 
 
@@ -43,10 +47,10 @@ def plot_perplexity(rows: list[dict], path: str) -> str | None:
         + 1.5), squeeze=False)
     for row_axes, (text, tokens) in zip(axes, texts):
         sel = sorted((r for r in rows if r["text"] == text and r["tokens"] == tokens), key=lambda r: r["ppl"])
-        full = [r["ppl"] for r in sel if r["mode"] == "full"]
+        full = [r["ppl"] for r in sel if r["mode"] == REFERENCE]
         ax = row_axes[0]
         labels = [_tag(r) for r in sel]
-        ax.barh(range(len(sel)), [r["ppl"] for r in sel], color=["black" if r["mode"] == "full" else "C0"
+        ax.barh(range(len(sel)), [r["ppl"] for r in sel], color=["black" if r["mode"] == REFERENCE else "C0"
                                                                   for r in sel])
         ax.set_yticks(range(len(sel)), labels, fontsize=7)
         for i, r in enumerate(sel):
@@ -82,9 +86,9 @@ def _beta_sweeps(rows: list[dict]) -> dict[str, list[dict]]:
     """hgca rows swept over beta (>= 2 values > 0 at one GPU share and keep_after), by label."""
     groups = defaultdict(list)
     for r in rows:
-        if r["mode"] == "hgca" and r.get("beta") is not None and r["beta"] > 0:
+        if r.get("beta") is not None and r["beta"] > 0:  # a mode with a salience threshold (hgca)
             ratio = r["gpu_ratio"] if r.get("gpu_ratio") is not None else f"w{r.get('window')}"
-            label = f"hgca ratio {ratio}" + (f" keep_after {r['keep_after']}" if r.get("keep_after") else "")
+            label = f"{r['mode']} ratio {ratio}" + (f" keep_after {r['keep_after']}" if r.get("keep_after") else "")
             label += f" host {r['host_kv_dtype']}" if r.get("host_kv_dtype") not in (None, "model") else ""
             groups[label].append(r)
     return {k: sorted(g, key=lambda r: r["beta"]) for k, g in groups.items()

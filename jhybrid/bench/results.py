@@ -43,12 +43,26 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join(shlex.quote(a) for a in ["jhybrid", *argv])
 
 
-def read_rows(path: str) -> list[dict]:
-    """Rows of an existing results JSON ([] when there is none)."""
+def read_results(path: str) -> dict:
+    """An existing results JSON ({} when there is none); ValueError naming the file when it is not
+    one `jhybrid bench` wrote (not JSON, truncated, not an object, rows not a list of objects)."""
     if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return json.load(f).get("rows", [])
+        return {}
+    from jhybrid.config.files import read_json
+
+    expected = "expected a results file of jhybrid bench (move it away to start a new one)"
+    doc = read_json(path, expected)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: holds a JSON {type(doc).__name__}, not an object with 'rows'; {expected}")
+    rows = doc.get("rows", [])
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise ValueError(f"{path}: 'rows' is not a list of objects; {expected}")
+    return doc
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of an existing results JSON ([] when there is none; ValueError as read_results)."""
+    return read_results(path).get("rows", [])
 
 
 def write_json(path: str, name: str, config: dict, rows: list[dict], command: str,

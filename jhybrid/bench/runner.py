@@ -14,10 +14,16 @@ shortens its timed steps or skips a host fill it cannot finish). A point that ra
 error gets a row {error: "Type: message"} (traceback in the log) and the sweep goes on.
 
 Resume: every row carries `config_hash`, the hash of its point's whole configuration (model,
-offload and benchmark sections after the sweep's overrides and --set); the JSON keeps each hash's
-configuration under `configs`. A point is done only if a row has its key AND its hash and is a
-measurement: skipped and error rows are tried again by a rerun (their cause may be gone), and a
-changed setting runs the point again. Models and the output folder are checked before any point.
+offload and benchmark sections after the sweep's overrides and --set; offload settings the point's
+mode never reads count at their defaults, so changing one reruns nothing); the JSON keeps each
+hash's configuration under `configs`. Rows are keyed by (point key, config hash): a point is done
+only if a row has its key AND its hash and is a measurement (skipped and error rows are tried again
+by a rerun: their cause may be gone), a changed setting runs the point again, and the new rows are
+added beside those measured with the old settings, never in their place (a rerun with the same
+settings replaces its own earlier rows). Rows hashed before ignored settings were left out (their
+`legacy_config_hash`) still count as done. Models (their config.json), the texts the points
+evaluate on (UTF-8, not empty, long enough for a perplexity point: its tokenizer alone is loaded)
+and the output folder are checked before any model loads.
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ from jhybrid.bench.offload import PointSkipped
 from jhybrid.bench.perplexity import run_perplexity
 from jhybrid.bench.progress import PointProgress
 from jhybrid.bench.plots import render_plots
-from jhybrid.bench.results import (capacity_table, command_line, print_summary, read_rows, write_csv,
-                                   write_json)
-from jhybrid.bench.shapes import check_model_spec, load_model
+from jhybrid.bench.results import (capacity_table, command_line, print_summary, read_results, read_rows,
+                                   write_csv, write_json)
+from jhybrid.bench.shapes import check_model_spec, load_model, uses_real_weights
+from jhybrid.bench.texts import TextError, load_text, text_tokens
 from jhybrid.bench.throughput import predict_throughput, run_throughput
 from jhybrid.config import RunConfig, config_to_dict, expand_sweep
 
@@ -70,37 +77,58 @@ TIME_BUDGET = "time budget"
 RUN_ONLY_SETTINGS = ("time_budget_s", "output_dir")
 
 
+def _hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def point_config_hash(point) -> str:
-    """Hash of a point's whole configuration (what its rows were measured with)."""
-    return hashlib.sha256(json.dumps(point_config(point), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """Hash of a point's whole configuration (what its rows were measured with, point_config)."""
+    return _hash(point_config(point))
 
 
-def point_config(point) -> dict:
+def legacy_config_hash(point) -> str:
+    """The hash earlier versions gave a point: offload settings its mode ignores included."""
+    return _hash(point_config(point, legacy=True))
+
+
+def point_hashes(point) -> set[str]:
+    """Every hash under which a row counts as this point's (point_config_hash, legacy_config_hash)."""
+    return {point_config_hash(point), legacy_config_hash(point)}
+
+
+def point_config(point, legacy: bool = False) -> dict:
+    """A point's configuration as a plain dict: model, offload and benchmark (less the settings of
+    how the sweep runs, RUN_ONLY_SETTINGS). Offload settings the point's mode never reads are
+    recorded at their defaults (legacy=True: as given), so a setting of other modes (a --set
+    offload.beta for a full point) changes neither the configuration nor the hash."""
     bench = {k: v for k, v in dataclasses.asdict(point.benchmark).items() if k not in RUN_ONLY_SETTINGS}
-    return {"model": dataclasses.asdict(point.model), "offload": dataclasses.asdict(point.offload),
-            "benchmark": bench}
+    offload = dataclasses.asdict(point.offload)
+    if not legacy:
+        defaults = {f.name: f.default for f in dataclasses.fields(point.offload)}
+        offload.update({name: defaults[name] for name in point.offload.ignored_settings()})
+    return {"model": dataclasses.asdict(point.model), "offload": offload, "benchmark": bench}
 
 
 def _read_configs(json_path: str) -> dict:
-    try:
-        with open(json_path) as f:
-            return json.load(f).get("configs", {})
-    except (OSError, ValueError):
-        return {}
+    configs = read_results(json_path).get("configs", {})
+    return configs if isinstance(configs, dict) else {}
 
 
-def _publish(json_path, csv_path, name, config, command, mine: list[dict], configs: dict) -> list[dict]:
+def _publish(json_path, csv_path, name, config, command, mine: list[dict], configs: dict,
+             same: dict | None = None) -> list[dict]:
     """Merge this process's rows into the results file (under an exclusive lock: another process
-    may be running other points of the same sweep) and return every row now in it. A point's rows
-    from this process replace any older rows of that point; rows of points that did not finish
-    (skipped for time, errors) are dropped unless no one has rerun them yet."""
+    may be running other points of the same sweep) and return every row now in it. Rows are keyed
+    by (point, config hash): this process's rows replace older rows of the same point measured with
+    the same configuration (`same`: point key -> the hashes that count as its configuration, default
+    the row's own), and rows of that point measured with other settings stay beside them."""
     import fcntl
 
+    same = same or {}
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     with open(json_path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        ours = {r.get("point") for r in mine}
-        rows = [r for r in read_rows(json_path) if r.get("point") not in ours] + mine
+        ours = {(r.get("point"), h) for r in mine for h in same.get(r.get("point"), {r.get("config_hash")})}
+        rows = [r for r in read_rows(json_path) if (r.get("point"), r.get("config_hash")) not in ours] + mine
         known = {**_read_configs(json_path), **configs}
         kept = {r.get("config_hash") for r in rows}
         write_json(json_path, name, config, rows, command,
@@ -182,6 +210,35 @@ def check_output_dir(json_path: str) -> None:
         raise OSError(f"output folder {folder} is not writable: {err.strerror or err}") from None
 
 
+def check_inputs(points) -> None:
+    """Finds, before any model loads, what would fail every point using it (ValueError naming the
+    file or text and the point): a Hugging Face config.json that does not read (missing fields,
+    not JSON), and a text a point evaluates on with real weights that is not UTF-8, is empty, or is
+    shorter than a perplexity point's `benchmark.tokens` (counted with the model's tokenizer, loaded
+    on its own). niah's haystack length depends on its needles: a text too short for it is one
+    point's error row, without a traceback."""
+    from jhybrid.loading.hf import hf_config_path, read_hf_config
+    from jhybrid.loading.pretrained import load_pretrained
+
+    for spec in {p.model for p in points}:
+        path = hf_config_path(spec.name)
+        if path is not None:
+            read_hf_config(path)
+    tokenizers: dict = {}
+    for point in points:
+        bench = point.benchmark
+        if bench.task not in ("perplexity", "niah") or bench.predict_only or not uses_real_weights(point.model):
+            continue
+        try:
+            load_text(bench.text)
+            if bench.task == "perplexity":
+                if point.model.name not in tokenizers:
+                    tokenizers[point.model.name] = load_pretrained(point.model.name, weights=False)
+                text_tokens(tokenizers[point.model.name], bench.text, bench.tokens, "benchmark.tokens")
+        except TextError as error:
+            raise TextError(f"point {point.key}: {error}") from None
+
+
 def point_fields(point) -> dict:
     """The identifying fields of a point, for rows that say why it did not run."""
     b = point.benchmark
@@ -196,11 +253,26 @@ def _extra(rows: list[dict]) -> dict:
     return {"capacity": capacity} if capacity else {}
 
 
+def _stopping(update, stop):
+    """The progress update of a point, calling stop() first (every step and phase of the point)."""
+    if stop is None:
+        return update
+
+    def checked(*args, **kwargs):
+        stop()
+        return update(*args, **kwargs)
+
+    return checked
+
+
 def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | None = None,
-              console=None, show_progress: bool = True, only: list[str] | None = None) -> RunOutcome:
+              console=None, show_progress: bool = True, only: list[str] | None = None,
+              stop=None) -> RunOutcome:
     """Run the sweep's points not yet in the results file (only those whose key contains one of
     `only`, when given). Rows are merged into the file under a lock after every point, so processes
-    running disjoint parts of one sweep share its results file."""
+    running disjoint parts of one sweep share its results file. stop: called before every point and
+    at every step of one (its progress callback); it raises KeyboardInterrupt to end the sweep
+    there, as an interrupt (the CLI's: Ctrl-C stops at the next step, not inside one)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -211,19 +283,22 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
     if only:
         points = [p for p in points if any(text in p.key for text in only)]
     check_output_dir(json_path)
+    read_rows(json_path)  # a damaged results file is an error now, not after the first point
     for spec in {p.model for p in points}:
         check_model_spec(spec)
+    check_inputs(points)
     hashes = {p.key: point_config_hash(p) for p in points}
+    same = {p.key: point_hashes(p) for p in points}
     configs = {hashes[p.key]: point_config(p) for p in points}
     died = _rows_of_dead_runs(stem, hashes)
     if died:
         for row in died:
             console.print(f"[red]the previous run died[/] during {row['point']}: {row['error']}",
                           highlight=False)
-        _publish(json_path, csv_path, run.name, config_to_dict(run), command_line(argv), died, configs)
+        _publish(json_path, csv_path, run.name, config_to_dict(run), command_line(argv), died, configs, same)
     rows = [r for r in read_rows(json_path) if is_done(r)]
     done = {(r.get("point"), r.get("config_hash")) for r in rows}
-    todo = [p for p in points if (p.key, hashes[p.key]) not in done]
+    todo = [p for p in points if not any((p.key, h) in done for h in same[p.key])]
     mine: list[dict] = []  # the rows this process produced
     if len(todo) < len(points):
         console.print(f"resuming {json_path}: {len(points) - len(todo)} of {len(points)} points already there")
@@ -241,6 +316,8 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
         steps = progress.add_task("", total=None, visible=False)
         try:
             for point in todo:
+                if stop is not None:
+                    stop()
                 progress.update(steps, description=point.key[:60], completed=0, total=None, visible=True)
                 _mark_running(stem, point.key)
                 start = time.perf_counter()
@@ -255,7 +332,8 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                     model, pretrained = models[point.model]
                     task = TASKS[point.benchmark.task]
                     new = task(model, pretrained, point, deadline=deadline,
-                               on_step=PointProgress(functools.partial(progress.update, steps), point.key))
+                               on_step=PointProgress(_stopping(functools.partial(progress.update, steps), stop),
+                                                     point.key))
                     ran += 1
                 except PointSkipped as reason:
                     log.info("skipping %s: %s", point.key, reason)
@@ -264,7 +342,10 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                     new = [{**point_fields(point), **reason.fields, "skipped": str(reason)}]
                     skipped += 1
                 except Exception as error:  # noqa: BLE001 - one failing point must not lose the sweep
-                    log.exception("point %s failed", point.key)
+                    if isinstance(error, TextError):  # the user's input, said in one line: no traceback
+                        log.info("point %s: %s", point.key, error)
+                    else:
+                        log.exception("point %s failed", point.key)
                     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400] if str(error).strip() else ''}"
                     console.print(f"[red]error[/] {point.key}: {message}")
                     new = [{**point_fields(point), "error": message}]
@@ -279,7 +360,7 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                                             if row.get(k) is not None)
                         console.print(f"[green]done[/] {point.key}: {measure} ({row['point_seconds']} s)")
                 mine.extend(new)
-                rows = _publish(json_path, csv_path, run.name, config, command, mine, configs)
+                rows = _publish(json_path, csv_path, run.name, config, command, mine, configs, same)
                 progress.advance(overall)
         except KeyboardInterrupt:
             interrupted = True
@@ -287,7 +368,7 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
         finally:
             _mark_running(stem, None)
     if mine or read_rows(json_path):
-        rows = _publish(json_path, csv_path, run.name, config, command, mine, configs)
+        rows = _publish(json_path, csv_path, run.name, config, command, mine, configs, same)
     paths = [json_path, csv_path] if rows else []
     if rows:
         paths += render_plots(rows, stem)

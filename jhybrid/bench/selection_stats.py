@@ -14,6 +14,11 @@ real model over a real text (teacher-forced, jhybrid.bench.forced) and measures,
         --json benchmarks/results/selection-stats-smollm2-cpu.json
 
 `jhybrid.bench.synthetic` reproduces these figures at other shapes (`fill: calibrated`).
+
+scout in its default regime (short window, budget 2048 over the whole context, pool of twice the
+budget, recall at a CPU share of 12 %) is measured by `jhybrid.bench.scout_stats` (issue 29): the
+CPU's share read from the blocks the CPU actually attended, recalls and their intervals from the
+scout host's recall_log, and the drift of the selection over the scored steps.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import sys
 import numpy as np
 
 from jhybrid.bench.forced import forced_nll
-from jhybrid.bench.perplexity import hgca_kept_share
 from jhybrid.hybrid import OffloadConfig, make_backend
 
 
@@ -72,7 +76,7 @@ def hgca_stats(model, tokens: np.ndarray, offload: OffloadConfig, scored: int) -
     """hgca's kept share of the offloaded tokens after the run."""
     backend = make_backend(offload, context=len(tokens))
     forced_nll(model, backend, tokens, len(tokens) - 1 - scored)
-    share = hgca_kept_share(backend)
+    share = backend.row_fields().get("kept_share")
     backend.close()
     return share
 

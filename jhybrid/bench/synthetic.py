@@ -4,20 +4,23 @@ Prefilling 128K tokens through the model for every (mode, batch) point would tak
 benchmark's time; decode speed only depends on how much KV there is and where it lives. So a
 throughput point with `fill: synthetic` builds the state a prefill of `context` tokens would leave:
 
-  full          every layer's K/V buffer [B, max_len, Hkv, D] filled with random values (a random
-                tile repeated along the tokens, made on the device: no host copy, no 2x temporaries)
-  other modes   GPU window (sinks + ring) random, MAW = 1 / window; offloaded blocks 0..e-1 of every
-                (layer, sequence) appended to a host store from a pool of 64 random blocks (tiled);
-                scout/topk key digests on the device = the digests of those blocks; recall's host
-                mirror holds the same blocks; hgca's sparse context cache = the tokens whose MAW
-                (1.0 for a `keep` share of the pool's tokens, else 0) passes beta / window. The
-                backend's open runtime then adopts the store and the lengths (`HostRuntime.adopt`).
+  device-only modes (full, ...)  every floating-point array of the cache filled with random values
+                (a random tile repeated along the tokens, made on the device: no host copy, no 2x
+                temporaries)
+  offloading modes   GPU window (sinks + ring) random, MAW = 1 / window; offloaded blocks 0..e-1 of
+                every (layer, sequence) appended to a host store from a pool of 64 random blocks
+                (tiled), with MAW 1.0 for a `keep` share of the pool's tokens, else 0; key digests on
+                the device = the digests of those blocks. The backend's open runtime then adopts the
+                store and the lengths (`HostRuntime.adopt`), and the mode's host part builds what
+                it keeps from the store (`ModeHost.adopted`: recall's mirror; hgca's sparse context
+                cache = the tokens whose MAW passes beta / window).
 
-`fill: calibrated` is the same with the attention statistics of real text (measured on SmolLM2 by
-`jhybrid.bench.selection_stats`): the digests give each (sequence, KV head) a stable set of
-`overlap x k` hot blocks that every query selects (so scout's top-k keeps that share from one step to
-the next, and recall can hold it on the GPU), the rest of the top-k drawn from weak blocks that
-random queries rank differently at each step; hgca's kept share is the measured one (`hgca_keep`).
+`fill: calibrated` is the same with the attention statistics of real text (measured by
+`jhybrid.bench.selection_stats`): the digests give each (sequence, KV head) a stable set of hot
+blocks that every query selects and a set of warm alternates of which each query selects a
+different part (`calibrated_tiers`: the two sizes that reproduce the measured step-to-step overlap
+and drift; without a drift the rest of the top-k is drawn from every weak block); hgca's kept share
+is the measured one (`hgca_keep`).
 
 The host store of one (model shape, context, window) is kept and reused by the next points of the
 same shape with a batch no larger (blocks appended by a point's decode steps are dropped first), so
@@ -39,7 +42,6 @@ import numpy as np
 
 from host import KVStore, StoreConfig
 from host.store_format import from_storage, to_storage
-from host.sparsify import sparsify_evicted
 from jhybrid.hybrid.runtime import KV_DTYPE_OF
 from jhybrid.hybrid.sliding import SlidingWindow
 from jhybrid.hybrid.state import StepMeta
@@ -78,22 +80,30 @@ def tiled_normal(key, shape: tuple, dtype, axis: int):
     return jnp.broadcast_to(expanded, reps).reshape(shape)
 
 
-def fill_full_cache(model, batch: int, max_len: int, context: int, seed: int = 1):
-    """A full-attention KVCache holding `context` random tokens per sequence, built without first
-    allocating the zero cache (so a batch at the device's limit does not need twice the memory)."""
-    from jhybrid.attention.full import FullAttention
+def fill_device_cache(model, backend, batch: int, max_len: int, context: int, seed: int = 1):
+    """The KVCache of a mode that keeps every token on the device (`full`, GPU-only modes) holding
+    `context` random tokens per sequence: every floating-point array of the cache random (token axis
+    1), built without first allocating the zero cache (so a batch at the device's limit does not need
+    twice the memory); integer arrays as the backend initialises them."""
     from jhybrid.models.decoder import KVCache
 
-    shapes = jax.eval_shape(lambda: model.init_cache(batch, max_len, FullAttention()))
+    shapes = jax.eval_shape(lambda: model.init_cache(batch, max_len, backend))
     key = jax.random.key(seed)
-    layers = []
-    for state in shapes.layers:
-        new = {}
-        for name, spec in state.items():
-            key, sub = jax.random.split(key)
-            new[name] = tiled_normal(sub, tuple(spec.shape), spec.dtype, 1)  # [B, max_len, Hkv, D]
-        layers.append(new)
-    return KVCache(layers=tuple(layers), lengths=jnp.full((batch,), context, jnp.int32))
+
+    def fill(spec):
+        nonlocal key
+        if not jnp.issubdtype(spec.dtype, jnp.floating):
+            return None
+        key, sub = jax.random.split(key)
+        return tiled_normal(sub, tuple(spec.shape), spec.dtype, 1)
+
+    filled = jax.tree_util.tree_map(fill, shapes.layers)
+    if any(x is None for x in jax.tree_util.tree_leaves(filled, is_leaf=lambda x: x is None)):
+        fresh = model.init_cache(batch, max_len, backend).layers  # integer arrays: the backend's own
+        filled = jax.tree_util.tree_map(lambda x, init: init if x is None else x, filled, fresh,
+                                        is_leaf=lambda x: x is None)
+    return KVCache(layers=filled, lengths=jnp.full((batch,), context, jnp.int32),
+                   meta=backend.init_meta(batch, max_len))
 
 
 # ---------------------------------------------------------------------------- host context
@@ -105,11 +115,11 @@ class HostShape:
     head_dim: int
     block_size: int
     kv_dtype: str  # host store format: bf16 / fp16 / fp32 / int8
-    dtype: str  # model dtype (recall's mirror)
+    dtype: str  # model dtype
 
 
 class HostContext:
-    """Random offloaded blocks in a KVStore (and recall's mirror), reusable across points."""
+    """Random offloaded blocks in a KVStore, reusable across points."""
 
     def __init__(self, shape: HostShape, sink: int, keep: float, seed: int = 0):
         self.shape, self.sink, self.keep = shape, sink, keep
@@ -126,7 +136,6 @@ class HostContext:
         self.batch = 0  # sequences filled
         self.blocks = 0  # blocks per (layer, sequence) filled
         self._tiles: dict = {}
-        self._mirror = None  # (key, {"k", "v"})
         self.fill_seconds = 0.0  # of the last prepare
 
     @staticmethod
@@ -155,7 +164,6 @@ class HostContext:
             return 0.0
         s = self.shape
         self.store = None  # release the old one before allocating the new
-        self._mirror = None
         store = KVStore(StoreConfig(n_layers=s.n_layers, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,
                                     block_size=s.block_size, kv_dtype=s.kv_dtype,
                                     initial_blocks_per_layer=max(16, batch * (e + slack_blocks))))
@@ -204,75 +212,29 @@ class HostContext:
                 counts[b][:] = e
         return True
 
-    def rebuild_context_cache(self, batch: int, e: int, beta: float, window: int,
-                              max_keep_share: float | None = None) -> None:
-        """hgca: the sparse context cache of sequences 0..batch-1 = the salient tokens of blocks 0..e-1
-        (at most max_keep_share of them per head: `host.sparsify.select_salient`)."""
-        store = self.store
-        with store.lock:
-            for layer in range(self.shape.n_layers):
-                for b in range(batch):
-                    for h in range(self.shape.n_kv_heads):
-                        store.context.clear_head_locked(layer, b, h)
-        for layer in range(self.shape.n_layers):
-            sparsify_evicted(store, layer, range(batch), [np.arange(e)] * batch, beta, window,
-                             max_keep_share=max_keep_share)
-
-    # ---- recall's mirror ----------------------------------------------------------------------
-    def mirror(self, template: dict, batch: int, e: int) -> dict:
-        """recall's host mirror ({"k", "v"} [L, B, Hkv, N, D], model dtype) with blocks 0..e-1 written
-        into `template` (a new runtime's empty mirror), or the one written for an earlier point of
-        the same shape (then `template` is dropped untouched)."""
-        key = (template["k"].shape, str(template["k"].dtype), e)
-        if self._mirror is not None and self._mirror[0] == key:
-            return self._mirror[1]
-        self._mirror = None
-        start = time.perf_counter()
-        s, bs = self.shape, self.shape.block_size
-        dtype = template["k"].dtype
-        out = {}
-        for name in ("k", "v"):
-            arr = template[name]  # the runtime's own (lazily zeroed) mirror: written, then kept
-            pool = getattr(self, "pool_" + name)  # storage bits = the model dtype's bits
-            if s.kv_dtype == "int8":  # the mirror holds the dequantized values in the model dtype
-                pool = from_storage(pool, "int8").astype(dtype)
-            if pool.dtype.itemsize != arr.dtype.itemsize:
-                raise ValueError(f"recall mirror dtype {arr.dtype} does not match the store's {s.kv_dtype}")
-            bits = arr.view(pool.dtype)
-            tile = pool[np.arange(e + POOL) % POOL]
-
-            def copy(layer: int, b: int) -> None:
-                o = self.offset(layer, b)
-                view = bits[layer, b, :, :e * bs].reshape(s.n_kv_heads, e, bs, s.head_dim)
-                view[...] = tile[o:o + e].transpose(1, 0, 2, 3)
-
-            _parallel(copy, [(layer, b) for layer in range(s.n_layers) for b in range(batch)])
-            out[name] = arr
-        seconds = time.perf_counter() - start
-        FILL_RATE[0] += out["k"].nbytes * 2
-        FILL_RATE[1] += seconds
-        self.fill_seconds += seconds
-        self._mirror = (key, out)
-        return out
-
-    def digests(self, layer: int, batch: int, e: int, nb: int, dtype,
-                hot: int = 0) -> tuple[jax.Array, jax.Array]:
+    def digests(self, layer: int, batch: int, e: int, nb: int, dtype, hot: int = 0,
+                warm: int = 0) -> tuple[jax.Array, jax.Array]:
         """Device key digests (min, max) [B, Hkv, nb, D] of the blocks of `layer` (0 past block e).
-        hot > 0 (calibrated fill): per (sequence, KV head) `hot` blocks get a digest that outscores any
-        other block for any query (kmin = -A, kmax = +A in every channel), the others are weakened
-        (scaled by 1/4); which blocks are hot is fixed per (layer, sequence, head)."""
+        Calibrated fill, per (sequence, KV head), fixed per (layer, sequence, head): `hot` blocks get a
+        digest that outscores any other block for any query (kmin = -A, kmax = +A in every channel);
+        `warm` blocks outscore every other block but rank among themselves by a random part (-A/2,
+        +A/2 plus a quarter of their own digest), so each query selects a different subset of them;
+        the others are weakened (scaled by 1/4)."""
         ids = np.stack([self.block_ids(layer, b, e) for b in range(batch)])  # [B, e]
         kmin, kmax = _gather_digests(jnp.asarray(self.pool_min), jnp.asarray(self.pool_max), jnp.asarray(ids),
                                      nb, jnp.dtype(dtype))
-        if hot <= 0 or e == 0:
+        if hot + warm <= 0 or e == 0:
             return kmin, kmax
         hkv = kmin.shape[1]
         rng = np.random.default_rng(1000 + layer)
-        mask = np.zeros((batch, hkv, nb), bool)
+        tier = np.zeros((batch, hkv, nb), np.int8)
+        n_hot, n_warm = min(hot, e), min(warm, max(0, e - hot))
         for b in range(batch):
             for h in range(hkv):
-                mask[b, h, rng.choice(e, size=min(hot, e), replace=False)] = True
-        return _calibrate(kmin, kmax, jnp.asarray(mask))
+                chosen = rng.choice(e, size=n_hot + n_warm, replace=False)
+                tier[b, h, chosen[:n_hot]] = 2
+                tier[b, h, chosen[n_hot:]] = 1
+        return _calibrate(kmin, kmax, jnp.asarray(tier))
 
 
 def _parallel(fn, args: list[tuple]) -> None:
@@ -300,12 +262,33 @@ def _gather_digests(pool_min, pool_max, ids, nb: int, dtype):
 
 
 @jax.jit
-def _calibrate(kmin, kmax, hot):
-    """Hot blocks (mask [B, Hkv, nb]) -> -A / +A digests; the others scaled by 1/4."""
+def _calibrate(kmin, kmax, tier):
+    """tier [B, Hkv, nb] int8: 2 (hot) -> -A / +A digests; 1 (warm) -> -A/2 / +A/2 plus a quarter of
+    the block's own; 0 (the rest) -> a quarter of the block's own."""
     a = 4.0 * jnp.max(jnp.abs(kmax.astype(jnp.float32)))
-    mask = hot[..., None]
-    return (jnp.where(mask, -a, 0.25 * kmin.astype(jnp.float32)).astype(kmin.dtype),
-            jnp.where(mask, a, 0.25 * kmax.astype(jnp.float32)).astype(kmax.dtype))
+    t = tier[..., None]
+    low, high = 0.25 * kmin.astype(jnp.float32), 0.25 * kmax.astype(jnp.float32)
+    return (jnp.where(t == 2, -a, jnp.where(t == 1, low - a / 2, low)).astype(kmin.dtype),
+            jnp.where(t == 2, a, jnp.where(t == 1, high + a / 2, high)).astype(kmax.dtype))
+
+
+def calibrated_tiers(k: int, overlap: float, drift: float | None) -> tuple[int, int]:
+    """(hot, warm) blocks per (sequence, KV head) that reproduce a measured step-to-step top-k
+    `overlap` and `drift` (distinct blocks a (sequence, head) selects over many steps / k;
+    jhybrid.bench.selection_stats) for a top-k of k blocks: every step selects the hot blocks and
+    k - hot of the warm ones at random, so the expected overlap is (hot + (k - hot)^2 / warm) / k
+    and the distinct blocks hot + warm. drift None: hot = overlap x k, the rest drawn from every
+    other block (warm = 0)."""
+    if drift is None:
+        return int(round(overlap * k)), 0
+    distinct = max(k, int(round(drift * k)))
+    best = None
+    for hot in range(0, k + 1):
+        warm = max(distinct - hot, k - hot)
+        expected = (hot + ((k - hot) ** 2 / warm if warm else 0)) / k
+        if best is None or abs(expected - overlap) < best[0]:
+            best = (abs(expected - overlap), hot, warm)
+    return best[1], best[2]
 
 
 def host_shape(model_config, block_size: int, host_kv_dtype: str | None = None) -> HostShape:
@@ -322,20 +305,19 @@ def host_shape(model_config, block_size: int, host_kv_dtype: str | None = None) 
 
 
 def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: int, seed: int = 1,
-                      overlap: float | None = None):
+                      overlap: float | None = None, drift: float | None = None):
     """Writes the synthetic context into a fresh hybrid cache (from model.init_cache(.., backend),
     the backend opened for `batch` sequences) and has the backend's runtime adopt the host store
-    (and recall's mirror). Returns the cache.
+    (the mode's host part builds its own state from it). Returns the cache.
 
     Consumes `cache`: each device array it replaces is deleted as soon as its random replacement
     exists, so the fill never holds the zero window and the random one at once (at the device's
-    largest batch that would need the window's memory twice). overlap (calibrated fill): the share
-    of each step's top-k that stays selected at the next step (see HostContext.digests)."""
+    largest batch that would need the window's memory twice). overlap, drift (calibrated fill): the
+    share of each step's top-k that stays selected at the next step, and the distinct blocks selected
+    over many steps / k (see calibrated_tiers, HostContext.digests)."""
     cfg, runtime = backend.config, backend.runtime
     e = int(evicted_blocks(np.int64(context), cfg))
     nb = cfg.host_blocks(runtime.max_len)
-    if cfg.mode == "hgca":
-        host.rebuild_context_cache(batch, e, cfg.beta, cfg.window_tokens, max_keep_share=cfg.max_keep_share)
     key = jax.random.key(seed)
 
     def fresh(old: jax.Array, new: jax.Array) -> jax.Array:
@@ -349,10 +331,10 @@ def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: in
         return fresh(x, tiled_normal(sub, tuple(x.shape), x.dtype, 2))  # [B, Hkv, T, D]
 
     topk = backend.config.topk_blocks or nb
-    hot = 0 if overlap is None else int(round(overlap * min(topk, e)))
+    hot, warm = (0, 0) if overlap is None else calibrated_tiers(min(topk, e), overlap, drift)
 
     def digests_of(d, source: int):
-        kmin, kmax = host.digests(source, batch, e, nb, d.kmin.dtype, hot=hot)
+        kmin, kmax = host.digests(source, batch, e, nb, d.kmin.dtype, hot=hot, warm=warm)
         return d.replace(kmin=fresh(d.kmin, kmin), kmax=fresh(d.kmax, kmax))
 
     def sliding(state: SlidingWindow) -> SlidingWindow:
@@ -384,10 +366,6 @@ def load_hybrid_cache(cache, backend, host: HostContext, batch: int, context: in
         if state.next_digests is not None:
             state = state.replace(next_digests=digests_of(state.next_digests, layer + 1))
         layers.append(state)
-    mode_host = runtime.mode_host
-    if hasattr(mode_host, "mirror_k"):  # recall: its host mirror of the offloaded KV
-        mirror = host.mirror({"k": mode_host.mirror_k, "v": mode_host.mirror_v}, batch, e)
-        mode_host.mirror_k, mode_host.mirror_v = mirror["k"], mirror["v"]
-    runtime.adopt(np.full(batch, context), store=host.store)
+    runtime.adopt(np.full(batch, context), store=host.store)  # the mode's host part builds its own state
     return cache.replace(layers=tuple(layers), lengths=jnp.full((batch,), context, jnp.int32),
                          meta=StepMeta(offloaded_blocks=jnp.full((batch,), e, jnp.int32)))

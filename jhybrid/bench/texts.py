@@ -9,31 +9,26 @@ import importlib.util
 import json
 import os
 
-TEXT_FILES = {"paul_graham": "PaulGrahamEssays.json", "squad": "squad.json"}
+from jhybrid.config.files import read_text
+from jhybrid.config.schema import TEXT_FILES, check_text
+
+__all__ = ["TEXT_FILES", "TextError", "check_text", "load_text", "text_tokens", "calibration_tokens"]
 
 
-def check_text(name: str) -> None:
-    """ValueError unless `name` is a built-in text or a readable file."""
-    if name in TEXT_FILES:
-        return
-    if not os.path.isfile(name):
-        raise ValueError(f"text {name!r}: expected one of {', '.join(TEXT_FILES)} or the path of a "
-                         "UTF-8 text file (no such file)")
+class TextError(ValueError):
+    """A text the benchmark cannot use (not UTF-8, empty, too short); the message names the text
+    and what was expected."""
 
 
 @functools.lru_cache(maxsize=None)
 def load_text(name: str) -> str:
-    """The whole text: a built-in data file (found without importing the package) or a text file."""
+    """The whole text: a built-in data file (found without importing the package) or a text file
+    (TextError when it is not UTF-8 or holds no text)."""
     check_text(name)
     if name not in TEXT_FILES:
-        try:
-            with open(name, encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as error:
-            raise ValueError(f"text file {name!r} is not UTF-8 text ({error.reason} at byte "
-                             f"{error.start}); expected a UTF-8 plain-text file") from None
+        text = read_text(name, "expected a UTF-8 plain-text file", TextError)
         if not text.strip():
-            raise ValueError(f"text file {name!r} is empty; expected text to evaluate on")
+            raise TextError(f"text file {name!r} is empty; expected text to evaluate on")
         return text
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None:
@@ -46,8 +41,9 @@ def load_text(name: str) -> str:
     return "\n\n".join(str(item) for item in (data if isinstance(data, list) else data.values()))
 
 
-def text_tokens(pretrained, name: str, n: int):
-    """The first n token ids [n] int32 of a text; ValueError if the text is shorter."""
+def text_tokens(pretrained, name: str, n: int, what: str = "tokens"):
+    """The first n token ids [n] int32 of a text; TextError (naming the text, its length and the
+    setting `what` that asks for n) if the text is shorter."""
     import numpy as np
 
     text = load_text(name)
@@ -55,7 +51,8 @@ def text_tokens(pretrained, name: str, n: int):
     if len(ids) < n:
         ids = pretrained.encode(text)
     if len(ids) < n:
-        raise ValueError(f"text {name} has only {len(ids)} tokens, {n} asked")
+        raise TextError(f"text {name!r} has only {len(ids)} tokens; expected at least {n} "
+                        f"({what} {n}: a longer text or a smaller setting)")
     return np.asarray(ids[:n], np.int32)
 
 

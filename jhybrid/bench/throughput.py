@@ -46,7 +46,8 @@ from jhybrid.bench import synthetic
 from jhybrid.bench.budget import PointMemory, human_bytes, point_memory
 from jhybrid.bench.offload import PointSkipped, backend_for, resolve
 from jhybrid.bench.progress import PointProgress, report_phase
-from jhybrid.hybrid.sliding import SlidingWindow
+from jhybrid.hybrid.modes.base import Workload
+from jhybrid.hybrid.registry import mode_class
 
 log = logging.getLogger(__name__)
 
@@ -168,12 +169,12 @@ _XLA_TEMPS: dict = {}
 XLA_MAX_COMPILES = 6  # compiles one max-batch search may spend (each a few seconds on the GPU)
 
 
-def xla_predicts(model, point) -> bool:
-    """XLA, not arithmetic, predicts the step's transient bytes for run points of mode 'full' with a
-    synthetic fill (the device-bound mode; the offloading modes' steps hold host-runtime state and
-    keep the arithmetic estimate, as do prediction-only points, which have no model)."""
-    return (point.offload.mode == "full" and point.benchmark.fill != "prefill"
-            and hasattr(model, "init_cache"))
+def xla_predicts(point) -> bool:
+    """XLA, not arithmetic, predicts the step's transient bytes for run points of a mode that keeps
+    every token on the device (`full`; the device-bound modes) with a synthetic fill (the offloading
+    modes' steps hold host-runtime state and keep the arithmetic estimate, as do prediction-only
+    points, which have no model)."""
+    return not mode_class(point.offload.mode).offloads and point.benchmark.fill != "prefill"
 
 
 def xla_memory(model, point, backend, memory: PointMemory, batch_spec, compile_fn=None) -> PointMemory:
@@ -232,41 +233,40 @@ def xla_memory(model, point, backend, memory: PointMemory, batch_spec, compile_f
         if fitted.max_batch is None or fitted.max_batch < 1:
             return fitted
         batch = fitted.max_batch + (1 if batch_spec == "max+1" else 0)
-    out = dataclasses.replace(fitted, batch=batch, step_temp_measured=temp(batch))
-    out.compiled = compiled.get(batch)  # type: ignore[attr-defined]
-    out.compile_seconds = seconds.get(batch)  # type: ignore[attr-defined]
-    return out
+    return dataclasses.replace(fitted, batch=batch, step_temp_measured=temp(batch), compiled=compiled.get(batch),
+                               compile_seconds=seconds.get(batch))
 
 
-def predict(model, point, batch: int, window: int | None, weights: int) -> PointMemory:
-    bench, offload = point.benchmark, point.offload
+def workload_of(bench) -> Workload:
+    """The attention statistics a point assumes (benchmark.hgca_keep, benchmark.selection_overlap)."""
+    return Workload(kept_share=bench.hgca_keep, resident_share=bench.selection_overlap)
+
+
+def predict(model_config, point, batch: int, weights: int) -> PointMemory:
+    """The point's memory prediction at `batch` (jhybrid.bench.budget.point_memory)."""
+    bench = point.benchmark
     limit = bench.device_memory_gib * GIB if bench.device_memory_gib else device_memory().get("bytes_limit")
     host = bench.host_memory_gib * GIB if bench.host_memory_gib else host_memory_bytes()
-    return point_memory(model.config, offload.mode, batch, bench.context, max_len_for(bench), window,
-                        sink=offload.sink, block_size=offload.block_size,
-                        recall_blocks=offload.recall_blocks, weights=weights,
-                        hgca_keep=min(bench.hgca_keep, offload.max_keep_share or 1.0),  # what the cap leaves
-                        device_limit=None if limit is None else int(limit), host_limit=int(host),
-                        device_reserve=int(bench.device_reserve_gib * GIB),
-                        host_reserve=int(bench.host_reserve_gib * GIB),
-                        predict_query=offload.predict_query, ring_slack_blocks=offload.ring_slack_blocks,
-                        host_kv_dtype=offload.host_kv_dtype,
-                        topk_blocks=offload.topk_blocks if offload.mode in ("scout", "topk") else None)
+    return point_memory(model_config, resolve(point.offload, bench.context), batch, bench.context,
+                        max_len_for(bench), weights=weights, device_limit=None if limit is None else int(limit),
+                        host_limit=int(host), device_reserve=int(bench.device_reserve_gib * GIB),
+                        host_reserve=int(bench.host_reserve_gib * GIB), workload=workload_of(bench))
 
 
-def resolve_batch(model, point, window, weights, backend=None) -> tuple[int, object]:
+def resolve_batch(model_config, point, weights, model=None, backend=None) -> tuple[int, object]:
     """(batch, prediction) for the point; 'max' / 'max+1' from the prediction at batch 1. With a
-    backend and xla_predicts(model, point), the step's transient bytes come from XLA (xla_memory)."""
+    model and its backend and xla_predicts(point), the step's transient bytes come from XLA
+    (xla_memory)."""
     spec = point.benchmark.batch
-    if backend is not None and xla_predicts(model, point):
-        memory = xla_memory(model, point, backend, predict(model, point, 1, window, weights), spec)
+    if backend is not None and xla_predicts(point):
+        memory = xla_memory(model, point, backend, predict(model_config, point, 1, weights), spec)
         if isinstance(spec, int):
             return spec, memory
         probe = memory
     elif isinstance(spec, int):
-        return spec, predict(model, point, spec, window, weights)
+        return spec, predict(model_config, point, spec, weights)
     else:
-        probe = predict(model, point, 1, window, weights)
+        probe = predict(model_config, point, 1, weights)
     if probe.max_batch is None:
         raise PointSkipped(f"batch {spec!r}: neither the device nor the host reports a memory limit "
                            "(set benchmark.device_memory_gib / host_memory_gib)", **probe.fields())
@@ -276,7 +276,7 @@ def resolve_batch(model, point, window, weights, backend=None) -> tuple[int, obj
     batch = probe.max_batch + (1 if spec == "max+1" else 0)
     if probe.temp_source == "xla":
         return batch, probe
-    return batch, predict(model, point, batch, window, weights)
+    return batch, predict(model_config, point, batch, weights)
 
 
 PREDICTION_ONLY = "prediction only, not run"
@@ -285,17 +285,15 @@ PREDICTION_ONLY = "prediction only, not run"
 def predict_throughput(point) -> list[dict]:
     """benchmark.predict_only: the point's prediction as a row, without a model (PointSkipped with
     reason 'prediction only, not run: <fits / over capacity ...>' and the prediction fields)."""
-    import types
-
     from jhybrid.bench.budget import weight_bytes
     from jhybrid.bench.shapes import spec_config
 
     bench, offload = point.benchmark, point.offload
     config = spec_config(point.model)
-    model = types.SimpleNamespace(config=config)
-    window = None if offload.mode == "full" else resolve(offload, bench.context).window_tokens
+    resolved = resolve(offload, bench.context)
+    window = resolved.window_tokens if mode_class(offload.mode).offloads else None
     weights = weight_bytes(config)
-    batch, memory = resolve_batch(model, point, window, weights)
+    batch, memory = resolve_batch(config, point, weights)
     verdict = memory.over_capacity() or "predicted to fit"
     raise PointSkipped(f"{PREDICTION_ONLY}: {verdict}", task="throughput", model=point.model.name,
                        layers=config.num_layers, mode=offload.mode, fill=bench.fill, batch_spec=str(bench.batch),
@@ -307,28 +305,27 @@ def run_throughput(model, pretrained, point, on_step: PointProgress | None = Non
     base = {"task": "throughput", "model": point.model.name, "layers": model.config.num_layers,
             "mode": offload.mode, "fill": bench.fill, "batch_spec": str(bench.batch),
             "context": bench.context, "host_kv_dtype": offload.host_kv_dtype or "model"}
-    if bench.split == "balanced" and offload.mode in ("scout", "topk"):  # the split chooses the budget
+    balanced = bench.split == "balanced" and mode_class(offload.mode).offloads
+    if balanced:  # the split chooses the mode's budget
         offload = dataclasses.replace(offload, budget=None)
         point = dataclasses.replace(point, offload=offload)
     backend, window = backend_for(offload, bench.context)
     weights = params_bytes(model)
     start = time.perf_counter()
     report_phase(on_step, f"predicting memory at batch {bench.batch} (compiles the step from shapes)")
-    batch, memory = resolve_batch(model, point, window, weights, backend)
+    batch, memory = resolve_batch(model.config, point, weights, model, backend)
     split = {}
     # The balanced split sizes its own window: a point the fixed ratio does not fit (too little host for
     # its offloaded part, say) may fit with it; _balanced_point skips the point when nothing fits.
-    if bench.split == "balanced" and offload.mode != "full":
+    if balanced:
         report_phase(on_step, "balanced split: measuring the machine, sizing the window")
         point, split = _balanced_point(model, point, batch, weights)
         offload = point.offload
         backend, window = backend_for(offload, bench.context)
-        memory = predict(model, point, batch, window, weights)
+        memory = predict(model.config, point, batch, weights)
     predict_s = time.perf_counter() - start
-    base.update(batch=batch, window=window, gpu_ratio=offload.gpu_ratio if window else None,
-                budget=offload.budget if offload.mode in ("scout", "topk") else None,
-                recall_blocks=offload.recall_blocks if offload.mode == "scout" else None, **split,
-                weight_bytes=weights, **memory.fields(), predict_s=round(predict_s, 2))
+    base.update(batch=batch, window=window, gpu_ratio=offload.gpu_ratio if window else None, **backend.row_fields(),
+                **split, weight_bytes=weights, **memory.fields(), predict_s=round(predict_s, 2))
     reason = memory.over_capacity()
     if reason and not bench.run_over_capacity:
         raise PointSkipped(reason, **base)
@@ -374,14 +371,14 @@ def _balanced_point(model, point, batch: int, weights: int):
 
     def memory(offload):
         candidate = dataclasses.replace(point, offload=offload, benchmark=margin)
-        return predict(model, candidate, batch, offload.window_tokens, weights)
+        return predict(config, candidate, batch, weights)
 
     try:
         offload, report = balanced_split(config, point.offload, batch, bench.context,
                                          lambda offload: memory(offload).fits_device,
                                          machine_profile(n_threads=point.offload.host_threads,
                                                          host_attention_gbps=bench.split_host_gbps), per_layer,
-                                         resident_share=bench.selection_overlap,
+                                         workload=workload_of(bench),
                                          host_fits=lambda offload: memory(offload).fits_host)
     except ValueError as error:
         raise PointSkipped(str(error)) from None
@@ -394,11 +391,11 @@ def _release(backend) -> None:
     gc.collect()
 
 
-def _memory_now(runtime=None) -> dict:
+def _memory_now(backend) -> dict:
     stats = device_memory()
     return {"device_in_use_bytes": stats.get("bytes_in_use"), "device_peak_bytes": stats.get("peak_bytes_in_use"),
             "host_rss_bytes": host_rss_bytes(), "host_rss_peak_bytes": host_rss_peak_bytes(),
-            "host_kv_bytes": None if runtime is None else int(runtime.host_kv_bytes())}
+            "host_kv_bytes": backend.host_bytes() or None}
 
 
 def _times(seconds: list[float], batch: int) -> dict:
@@ -427,9 +424,8 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     bench, offload = point.benchmark, point.offload
     max_len = max_len_for(bench)
     fill_start = time.perf_counter()
-    if offload.mode == "full":
-        cache = synthetic.fill_full_cache(model, batch, max_len, bench.context)
-        runtime = None
+    if not mode_class(offload.mode).offloads:
+        cache = synthetic.fill_device_cache(model, backend, batch, max_len, bench.context)
     else:
         host = _host_context(model.config, offload, bench.hgca_keep)
         e = int(evicted_blocks(np.int64(bench.context), backend.config))
@@ -452,7 +448,6 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
         cache = model.init_cache(batch, max_len, backend)
         overlap = bench.selection_overlap if bench.fill == "calibrated" else None
         cache = synthetic.load_hybrid_cache(cache, backend, host, batch, bench.context, overlap=overlap)
-        runtime = backend.runtime
     jax.block_until_ready(cache)
     fill_s = time.perf_counter() - fill_start
 
@@ -460,7 +455,7 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     tokens = np.zeros(batch, np.int32)
     held = np.full(batch, bench.context, np.int32)
     start = time.perf_counter()
-    step = getattr(memory, "compiled", None)  # compiled from shapes for the prediction: reused
+    step = memory.compiled  # compiled from shapes for the prediction: reused
     if step is None:
         report_phase(on_step, f"compiling the decode step (batch {batch})")
         step = jitted.lower(params, tokens, held, cache).compile()
@@ -468,13 +463,12 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     else:
         compile_s = memory.compile_seconds
     step_s, hook_s = [], []
-    overlaps, previous = [], None
+    overlaps, previous, selected_blocks = [], None, 0
     planned = bench.warmup_steps + bench.decode_tokens
     i = 0
     while i < planned:
         if i == bench.warmup_steps:
-            if runtime is not None:
-                runtime.reset_counters()
+            backend.reset_counters()
             step_s, hook_s = [], []
             if deadline is not None and i > 0:  # fewer timed steps where the budget is short
                 last = max(time.perf_counter() - t0, 1e-6)
@@ -488,10 +482,11 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
         t2 = time.perf_counter()
         step_s.append(t2 - t0)
         hook_s.append(t1 - t0)
-        offloaded = [state for state in cache.layers if not isinstance(state, SlidingWindow)]
-        if i >= bench.warmup_steps and runtime is not None and offloaded[0].selected is not None:
-            overlaps.append(_selection_overlap(offloaded, previous))  # outside the timed span
-            previous = [np.asarray(state.selected) for state in offloaded]
+        selections = backend.selections(cache) if i >= bench.warmup_steps else None  # outside the timed span
+        if selections is not None:
+            overlaps.append(_selection_overlap(selections, previous))
+            selected_blocks += sum(int((ids >= 0).sum()) for ids in selections)
+            previous = selections
         held = held + 1
         i += 1
         if on_step:
@@ -499,52 +494,43 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
     row = {**_times(step_s, batch), "ttft_s": None, "compile_s": round(compile_s, 2), "fill_s": round(fill_s, 2)}
     if len(step_s) < bench.decode_tokens:
         row["steps_note"] = f"time budget: {len(step_s)} of {bench.decode_tokens} timed steps"
-    row.update(_memory_now(runtime))
-    row.update(_breakdown(step_s, hook_s, runtime))
-    row.update(_selection_fields(runtime, [o for o in overlaps if o is not None], len(step_s), batch))
+    row.update(_memory_now(backend))
+    counters = backend.counters()
+    row.update(_breakdown(step_s, hook_s, counters))
+    row.update(_selection_fields(counters, [o for o in overlaps if o is not None],
+                                 selected_blocks * point.offload.block_size))
+    row.update(backend.row_fields())
     del cache
     return row
 
 
-def _selection_overlap(layers, previous) -> float | None:
-    """Share of this step's top-k blocks (every offloaded layer's state in `layers`, sequence, KV
-    head) the previous step selected."""
+def _selection_overlap(current: list[np.ndarray], previous: list[np.ndarray] | None) -> float | None:
+    """Share of this step's top-k blocks (every layer's [B, Hkv, k] ids, -1 = none) that the previous
+    step selected, per (sequence, KV head)."""
     if previous is None:
         return None
     same = total = 0
-    for state, prev in zip(layers, previous):
-        cur = np.asarray(state.selected)
+    for cur, prev in zip(current, previous):
         valid = cur >= 0
         same += int(((cur[..., None] == prev[:, :, None, :]).any(-1) & valid).sum())
         total += int(valid.sum())
     return same / total if total else None
 
 
-def _selection_fields(runtime, overlaps: list[float], steps: int, batch: int) -> dict:
-    """scout / topk: the measured step-to-step top-k overlap and the CPU's share of the selected
-    tokens (the rest sat in the GPU recall pool); hgca: the kept share of the offloaded tokens."""
-    if runtime is None:
+def _selection_fields(counters: dict, overlaps: list[float], selected_tokens: int) -> dict:
+    """Selecting modes: the measured step-to-step top-k overlap and the CPU's share of the selected
+    tokens (the rest sat on the GPU)."""
+    if not overlaps:
         return {}
-    out = {}
-    if overlaps:
-        out["topk_overlap"] = round(float(np.mean(overlaps)), 4)
-        cfg = runtime.config
-        selected = steps * runtime.n_layers * batch * runtime.hkv * (cfg.topk_blocks or runtime.nb_max) * cfg.block_size
-        out["cpu_share_of_selection"] = round(runtime.counters().get("cpu_tokens", 0) / max(selected, 1), 4)
-    if runtime.config.mode == "hgca":
-        kept = sum(int(runtime.store.context.kept_counts(layer, b).sum())
-                   for layer in range(runtime.n_layers) for b in range(runtime.batch))
-        stored = sum(runtime.store.n_tokens(layer, b) for layer in range(runtime.n_layers)
-                     for b in range(runtime.batch)) * runtime.hkv
-        out["hgca_kept_share"] = round(kept / max(stored, 1), 4)
-    return out
+    return {"topk_overlap": round(float(np.mean(overlaps)), 4),
+            "cpu_share_of_selection": round(counters.get("cpu_tokens", 0) / max(selected_tokens, 1), 4)}
 
 
-def _breakdown(step_s, hook_s, runtime) -> dict:
+def _breakdown(step_s, hook_s, c: dict) -> dict:
+    """The per-step breakdown from the backend's counters `c` over the timed steps."""
     n = max(len(step_s), 1)
     step_ms = 1e3 * sum(step_s) / n
     between = 1e3 * sum(hook_s) / n
-    c = runtime.counters() if runtime is not None else {}
     per = lambda key: round(1e3 * c.get(key, 0.0) / n, 3)  # noqa: E731
     callback = per("callback_s")
     return {"step_ms": round(step_ms, 3), "between_steps_ms": round(between, 3), "callback_ms": callback,
@@ -552,10 +538,10 @@ def _breakdown(step_s, hook_s, runtime) -> dict:
             "cpu_attn_ms": per("cpu_attn_s"), "wait_ms": per("wait_s"), "evict_ms": per("evict_s"),
             "recall_ms": per("recall_s"), "transfer_ms": per("transfer_s"),
             "callbacks_per_step": round(c.get("n_callbacks", 0) / n, 2),
-            "host_exchange": None if runtime is None else ("ffi" if runtime.worker is not None else "callback"),
+            "host_exchange": None if not c else ("ffi" if "exchange_steps" in c else "callback"),
             "exchange_serve_ms": per("exchange_serve_s"),
-            # before the worker serves a step's first layer: waiting for the host work queued
-            # before it (hgca: sparsifying the blocks just evicted, lock included), then the page snapshot
+            # before the worker serves a step's first layer: waiting for the store's lock, then the
+            # page snapshot
             "exchange_barrier_ms": per("exchange_barrier_s"), "exchange_snapshot_ms": per("exchange_snapshot_s"),
             **_exchange_timing(c, n, step_ms)}
 
@@ -608,14 +594,13 @@ def _run_prefill(model, point, backend, batch, on_step) -> dict:
            "prefill_tok_s": round(batch * bench.context / float(np.median(ttft)), 1),
            "compile_s": round(compile_s, 2), "fill_s": None}
     row["decode_tok_s"] = round(decode_tokens / decode_s, 2) if decode_s > 0 else None
-    runtime = getattr(backend, "runtime", None)
-    if runtime is not None:  # which path the chunks took over the offloaded prompt (device copies or CPU)
-        counters = runtime.counters()
+    counters = backend.counters()
+    if counters:  # which path the chunks took over the offloaded prompt (device copies or CPU)
         row.update(prefill_offloaded=point.offload.prefill_offloaded,
                    prefill_device_chunks=counters.get("n_prefill_device_chunks"),
                    prefill_extends=counters.get("n_prefill_extends"),
                    prefill_host_chunks=counters.get("n_prefill_host_chunks"))
-    row.update(_memory_now(runtime))
+    row.update(_memory_now(backend))
     return row
 
 

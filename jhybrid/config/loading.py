@@ -10,6 +10,7 @@ import dataclasses
 
 import yaml
 
+from jhybrid.config.files import read_text
 from jhybrid.config.schema import SECTIONS, ConfigError, RunConfig, allowed_keys, build_section
 
 TOP_KEYS = ("name", "description", "model", "offload", "benchmark", "sweep")
@@ -37,8 +38,24 @@ def _split_key(key: str) -> tuple[str, str]:
     return section, field
 
 
+def _section(doc: dict, section: str) -> dict:
+    """A section's mapping; `model: NAME` is short for `model: {name: NAME}`; anything else that
+    is not a mapping is a ConfigError naming the section."""
+    value = doc.get(section)
+    if value is None:
+        return {}
+    if section == "model" and isinstance(value, str):
+        return {"name": value}
+    if not isinstance(value, dict):
+        example = "model: {name: smollm2}" if section == "model" else f"{section}: {{key: value, ...}}"
+        raise ConfigError(f"'{section}' = {value!r}: expected a mapping of keys to values, e.g. {example}")
+    return dict(value)
+
+
 def config_from_dict(doc, overrides: list[str] = ()) -> RunConfig:
-    """Validates a parsed YAML document (plus overrides) into a RunConfig."""
+    """Validates a parsed YAML document (plus overrides) into a RunConfig: every point of the
+    sweep is built, an override of a key the sweep sets is refused, and so is an offload setting
+    no point's mode reads (jhybrid.config.sweep.check_settings_used)."""
     if not isinstance(doc, dict):
         raise ConfigError(f"a run config is a mapping with keys {', '.join(TOP_KEYS)}; got {type(doc).__name__}")
     for key in doc:
@@ -46,18 +63,30 @@ def config_from_dict(doc, overrides: list[str] = ()) -> RunConfig:
             raise ConfigError(f"unknown top-level key '{key}'; allowed keys: {', '.join(TOP_KEYS)}")
     if not isinstance(doc.get("name"), str) or not doc["name"]:
         raise ConfigError("'name' is required: a string naming the results files")
-    sections = {s: dict(doc.get(s) or {}) for s in SECTIONS}
+    sections = {s: _section(doc, s) for s in SECTIONS}
+    sweep = normalize_sweep(doc.get("sweep"))
     for text in overrides:
         key, value = parse_override(text)
         section, field = _split_key(key)
+        _refuse_swept(key, sweep)
         sections[section][field] = value
     built = {s: build_section(s, sections[s]) for s in SECTIONS}
-    sweep = normalize_sweep(doc.get("sweep"))
     run = RunConfig(name=doc["name"], description=str(doc.get("description", "")), sweep=sweep, **built)
-    from jhybrid.config.sweep import expand_sweep
+    from jhybrid.config.sweep import check_settings_used, expand_sweep
 
-    expand_sweep(run)  # every point must validate now, not halfway through a long run
+    points = expand_sweep(run)  # every point must validate now, not halfway through a long run
+    check_settings_used(run, points)
     return run
+
+
+def _refuse_swept(key: str, sweep: tuple) -> None:
+    """ConfigError for an override (--set) of a key a sweep group sets: the group's points would
+    silently replace the override's value."""
+    groups = [i for i, group in enumerate(sweep) if key in group]
+    if groups:
+        raise ConfigError(f"--set {key}: the sweep sets {key} (group {', '.join(map(str, groups))}), which "
+                          "overrides --set for its points; expected a key the sweep does not set (change "
+                          "the sweep's values in the config instead)")
 
 
 def normalize_sweep(sweep) -> tuple:
@@ -81,12 +110,12 @@ def normalize_sweep(sweep) -> tuple:
 
 def load_config(path: str, overrides: list[str] = ()) -> RunConfig:
     """Reads and validates a YAML run config; ConfigError says what is wrong and where."""
-    with open(path) as f:
-        text = f.read()
+    text = read_text(path, "expected a YAML run config", ConfigError)
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: invalid YAML: {error}") from None
+        first = " ".join(str(error).split())
+        raise ConfigError(f"{path}: invalid YAML: {first}") from None
     try:
         return config_from_dict(doc, overrides)
     except ConfigError as error:

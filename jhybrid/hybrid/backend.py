@@ -1,5 +1,6 @@
 """HybridAttention: the attention backend of every offloading mode (recall, hgca, scout, streaming,
-topk) over one shared core; `config.mode` picks the mode object (`jhybrid.hybrid.modes`).
+topk) over one shared core; `config.mode` picks the mode object (`jhybrid.hybrid.modes`), and
+`make_backend` the backend of any mode (a mode that does not run on this core has its own).
 
 Per layer the device holds a `LayerState` (`jhybrid.hybrid.state`: the GPU window, and the mode's
 digests / pool / device copies); the host holds every evicted block (`jhybrid.hybrid.runtime`).
@@ -9,7 +10,8 @@ Inside the jitted step each layer's `attend` does:
   prefill / append (T > 1), every mode, exact:
                 GPU: causal jnp attention over sinks + ring; the offloaded part either on the device
                 over the `DeviceCopy` the runtime attached (`prefill.offloaded_attention`) or on the
-                CPU over every offloaded token (submit before, collect after the GPU part)
+                CPU over every offloaded token (submit before, collect after the GPU part); the
+                mode's `prefill_token` (hgca: the chunk's last queries to its host part)
   decode (T = 1): the mode's `decode` (its producers' partial states)
   then          MAW update from the window's probabilities; exact LSE merge of the partial states
 
@@ -25,12 +27,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
+from host.targets import ALL_OFFLOADED
 from jhybrid.attention.base import AttentionBackend, LayerContext
 from jhybrid.hybrid.config import OffloadConfig
-from jhybrid.hybrid.exchange import CallbackExchange, FfiExchange, HostSlot, ShardedSlots, after, register_ffi_targets
-from jhybrid.hybrid.modes import MODES
+from jhybrid.hybrid.exchange import (CallbackExchange, FfiExchange, RuntimeHandle, ShardedRuntimes, after,
+                                     register_ffi_targets)
 from jhybrid.hybrid.modes.base import DecodeStep
+from jhybrid.hybrid.registry import mode_class
 from jhybrid.hybrid.prefill import offloaded_attention
 from jhybrid.hybrid.runtime import HostRuntime
 from jhybrid.hybrid.sliding import LayerPlan, SlidingWindow, init_sliding, sliding_attention
@@ -47,21 +52,44 @@ class HybridAttention(AttentionBackend):
 
     handles_long_context = True
 
-    def __init__(self, config: OffloadConfig, slot: HostSlot | ShardedSlots | None = None):
-        """slot: where the traced step's host calls find their runtime; a `ShardedSlots` makes this
-        the device-side template of a tensor-parallel backend (`jhybrid.parallel.offload`), whose
-        per-device runtimes are other HybridAttention objects."""
-        if config.mode == "full":
-            raise ValueError("mode 'full' is FullAttention; use jhybrid.hybrid.make_backend(config)")
+    def __init__(self, config: OffloadConfig, handle: RuntimeHandle | ShardedRuntimes | None = None):
+        """handle: where the traced step's host calls find their runtime; a `ShardedRuntimes` makes
+        this the device-side template of a tensor-parallel backend (`jhybrid.parallel.offload`),
+        whose per-device runtimes are other HybridAttention objects."""
+        mode = mode_class(config.mode)(config)
+        if not mode.offloads or mode.own_backend() is not None:
+            raise ValueError(f"mode {config.mode!r} does not run on HybridAttention; use "
+                             "jhybrid.hybrid.make_backend(config)")
         if config.window_tokens is None:
             raise ValueError("HybridAttention needs a resolved config: make_backend(config, context=...)")
         self.config = config
         self.name = config.mode
-        self.mode = MODES[config.mode](config)
-        self._slot = slot or HostSlot()  # where the traced step's host calls find the open runtime
+        self.mode = mode
+        self._handle = handle or RuntimeHandle()  # where the traced step's host calls find the open runtime
         self._plan: LayerPlan | None = None  # the open model's global layers (set by open)
-        self.native = self._native_exchange()  # host.exchange_worker.NativeExchange, or None
-        self.exchange = CallbackExchange(self._slot) if self.native is None else FfiExchange(self._slot, self.native.id)
+        self._mixed = False  # some of its layers are sliding-window layers
+        self._ahead: tuple | None = None  # per model layer: query_ahead's answer (set by open)
+        self._native = None  # host.exchange_worker.NativeExchange once made (`exchange`), or False: none
+        self._exchange = None
+        if config.host_exchange == "ffi":
+            self.native  # asked for by name: a library that cannot load is an error now, not at the first step
+
+    @property
+    def exchange(self):
+        """The device side of the host exchange (made on first use: a capacity estimate, which only
+        asks for shapes, never loads the native library)."""
+        if self._exchange is None:
+            native = self.native
+            self._exchange = (CallbackExchange(self._handle) if native is None
+                              else FfiExchange(self._handle, native.id))
+        return self._exchange
+
+    @property
+    def native(self):
+        """host.exchange_worker.NativeExchange when the decode steps use it, else None."""
+        if self._native is None:
+            self._native = self._native_exchange() or False
+        return self._native or None
 
     def _native_exchange(self):
         """The stream-ordered native exchange when config.host_exchange allows it and it loads."""
@@ -70,7 +98,7 @@ class HybridAttention(AttentionBackend):
         import jax
 
         choice = self.config.host_exchange
-        if choice == "callback" or self.mode.decode_host_kind() is None:
+        if choice == "callback" or self.mode.host_target is None:
             return None
         try:
             from host.exchange_worker import NativeExchange
@@ -92,13 +120,14 @@ class HybridAttention(AttentionBackend):
     # ---- host side --------------------------------------------------------------------------------
     @property
     def runtime(self) -> HostRuntime | None:
-        """The open batch's host side (store, workers, counters), or None."""
-        return getattr(self._slot, "runtime", None)
+        """The open batch's host side (store, workers, counters), or None (always None for the
+        device-side template of a tensor-parallel backend)."""
+        return None if isinstance(self._handle, ShardedRuntimes) else self._handle.runtime
 
     def open(self, config, batch_size, max_len, dtype=None, device=None):
         """device: where this batch's cache lives (default: the first device); its native exchange
         is opened there."""
-        if isinstance(self._slot, ShardedSlots):
+        if isinstance(self._handle, ShardedRuntimes):
             raise RuntimeError("this backend is the device-side template of a tensor-parallel backend; "
                                "open the jhybrid.parallel backend instead")
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -106,23 +135,17 @@ class HybridAttention(AttentionBackend):
                              f"the model has {config.head_dim}")
         plan = LayerPlan.of(config)
         offloaded = plan.offloaded_view(config)
-        if self.config.mode == "scout" and self.config.predict_query and self.config.scout_exact_layers == "auto":
-            import logging
-
-            log_once("scout-auto-unresolved", logging.WARNING, "scout: scout_exact_layers='auto' was not "
-                     "resolved (make_backend(..., model=, calibration_tokens=)): every layer but the first "
-                     "selects with its layer-ahead predicted query")
         self.mode.check(offloaded, max_len)
         self.close()
-        self._slot.runtime = HostRuntime(self.config, self.mode, offloaded, batch_size, max_len,
-                                         dtype or config.dtype, native=self.native, device=device)
-        self._plan = plan
+        self._handle.runtime = HostRuntime(self.config, self.mode, offloaded, batch_size, max_len,
+                                           dtype or config.dtype, native=self.native, device=device)
+        self._plan, self._mixed, self._ahead = plan, plan.mixed, self._layers_ahead(plan)
         return self
 
     def close(self):
-        if self._slot.runtime is not None:
-            self._slot.runtime.close()
-            self._slot.runtime = None
+        if self._handle.runtime is not None:
+            self._handle.runtime.close()
+            self._handle.runtime = None
 
     def before_step(self, cache, positions):
         if self.runtime is None:
@@ -130,6 +153,8 @@ class HybridAttention(AttentionBackend):
         if len(cache.layers) != self._plan.num_layers:
             raise ValueError(f"a cache of {len(cache.layers)} layers; the backend was opened for "
                              f"{self._plan.num_layers}")
+        if not self._mixed:  # every layer is offloaded: the host side steps the cache as it is
+            return self.runtime.before_step(cache, positions)
         stepped = self.runtime.before_step(self._plan.offloaded_layers(cache), positions)
         return self._plan.merge(cache, stepped)
 
@@ -140,12 +165,45 @@ class HybridAttention(AttentionBackend):
     def counters(self) -> dict:
         return {} if self.runtime is None else self.runtime.counters()
 
+    def reset_counters(self) -> None:
+        if self.runtime is not None:
+            self.runtime.reset_counters()
+
+    def step_history(self) -> list[dict]:
+        return [] if self.runtime is None else list(self.runtime.history)
+
+    def host_bytes(self) -> int:
+        return 0 if self.runtime is None else self.runtime.host_kv_bytes()
+
+    def selections(self, cache) -> list | None:
+        states = [s for s in cache.layers if isinstance(s, LayerState) and s.selected is not None]
+        return [np.asarray(s.selected) for s in states] or None
+
+    def row_fields(self) -> dict:
+        """The mode's settings (`OffloadMode.row_fields`), the host KV format, and what the mode's host
+        part measured once its background work is done (`ModeHost.row_stats`)."""
+        fields = self.mode.row_fields()
+        if self.config.host_kv_dtype is not None:
+            fields["host_kv_dtype"] = self.config.host_kv_dtype
+        if self.runtime is not None:
+            self.runtime.evictor.publish_all()  # the background copies, their sparsification ...
+            self.runtime.evictor.wait_background()  # ... and the queued re-evaluations are done
+            fields.update(self.runtime.mode_host.row_stats())
+        return fields
+
     def query_ahead(self, layer_idx, config):
-        plan = LayerPlan.of(config)
-        g = plan.offloaded_index(layer_idx)
-        if g is None or not self.mode.wants_next_query(g, len(plan.global_layers)):
-            return None
-        return plan.global_layers[g + 1]
+        if self._ahead is None or len(self._ahead) != config.num_layers:  # not open (a tensor-parallel template)
+            return self._layers_ahead(LayerPlan.of(config))[layer_idx]
+        return self._ahead[layer_idx]
+
+    def _layers_ahead(self, plan: LayerPlan) -> tuple:
+        """Per model layer: the later layer whose predicted query the mode wants from it, or None."""
+        out = []
+        for layer in range(plan.num_layers):
+            g = plan.offloaded_index(layer)
+            wanted = g is not None and self.mode.wants_next_query(g, len(plan.global_layers))
+            out.append(plan.global_layers[g + 1] if wanted else None)
+        return tuple(out)
 
     # ---- device state -----------------------------------------------------------------------------
     def init_meta(self, batch_size, max_len):
@@ -176,13 +234,13 @@ class HybridAttention(AttentionBackend):
         state = layer_cache.replace(window=write_tokens(cfg, layer_cache.window, k, v, positions))
         token, carry = None, None
         if q.shape[1] > 1:  # prefill / append: exact
+            token = self.mode.prefill_token(layer_idx, q, positions, exchange)
             if state.offloaded is not None:  # the offloaded part on the device (prefill copies)
                 copy = state.offloaded
                 cpu = offloaded_attention(q, copy.k, copy.v, copy.n_valid, context.scale)
-                token = self.mode.prefill_token(layer_idx, q, positions, exchange)
                 gpu_q = q
             else:  # ... or on the CPU, over every offloaded token
-                ticket = exchange.submit(layer_idx, "all", q)
+                ticket = exchange.submit(layer_idx, ALL_OFFLOADED, q)
                 gpu_q = after(q, ticket)
             o_g, lse_g, probs = exact_window_attention(cfg, gpu_q, state.window, positions, lengths, offloaded,
                                                        context.scale)
@@ -204,27 +262,25 @@ class HybridAttention(AttentionBackend):
         return o.astype(q.dtype), state, carry
 
 
-def make_backend(config: OffloadConfig | str = "full", context: int | None = None, *, model=None,
+def make_backend(config: OffloadConfig | str | None = None, context: int | None = None, *, model=None,
                  calibration_tokens=None, **fields) -> AttentionBackend:
-    """The backend of a mode: an OffloadConfig, or a mode name plus OffloadConfig fields. `context`
-    (tokens per sequence) resolves a `gpu_ratio` into the GPU window; `model` and
-    `calibration_tokens` ([T] token ids of a calibration text) resolve scout's
-    scout_exact_layers="auto" (`jhybrid.hybrid.calibration`, cached per model)."""
-    from jhybrid.attention.full import FullAttention
-
-    if isinstance(config, str):
-        if "mode" in fields and config != "full":
+    """The backend of a mode: an OffloadConfig, or a mode name plus OffloadConfig fields (neither:
+    OffloadConfig's default, `full`). `context` (tokens per sequence) resolves a `gpu_ratio` into the
+    GPU window; `model` and `calibration_tokens` ([T] token ids of a calibration text) resolve the
+    mode's per-model settings (`OffloadMode.for_model`: scout's scout_exact_layers="auto", cached per
+    model)."""
+    if config is None or isinstance(config, str):
+        if config is not None and "mode" in fields:
             raise TypeError(f"make_backend({config!r}, mode={fields['mode']!r}): give the mode once")
-        config = OffloadConfig(**{"mode": config, **fields})
+        config = OffloadConfig(**({} if config is None else {"mode": config}), **fields)
     elif fields:
         config = dataclasses.replace(config, **fields)
-    if config.mode == "full":
-        return FullAttention()
-    if model is not None and calibration_tokens is not None:
-        from jhybrid.hybrid.calibration import resolve_exact_layers
-
-        config = resolve_exact_layers(config, model, calibration_tokens)
-    return HybridAttention(config.resolved(context))
+    mode = mode_class(config.mode)
+    if model is not None and calibration_tokens is not None and mode.needs_calibration(config):
+        config = mode.for_model(config, model, calibration_tokens)
+    config = config.resolved(context)
+    own = mode(config).own_backend()
+    return own if own is not None else HybridAttention(config)
 
 
 __all__ = ["HybridAttention", "make_backend"]

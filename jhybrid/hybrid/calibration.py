@@ -105,7 +105,7 @@ def resolve_exact_layers(config, model, tokens, use_cache: bool = True):
     """`config` with scout_exact_layers="auto" replaced by the offloaded layers whose predicted
     query's mean cosine is below config.scout_min_cos on `tokens` [T] (a calibration text); any
     other config is returned as it is."""
-    if config.mode != "scout" or config.scout_exact_layers != "auto":
+    if config.scout_exact_layers != "auto":
         return config
     if not config.predict_query:
         return dataclasses.replace(config, scout_exact_layers=())

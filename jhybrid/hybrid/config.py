@@ -6,8 +6,10 @@ The same validated dataclass is the Python API (`make_backend(OffloadConfig(...)
 are resolved here and nowhere else: `gpu_ratio` (a share of the context) becomes `window_tokens`
 in `resolved(context)`, and `budget` (tokens) becomes `topk_blocks` (blocks).
 
-Modes (docs/design.md, "Modes"): `full` (every token's KV on the device) and the offloading modes
-registered in `jhybrid.hybrid.modes` (recall, hgca, scout, streaming, topk).
+Modes (docs/design.md, "Modes"): every mode registered in `jhybrid.hybrid.modes` (`full`: every
+token's KV on the device; the offloading modes recall, hgca, scout, streaming, topk; ...). The
+config checks its fields' types and ranges; what a mode adds (its own settings, checks and default
+window) it declares on its class, found through `jhybrid.hybrid.registry`.
 
 GPU window per layer and sequence: `sink` tokens (positions 0..sink-1, never evicted) plus a ring
 of `window_tokens - sink` tokens in blocks of `block_size`. Offloaded tokens are never dropped.
@@ -16,14 +18,15 @@ of `window_tokens - sink` tokens in blocks of `block_size`. Offloaded tokens are
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
-EXCHANGES = ("split", "sync")
+from jhybrid.hybrid.registry import mode_class, mode_names
+
 HOST_EXCHANGES = ("auto", "ffi", "callback")
 HOST_KV_DTYPES = (None, "bf16", "fp16", "fp32", "int8")
 PREFILL_OFFLOADED = ("auto", "device", "host")
 KERNEL_BACKENDS = (None, "triton", "interpret", "reference")
-DEFAULT_WINDOW_TOKENS = 1024  # an offloading mode given neither window_tokens nor gpu_ratio
 
 # Fields every offloading mode reads (the GPU window, the host store and its workers); a mode's
 # own fields are listed by its class (`OffloadMode.settings`).
@@ -31,13 +34,6 @@ COMMON_SETTINGS = frozenset({"window_tokens", "gpu_ratio", "sink", "block_size",
                              "eviction_lag_steps", "eviction_spread", "prefill_offloaded",
                              "prefill_upload_max_bytes", "host_threads", "host_memory_cap_bytes", "host_kv_dtype",
                              "kernel_backend", "host_exchange", "exchange_timeout_s", "exchange_timing"})
-
-
-def mode_names() -> tuple[str, ...]:
-    """'full' and every registered offloading mode."""
-    from jhybrid.hybrid.modes import MODES  # the registry imports this module: import late
-
-    return ("full",) + tuple(MODES)
 
 
 def _is_int(x) -> bool:
@@ -63,7 +59,8 @@ class OffloadConfig:
     mode: 'full' or an offloading mode (recall, hgca, scout, streaming, topk).
     window_tokens: GPU tokens per layer and sequence, sinks included (HGCA's window) ...
     gpu_ratio: ... or this share of the context, rounded down to sink + whole blocks (at least two
-        ring blocks); set at most one of the two (neither: 1024 tokens). Resolved by `resolved`.
+        ring blocks); set at most one of the two (neither: the mode's default window,
+        `OffloadMode.default_window_tokens`). Resolved by `resolved`.
     sink: attention-sink tokens kept on the GPU forever.
     block_size: tokens per eviction / selection block.
     ring_slack_blocks: blocks the GPU ring holds beyond the window, so that evictions finish in the
@@ -83,14 +80,21 @@ class OffloadConfig:
         the examined ones per (sequence, KV head), the highest-scoring (None = HGCA's rule alone; not
         in HGCA). Bounds the CPU's work per step; the balanced split sets it (`jhybrid.hybrid.split`).
     reevaluate_queries: hgca: how many of a new turn's last queries re-score the offloaded tokens.
-    exchange: hgca: "split" = submit before the GPU window attention, collect after it (the CPU
-        overlaps the GPU); "sync" = one exchange that computes on the spot.
-    budget: scout / topk: offloaded tokens attended per step and KV head, rounded up to whole
-        blocks (`topk_blocks`); None = every offloaded block.
-    recall_blocks: scout: GPU slots per (layer, sequence, KV head) for recalled offloaded blocks.
+    host_overlap: hgca: True = the CPU's part is submitted before the GPU window attention and
+        collected after it (the CPU works while the GPU does); False = one synchronous host call
+        per layer that computes on the spot, then the window (for comparison).
+    budget: scout / topk / quest: tokens selected per step and KV head besides the window, rounded
+        up to whole blocks (`topk_blocks`); None = every block; "auto" (default) = the mode's own
+        default (`OffloadMode.defaults`: scout and quest 2048, topk every block).
+    recall_blocks: scout: GPU pool slots per (layer, sequence, KV head) for important offloaded blocks
+        (None, default: twice the budget's blocks; 8 when the budget is every block).
     recall_threshold: scout: recall a layer's important blocks when the CPU's share of its selected
         blocks exceeds this (ScoutAttention's default 12%) ...
     recall_min_interval: scout: ... but at most once every this many decode steps.
+    recall_lag_steps: scout: None (default, for throughput) = a recall is applied at the first step
+        start after its upload finished, never waited for; an int N = exactly N decode steps after
+        its trigger, waiting for the upload if needed: results do not depend on timing (accuracy
+        runs, tests).
     predict_query: scout: CPU attention uses the layer-ahead predicted query (True, the paper's
         design, approximate) or each layer's exact query (False; exact).
     scout_exact_layers: scout with predict_query: the layers that select and attend with their exact
@@ -137,11 +141,12 @@ class OffloadConfig:
     keep_after: int = 0
     max_keep_share: float | None = None
     reevaluate_queries: int = 16
-    exchange: str = "split"
-    budget: int | None = None
-    recall_blocks: int = 8
+    host_overlap: bool = True
+    budget: int | None | str = "auto"
+    recall_blocks: int | None = None
     recall_threshold: float = 0.12
     recall_min_interval: int = 4
+    recall_lag_steps: int | None = None
     predict_query: bool = True
     scout_exact_layers: tuple[int, ...] | int | str = "auto"
     scout_min_cos: float = 0.9
@@ -176,12 +181,19 @@ class OffloadConfig:
         for name in ("block_size", "recall_min_interval", "reevaluate_queries"):
             value = getattr(self, name)
             check(name, _is_int(value) and value > 0, "expected a positive int")
-        for name in ("sink", "keep_after", "recall_blocks", "ring_slack_blocks", "eviction_lag_steps"):
+        for name in ("sink", "keep_after", "ring_slack_blocks", "eviction_lag_steps"):
             value = getattr(self, name)
             check(name, _is_int(value) and value >= 0, "expected an int >= 0")
-        for name in ("window_tokens", "budget", "host_threads", "host_memory_cap_bytes"):
+        for name in ("window_tokens", "host_threads", "host_memory_cap_bytes"):
             value = getattr(self, name)
             check(name, value is None or (_is_int(value) and value > 0), "expected None or a positive int")
+        check("budget", self.budget in (None, "auto") or (_is_int(self.budget) and self.budget > 0),
+              "expected 'auto', None (every block) or a positive int (tokens)")
+        check("recall_lag_steps", self.recall_lag_steps is None or (_is_int(self.recall_lag_steps)
+                                                                and self.recall_lag_steps >= 1),
+              "expected None (apply when ready) or an int >= 1 (decode steps after the trigger)")
+        check("recall_blocks", self.recall_blocks is None or (_is_int(self.recall_blocks) and self.recall_blocks >= 0),
+              "expected None (twice the budget) or an int >= 0")
         check("gpu_ratio", self.gpu_ratio is None or (_is_number(self.gpu_ratio) and 0.0 < self.gpu_ratio <= 1.0),
               "expected a fraction in (0, 1]")
         if not bad and self.window_tokens is not None and self.gpu_ratio is not None:
@@ -199,7 +211,7 @@ class OffloadConfig:
         check("predict_query", isinstance(self.predict_query, bool), "expected true or false")
         check("eviction_spread", isinstance(self.eviction_spread, bool), "expected true or false")
         check("exchange_timing", isinstance(self.exchange_timing, bool), "expected true or false")
-        check("exchange", self.exchange in EXCHANGES, f"expected one of {EXCHANGES}")
+        check("host_overlap", isinstance(self.host_overlap, bool), "expected true or false")
         check("prefill_offloaded", self.prefill_offloaded in PREFILL_OFFLOADED,
               f"expected one of {PREFILL_OFFLOADED}")
         limit = self.prefill_upload_max_bytes
@@ -213,6 +225,8 @@ class OffloadConfig:
         check("scout_min_cos", _is_number(self.scout_min_cos) and -1.0 <= self.scout_min_cos <= 1.0,
               "expected a cosine in [-1, 1]")
         bad += self._exact_layer_problems()
+        if not bad:  # what the mode itself requires of its settings
+            bad += mode_class(self.mode).config_problems(self)
         return bad
 
     def _window_problems(self, window: int) -> list[tuple[str, object, str]]:
@@ -238,35 +252,44 @@ class OffloadConfig:
             return [(name, exact, f"{', '.join(map(repr, wrong))} not a layer index (expected ints >= 0)")]
         if len(set(exact)) != len(exact):
             return [(name, exact, "names a layer twice")]
-        if self.mode == "scout" and not self.predict_query and set(exact) - {0}:
-            return [(name, exact, "with predict_query=False every layer already uses its exact query "
-                     "(set one of the two)")]
         return []
 
     # ---- resolution of the conveniences ---------------------------------------------------------
+    def with_defaults(self) -> "OffloadConfig":
+        """The config with the mode's own defaults for the fields left to it (`OffloadMode.defaults`:
+        budget "auto", recall_blocks None, ...)."""
+        changes = mode_class(self.mode).defaults(self)
+        return dataclasses.replace(self, **changes) if changes else self
+
     def resolved(self, context: int | None = None) -> "OffloadConfig":
-        """The config with a concrete `window_tokens` (gpu_ratio x context, else the default) and
-        no `gpu_ratio`. `context`: tokens per sequence, needed only when gpu_ratio is set."""
-        if self.mode == "full" or self.window_tokens is not None:
-            return self
-        if self.gpu_ratio is None:
-            window = DEFAULT_WINDOW_TOKENS
+        """The config with the mode's defaults applied (`with_defaults`) and, for a mode with a GPU
+        window, a concrete `window_tokens` (gpu_ratio x context, else the mode's default) and no
+        `gpu_ratio`. `context`: tokens per sequence, needed only when gpu_ratio is set."""
+        config = self.with_defaults()
+        mode = mode_class(self.mode)
+        if "window_tokens" not in self._read_by(mode) or config.window_tokens is not None:
+            return config
+        if config.gpu_ratio is None:
+            window = mode.default_window_tokens
         else:
             if context is None:
-                raise ValueError(f"gpu_ratio={self.gpu_ratio} needs the context length to size the GPU window "
+                raise ValueError(f"gpu_ratio={config.gpu_ratio} needs the context length to size the GPU window "
                                  "(pass context=..., or set window_tokens)")
-            ring = int(self.gpu_ratio * context) - self.sink
-            window = self.sink + max(2, ring // self.block_size) * self.block_size
-        bad = self._window_problems(window)
+            ring = int(config.gpu_ratio * context) - config.sink
+            window = config.sink + max(2, ring // config.block_size) * config.block_size
+        bad = config._window_problems(window)
         if bad:
             raise InvalidOffloadConfig(bad)
-        return dataclasses.replace(self, window_tokens=window, gpu_ratio=None)
+        return dataclasses.replace(config, window_tokens=window, gpu_ratio=None)
+
+    @staticmethod
+    def _read_by(mode) -> frozenset:
+        """The fields a mode class reads: its own settings, and the window / host fields if it offloads."""
+        return mode.settings | (COMMON_SETTINGS if mode.offloads else frozenset())
 
     def ignored_settings(self) -> list[str]:
         """Fields set to a non-default value that this mode never reads (e.g. beta for scout)."""
-        from jhybrid.hybrid.modes import MODES
-
-        used = MODES[self.mode].settings | COMMON_SETTINGS if self.mode != "full" else frozenset()
+        used = self._read_by(mode_class(self.mode))
         return [f.name for f in dataclasses.fields(self)
                 if f.name != "mode" and f.name not in used and getattr(self, f.name) != f.default]
 
@@ -276,39 +299,46 @@ class OffloadConfig:
             raise ValueError("the GPU window is not resolved yet: call config.resolved(context) first")
         return self.window_tokens
 
-    @property
+    @functools.cached_property
     def ring_tokens(self) -> int:
         """Non-sink GPU tokens (W of the ring buffer)."""
         return self._window() - self.sink
 
-    @property
+    @functools.cached_property
     def blk_num(self) -> int:
         """Blocks of the window's ring (the eviction policy's)."""
         return self.ring_tokens // self.block_size
 
-    @property
+    @functools.cached_property
     def ring_capacity(self) -> int:
         """Token slots of the device ring buffer: the window's ring plus the eviction slack."""
         return self.ring_tokens + self.ring_slack_blocks * self.block_size
 
-    @property
+    @functools.cached_property
     def ring_blocks(self) -> int:
         """Block slots of the device ring buffer."""
         return self.ring_capacity // self.block_size
 
-    @property
+    @functools.cached_property
     def max_prefill_chunk(self) -> int:
         """Longest prefill chunk whose eviction never needs the chunk's own tokens (ring - 1 block)."""
         return max(1, self.ring_tokens - self.block_size)
 
-    @property
+    @functools.cached_property
     def topk_blocks(self) -> int | None:
-        """scout / topk budget in blocks per (sequence, KV head); None = every block."""
-        return None if self.budget is None else -(-self.budget // self.block_size)
+        """scout / topk / quest budget in blocks per (sequence, KV head); None = every block."""
+        budget = self.effective_budget
+        return None if budget is None else -(-budget // self.block_size)
+
+    @functools.cached_property
+    def effective_budget(self) -> int | None:
+        """The budget in tokens: "auto" is the mode's `default_budget` (None = every block)."""
+        return mode_class(self.mode).default_budget if self.budget == "auto" else self.budget
 
     def host_blocks(self, max_len: int) -> int:
         """Upper bound on offloaded blocks per (layer, sequence) for a context of max_len tokens."""
         return max(1, -(-max(0, max_len - self.sink) // self.block_size))
 
 
-__all__ = ["OffloadConfig", "InvalidOffloadConfig", "EXCHANGES", "HOST_EXCHANGES", "PREFILL_OFFLOADED", "COMMON_SETTINGS", "mode_names"]
+__all__ = ["OffloadConfig", "InvalidOffloadConfig", "HOST_EXCHANGES", "PREFILL_OFFLOADED", "COMMON_SETTINGS",
+           "mode_names"]

@@ -17,15 +17,16 @@ At a step start (`Evictor.before_step`, called by the runtime):
      mode's work on them (hgca: sparsification). Decode steps spread the sequences' starts over
      block_size steps (sequence b at steps where (step + b) % block_size == 0, earlier when its
      slack would run out); a prefill chunk starts all its due blocks at once.
-  3. the step's split: the GPU ring attends tokens [S + split * bs, n): split = published on decode
-     steps and prefill chunks on the host path, started on prefill chunks whose offloaded prompt is
-     attended on the device (its copies include every started block). The ring buffer holds
-     `ring_capacity` tokens, so the split must keep n - S - split * bs <= capacity; the eviction
+  3. the blocks the host side owns during the step (`owned`): the GPU ring attends tokens
+     [S + owned * bs, n); owned = published on decode steps and prefill chunks on the host path,
+     started on prefill chunks whose offloaded prompt is attended on the device (its copies include
+     every started block). The ring buffer holds `ring_capacity` tokens, so it must keep
+     n - S - owned * bs <= capacity; the eviction
      policy plus `ring_slack_blocks` guarantees it unless the background is very late (then the
      step start waits).
 
 Deterministic: which blocks start and when they are published depend on step counts only, never on
-thread timing, so runs are reproducible and both exchange transports see the same split.
+thread timing, so runs are reproducible and both exchange transports see the same blocks owned.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jhybrid.hybrid.config import OffloadConfig
-from jhybrid.hybrid.transfer import log_once, next_pow2, to_host
+from jhybrid.hybrid.transfer import log_once, to_host
+from pallas_kernels._common import next_pow2
 from jhybrid.hybrid.window import evicted_blocks
 
 log = logging.getLogger(__name__)
@@ -75,8 +77,6 @@ class Evictor:
         self._extra: deque[Future] = deque()  # other work on the eviction thread (hgca re-evaluation)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="jhybrid-evict")
         self._compiled: dict = {}  # padded row count -> the gather compiled for this batch's cache
-        runtime.declare_counters("evict_s", "evict_bg_s", "n_evict_waits", "evict_wait_s", "transfer_s",
-                                 "bytes_to_host", "n_evicted_blocks")
 
     def close(self) -> None:
         self.jobs.clear()
@@ -90,8 +90,8 @@ class Evictor:
 
     # ---- the step start --------------------------------------------------------------------------
     def before_step(self, cache, after: np.ndarray, prefill: bool, device_prefill: bool, step: int):
-        """Publish what is due, start the copies due at this step, and return (cache, split [B]):
-        the blocks the GPU ring stops at for this step. `after` [B]: tokens once the step has run;
+        """Publish what is due, start the copies due at this step, and return (cache, owned [B]):
+        the blocks the host side owns during this step (the GPU ring attends the tokens after them). `after` [B]: tokens once the step has run;
         `step`: the index of this decode step (prefill: of the next one)."""
         cfg, bs = self.config, self.config.block_size
         start_time = time.perf_counter()
@@ -113,13 +113,13 @@ class Evictor:
                                 publish_step=None if prefill else step + cfg.eviction_lag_steps)
         if prefill and not device_prefill:
             self.publish_all()  # the chunk attends to the offloaded prompt on the host
-        split = self.started.copy() if (prefill and device_prefill) else self.published.copy()
+        owned = self.started.copy() if (prefill and device_prefill) else self.published.copy()
         need = -(-np.maximum(after - cfg.sink - cfg.ring_capacity, 0) // bs)
-        if np.any(split < need):  # the background is very late: wait
+        if np.any(owned < need):  # the background is very late: wait
             self.publish_all()
-            split = self.started.copy() if (prefill and device_prefill) else self.published.copy()
-        self.runtime.count("evict_s", time.perf_counter() - start_time)
-        return cache, split
+            owned = self.started.copy() if (prefill and device_prefill) else self.published.copy()
+        self.runtime.core_counters.add(evict_s=time.perf_counter() - start_time)
+        return cache, owned
 
     def background(self, fn, *args) -> Future:
         """Run fn(*args) on the eviction thread, after the copies already started (its errors are
@@ -146,8 +146,7 @@ class Evictor:
             if not job.future.done():
                 start = time.perf_counter()
                 job.future.exception()
-                self.runtime.count("n_evict_waits")
-                self.runtime.count("evict_wait_s", time.perf_counter() - start)
+                self.runtime.core_counters.add(n_evict_waits=1, evict_wait_s=time.perf_counter() - start)
             error = job.future.exception()
             if error is not None:
                 self.close()
@@ -173,7 +172,7 @@ class Evictor:
         future = self._thread.submit(self._store_job, transfer, seq[:n].copy(), blk[:n].copy())
         self.jobs.append(EvictionJob(seq[:n].copy(), blk[:n].copy(), started.copy(), publish_step, future))
         self.started = started.copy()
-        runtime.count("n_evicted_blocks", n * runtime.n_layers)
+        runtime.core_counters.add(n_evicted_blocks=n * runtime.n_layers)
         return cache.replace(layers=layers)
 
     def precompile(self, layers) -> None:
@@ -201,8 +200,7 @@ class Evictor:
         start = time.perf_counter()
         try:
             k, v, maw = (np.asarray(x) for x in transfer)  # [L, N, bs, Hkv, D], ..., [L, N, bs, Hkv]
-            runtime.count("transfer_s", time.perf_counter() - start)
-            runtime.count("bytes_to_host", k.nbytes + v.nbytes + maw.nbytes)
+            runtime.core_counters.add(transfer_s=time.perf_counter() - start, bytes_to_host=k.nbytes + v.nbytes + maw.nbytes)
             by_seq: dict[int, np.ndarray] = {}
             for b in np.unique(seq):
                 by_seq[int(b)] = np.nonzero(seq == b)[0]
@@ -214,7 +212,7 @@ class Evictor:
             exc.add_note(f"--- raised in the eviction thread ---\n{traceback.format_exc()}")
             raise
         finally:
-            runtime.count("evict_bg_s", time.perf_counter() - start)
+            runtime.core_counters.add(evict_bg_s=time.perf_counter() - start)
 
 
 def _to_pinned(x: jax.Array):

@@ -1,13 +1,13 @@
 """Device side of the host exchange: what a traced step calls to reach the host.
 
-Protocol, per layer (docs/design.md, "The host exchange"):
-    ticket = submit(layer, kind, q[, ids])             # the CPU starts on q
+Protocol, per layer (docs/design.md, "One decode step"):
+    ticket = submit(layer, target, q[, ids])           # the CPU starts on q (target: host.targets)
     q = after(q, ticket)                               # GPU work on q is ordered after the submit ...
     ... GPU window attention ...                       # ... and runs while the CPU works
     o, lse = collect(layer, ticket, q.shape, lse_gpu)  # the CPU part, ordered after the GPU part
-`exchange` collects one layer and submits the next (scout's layer-ahead pipelining); `attend_now`
-computes synchronously; `record_tail` hands the host a prefill chunk's last queries (hgca's
-re-evaluation) when no attention call carries them. Operands are small: queries float32
+`collect_and_submit` collects one layer and submits the next (scout's layer-ahead pipelining);
+`attend_now` computes synchronously; `record_tail` hands the mode's host part a prefill chunk's last
+queries (hgca's re-evaluation: `ModeHost.receive_queries`). Operands are small: queries float32
 [B, Tq, Hq, D], block ids int32 [B, Hkv, k], int32 tickets, and "dependency" arrays that only order
 a call after the GPU work producing them; KV never crosses.
 
@@ -18,8 +18,8 @@ Two transports with that interface:
                     (prefill chunks, "sync", record_tail) goes through its CallbackExchange.
   CallbackExchange  `jax.pure_callback`s into host.bridge.HostBridge (works everywhere; on a GPU
                     each callback stalls the stream and takes the GIL).
-Both find the host side through the backend's `HostSlot` when they RUN, not when they are traced,
-so a compiled step keeps working when the host runtime is reopened for a new batch.
+Both find the host side through the backend's `RuntimeHandle` when they RUN, not when they are
+traced, so a compiled step keeps working when the host runtime is reopened for a new batch.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-class HostSlot:
-    """Where a traced step finds its host runtime when it runs. A backend owns one slot for its
+class RuntimeHandle:
+    """Where a traced step finds its host runtime when it runs. A backend owns one handle for its
     lifetime; `open` puts a runtime in it, `close` takes it out."""
 
     axis = None  # a single runtime: host calls carry no shard index
@@ -42,28 +42,28 @@ class HostSlot:
     def __init__(self):
         self.runtime = None
 
-    def bridge(self, shard: int | None = None):
+    def open_runtime(self, shard: int | None = None):
         if self.runtime is None:
             raise RuntimeError("hybrid backend: the host side is not open (call backend.open(...) before "
                                "running a step)")
-        return self.runtime.bridge
+        return self.runtime
 
 
-class ShardedSlots:
+class ShardedRuntimes:
     """Tensor parallelism (`jhybrid.parallel.offload`): the same traced step runs on every device of
     a mesh axis, and each device's host calls must reach that device's own runtime. The calls pass
-    their position on `axis` (`jax.lax.axis_index`) and find the runtime in `slots[position]`
+    their position on `axis` (`jax.lax.axis_index`) and find the runtime in `handles[position]`
     (the positions whose device this process owns)."""
 
-    def __init__(self, axis: str, slots: dict[int, HostSlot]):
-        self.axis, self.slots = axis, dict(slots)
+    def __init__(self, axis: str, handles: dict[int, RuntimeHandle]):
+        self.axis, self.handles = axis, dict(handles)
 
-    def bridge(self, shard: int | None = None):
-        slot = self.slots.get(-1 if shard is None else int(shard))
-        if slot is None:
+    def open_runtime(self, shard: int | None = None):
+        handle = self.handles.get(-1 if shard is None else int(shard))
+        if handle is None:
             raise RuntimeError(f"tensor-parallel host call from shard {shard}: this process holds the runtimes "
-                               f"of shards {sorted(self.slots)} only")
-        return slot.bridge()
+                               f"of shards {sorted(self.handles)} only")
+        return handle.open_runtime()
 
 
 def _partial_shapes(q_shape):
@@ -78,59 +78,66 @@ def after(x, token):
 
 
 class CallbackExchange:
-    """The exchange through `jax.pure_callback` (works on every backend). `kind` is the host
-    attention kind: "context" (hgca's kept tokens), "all" (every offloaded token), "blocks"."""
+    """The exchange through `jax.pure_callback` (works on every backend). `target` is what the host
+    attends (`host.targets`: hgca's kept tokens, every offloaded token, chosen blocks)."""
 
-    def __init__(self, slot: HostSlot | ShardedSlots):
-        self.slot = slot
+    def __init__(self, handle: RuntimeHandle | ShardedRuntimes):
+        self.handle = handle
 
     def _call(self, fn, shapes, *args):
-        """jax.pure_callback of fn(bridge, *args) on the host bridge of the runtime this device's
-        call belongs to (under tensor parallelism, its shard's: `ShardedSlots`)."""
-        slot = self.slot
-        if slot.axis is None:
-            return jax.pure_callback(lambda *a: fn(slot.bridge(), *a), shapes, *args)
-        shard = jax.lax.axis_index(slot.axis).astype(jnp.int32)
-        return jax.pure_callback(lambda s, *a: fn(slot.bridge(int(s)), *a), shapes, shard, *args)
+        """jax.pure_callback of fn(runtime, *args) on the runtime this device's call belongs to
+        (under tensor parallelism, its shard's: `ShardedRuntimes`)."""
+        handle = self.handle
+        if handle.axis is None:
+            return jax.pure_callback(lambda *a: fn(handle.open_runtime(), *a), shapes, *args)
+        shard = jax.lax.axis_index(handle.axis).astype(jnp.int32)
+        return jax.pure_callback(lambda s, *a: fn(handle.open_runtime(int(s)), *a), shapes, shard, *args)
 
-    def submit(self, layer: int, kind: str, q: jax.Array, block_ids: jax.Array | None = None):
-        """Queue host attention of q [B, Tq, Hq, D]; returns an int32 ticket (scalar)."""
+    def submit(self, layer: int, target, q: jax.Array, block_ids: jax.Array | None = None):
+        """Queue host attention of q [B, Tq, Hq, D] over `target`; returns an int32 ticket (scalar)."""
         args = (q.astype(jnp.float32),) + (() if block_ids is None else (block_ids.astype(jnp.int32),))
-        return self._call(lambda bridge, *a: bridge.cb_submit(layer, kind, *a),
+        return self._call(lambda runtime, *a: runtime.bridge.cb_submit(layer, target, *a),
                           jax.ShapeDtypeStruct((), jnp.int32), *args)
 
     def collect(self, layer: int, ticket: jax.Array, q_shape, *dependencies):
         """(o float32 [B, Tq, Hq, D], lse float32 [B, Tq, Hq]) of a ticket, after `dependencies`."""
-        return self._call(lambda bridge, t, *deps: bridge.cb_collect(t), _partial_shapes(q_shape),
+        return self._call(lambda runtime, t, *deps: runtime.bridge.cb_collect(t), _partial_shapes(q_shape),
                           ticket, *dependencies)
 
-    def attend_now(self, layer: int, kind: str, q: jax.Array, block_ids: jax.Array | None = None):
+    def attend_now(self, layer: int, target, q: jax.Array, block_ids: jax.Array | None = None):
         """Synchronous host attention inside one callback -> (o, lse)."""
         args = (q.astype(jnp.float32),) + (() if block_ids is None else (block_ids.astype(jnp.int32),))
-        return self._call(lambda bridge, *a: bridge.cb_attend_now(layer, kind, *a), _partial_shapes(q.shape), *args)
+        return self._call(lambda runtime, *a: runtime.bridge.cb_attend_now(layer, target, *a),
+                          _partial_shapes(q.shape), *args)
 
-    def exchange(self, layer: int, ticket: jax.Array, q_shape, kind: str, next_layer: int | None,
-                 next_q: jax.Array | None, next_ids: jax.Array | None, *dependencies):
+    def collect_and_submit(self, layer: int, ticket: jax.Array, q_shape, target, next_layer: int | None,
+                           next_q: jax.Array | None, next_ids: jax.Array | None, *dependencies):
         """One host visit: collect `ticket` (of `layer`) and submit next_layer's work (layer-ahead
         pipelining). Returns (o, lse, next ticket int32; 0 when next_layer is None)."""
         shapes = _partial_shapes(q_shape) + (jax.ShapeDtypeStruct((), jnp.int32),)
         if next_layer is None:
-            return self._call(lambda bridge, t, *deps: bridge.cb_exchange(None, kind, t), shapes, ticket,
-                              *dependencies)
-        return self._call(lambda bridge, t, nq, ni, *deps: bridge.cb_exchange(next_layer, kind, t, nq, ni), shapes,
-                          ticket, next_q.astype(jnp.float32), next_ids.astype(jnp.int32), *dependencies)
+            return self._call(lambda runtime, t, *deps: runtime.bridge.cb_collect_and_submit(None, target, t),
+                              shapes, ticket, *dependencies)
+        return self._call(lambda runtime, t, nq, ni, *deps: runtime.bridge.cb_collect_and_submit(
+            next_layer, target, t, nq, ni), shapes, ticket, next_q.astype(jnp.float32), next_ids.astype(jnp.int32),
+            *dependencies)
 
     def record_tail(self, layer: int, q: jax.Array, positions: jax.Array, keep: int):
-        """Hand the host the last `keep` valid queries of each row of a chunk (hgca's re-evaluation
-        queries) when no host attention call carries them: tail [B, keep, Hq, D] float32, row b's
+        """Hand the mode's host part the last `keep` valid queries of each row of a chunk (hgca's
+        re-evaluation queries, `ModeHost.receive_queries`): tail [B, keep, Hq, D] float32, row b's
         query at valid position p - keep + j in tail[b, j] (earlier slots repeat query 0; the host
         reads the last min(keep, valid) of them). Returns an int32 token to tie into the step's
         outputs (a pure callback whose result is unused would be dropped)."""
         valid = jnp.sum(positions >= 0, axis=1)  # [B]
         idx = jnp.clip(valid[:, None] - keep + jnp.arange(keep)[None, :], 0, q.shape[1] - 1)  # [B, keep]
         tail = jnp.take_along_axis(q, idx[:, :, None, None], axis=1).astype(jnp.float32)
-        return self._call(lambda bridge, t, v: bridge.cb_record_tail(layer, t, v),
-                          jax.ShapeDtypeStruct((), jnp.int32), tail, valid.astype(jnp.int32))
+
+        def receive(runtime, t, v):
+            runtime.bridge.cb_guard(runtime.mode_host.receive_queries, layer, np.array(t, np.float32),
+                                    np.array(v, np.int64))
+            return np.int32(0)
+
+        return self._call(receive, jax.ShapeDtypeStruct((), jnp.int32), tail, valid.astype(jnp.int32))
 
 
 
@@ -159,16 +166,18 @@ class FfiExchange:
     parallelism the library routes each device's calls to that device's exchange by its XLA device
     ordinal (`NativeExchange.route`)."""
 
-    def __init__(self, slot: HostSlot | ShardedSlots, exchange_id: int):
-        self.slot, self.id = slot, int(exchange_id)
-        self.fallback = CallbackExchange(slot)
+    def __init__(self, handle: RuntimeHandle | ShardedRuntimes, exchange_id: int):
+        self.handle, self.id = handle, int(exchange_id)
+        self.fallback = CallbackExchange(handle)
 
     def _attrs(self, layer: int) -> dict:
-        return {"exchange": np.int64(self.id), "slot": np.int64(layer)}
+        return {"exchange": np.int64(self.id), "slot": np.int64(layer)}  # "slot": the layer's mailbox
 
-    def submit(self, layer: int, kind: str, q: jax.Array, block_ids: jax.Array | None = None):
+    def submit(self, layer: int, target, q: jax.Array, block_ids: jax.Array | None = None):
+        """Decode: the native worker attends what the mode's `exchange_pages` gives it (`target` is
+        the mode's host_target); prefill chunks go through the callback fallback."""
         if q.shape[1] != 1:
-            return self.fallback.submit(layer, kind, q, block_ids)
+            return self.fallback.submit(layer, target, q, block_ids)
         args = (q.astype(jnp.float32),) + (() if block_ids is None else (block_ids.astype(jnp.int32),))
         # Not marked side-effecting: every result is consumed (the ticket by the barrier and the
         # collect, the collect's outputs by the merge) and each call's (slot, operands) are unique in
@@ -181,23 +190,24 @@ class FfiExchange:
             return self.fallback.collect(layer, ticket, q_shape, *dependencies)
         return tuple(jax.ffi.ffi_call(COLLECT, _partial_shapes(q_shape))(ticket, *dependencies, **self._attrs(layer)))
 
-    def exchange(self, layer: int, ticket: jax.Array, q_shape, kind: str, next_layer: int | None,
-                 next_q: jax.Array | None, next_ids: jax.Array | None, *dependencies):
+    def collect_and_submit(self, layer: int, ticket: jax.Array, q_shape, target, next_layer: int | None,
+                           next_q: jax.Array | None, next_ids: jax.Array | None, *dependencies):
         """Submit next_layer first (its CPU work starts during this layer's wait), then collect."""
         if q_shape[1] != 1:
-            return self.fallback.exchange(layer, ticket, q_shape, kind, next_layer, next_q, next_ids, *dependencies)
+            return self.fallback.collect_and_submit(layer, ticket, q_shape, target, next_layer, next_q, next_ids,
+                                                    *dependencies)
         if next_layer is None:
             o, lse = self.collect(layer, ticket, q_shape, *dependencies)
             return o, lse, jnp.int32(0)
-        next_ticket = self.submit(next_layer, kind, next_q, next_ids)
+        next_ticket = self.submit(next_layer, target, next_q, next_ids)
         o, lse = self.collect(layer, ticket, q_shape, next_ticket, *dependencies)
         return o, lse, next_ticket
 
-    def attend_now(self, layer: int, kind: str, q: jax.Array, block_ids: jax.Array | None = None):
-        return self.fallback.attend_now(layer, kind, q, block_ids)
+    def attend_now(self, layer: int, target, q: jax.Array, block_ids: jax.Array | None = None):
+        return self.fallback.attend_now(layer, target, q, block_ids)
 
     def record_tail(self, layer: int, q: jax.Array, positions: jax.Array, keep: int):
         return self.fallback.record_tail(layer, q, positions, keep)
 
 
-__all__ = ["HostSlot", "ShardedSlots", "CallbackExchange", "FfiExchange", "register_ffi_targets", "after"]
+__all__ = ["RuntimeHandle", "ShardedRuntimes", "CallbackExchange", "FfiExchange", "register_ffi_targets", "after"]

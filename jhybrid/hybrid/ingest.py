@@ -26,7 +26,7 @@ history longer than the device could hold all at once still restores.
 MAW (moving-average attention weights) is attention HISTORY, which HCache does not save (it saves
 K/V or what K/V are projected from, not what queries did). Restored tokens get MAW 0 in the host
 store. In the ring, hgca layers restored from hidden states get the MAW the history's last queries
-give them (each ring slot's probability under those queries, summed over the KV group and averaged
+give them (`OffloadMode.restored_window`) (each ring slot's probability under those queries, summed over the KV group and averaged
 over the queries: the same rule as the re-scoring of the offloaded tokens below), so a ring token
 evicted by the first decode steps is judged by what the history attended, not dropped for a MAW of
 0; other ring slots start at 0 (the next steps update them as usual, `window.update_maw`). hgca keeps an offloaded token for CPU attention iff MAW > beta / window, so with MAW
@@ -61,7 +61,7 @@ import numpy as np
 from jhybrid.hybrid.sliding import LayerPlan, write_sliding
 from jhybrid.hybrid.state import StepMeta
 from jhybrid.hybrid.transfer import to_host
-from jhybrid.hybrid.window import evicted_blocks, exact_window_attention, write_tokens
+from jhybrid.hybrid.window import evicted_blocks, write_tokens
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +99,6 @@ def _evicted_blocks_of(cfg, k: jax.Array, v: jax.Array, evicted: int):
     return kb, vb, kmin, kmax
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _scored_ring(cfg, window, q: jax.Array, n: int, evicted: int, scale: float):
-    """The window with its ring MAW set to the probabilities of q [1, R, Hq, D] (the history's last R
-    queries, positions n - R .. n - 1) over the sinks + ring (`exact_window_attention`'s probs)."""
-    r = q.shape[1]
-    positions = jnp.arange(n - r, n, dtype=jnp.int32)[None]
-    _, _, probs = exact_window_attention(cfg, q, window, positions, jnp.full((1,), n, jnp.int32),
-                                         jnp.full((1,), evicted, jnp.int32), scale)
-    return window.replace(maw=probs)
-
-
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _set_digests(digests, kmin, kmax):
     """The first e blocks of a `Digests` set to kmin, kmax [1, Hkv, e, D]."""
@@ -141,7 +130,7 @@ class HybridCacheWriter:
         self.cache = model.init_cache(1, max_len, backend)
         self.layers = list(self.cache.layers)
         self.evicted = int(evicted_blocks(np.int64(num_tokens), cfg))
-        self.num_queries = cfg.reevaluate_queries if cfg.mode == "hgca" else 0
+        self.num_queries = backend.mode.restore_queries()
         self.last_queries: dict[int, np.ndarray] = {}
         self.placed: set[int] = set()
         self.seconds = 0.0
@@ -192,23 +181,22 @@ class HybridCacheWriter:
         missing = sorted(set(range(num_layers)) - self.placed)
         if missing:
             raise RuntimeError(f"HybridCacheWriter.finish: layers {missing} were never restored")
-        cfg, runtime = self.cfg, self.runtime
-        if cfg.mode == "hgca":
-            for layer, q in self.last_queries.items():
+        cfg, runtime, mode = self.cfg, self.runtime, self.backend.mode
+        for layer, q in self.last_queries.items():
+            if self.plan.offloaded_index(layer) is not None:
                 state = self.layers[layer]
-                if self.plan.offloaded_index(layer) is not None and q.shape[1] > 0:
-                    self.layers[layer] = state.replace(window=_scored_ring(
-                        cfg, state.window, q, self.num_tokens, self.evicted, self.model.config.attention_scale))
+                self.layers[layer] = state.replace(window=mode.restored_window(
+                    state.window, q, self.num_tokens, self.evicted, self.model.config.attention_scale))
         runtime.adopt(np.array([self.num_tokens]))
-        if cfg.mode == "hgca" and self.evicted:
+        if self.num_queries and self.evicted:
             without = [layer for layer in self.plan.global_layers if layer not in self.last_queries]
             if without:
                 log.info("hybrid ingest: layers %s were not restored from hidden states, so no "
                          "history queries re-score their %d offloaded blocks: their CPU context "
                          "stays empty until the next turn's re-evaluation", without, self.evicted)
-            runtime.mode_host.reevaluate_history({self.plan.offloaded_index(layer): q
-                                                  for layer, q in self.last_queries.items()
-                                                  if self.plan.offloaded_index(layer) is not None})
+            runtime.mode_host.restored({self.plan.offloaded_index(layer): q
+                                        for layer, q in self.last_queries.items()
+                                        if self.plan.offloaded_index(layer) is not None})
         cache = self.cache.replace(layers=tuple(self.layers), lengths=jnp.full((1,), self.num_tokens, jnp.int32),
                                    meta=StepMeta(offloaded_blocks=jnp.full((1,), self.evicted, jnp.int32)))
         self.cache = None

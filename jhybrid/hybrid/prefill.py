@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jhybrid.hybrid.state import DeviceCopy
-from jhybrid.hybrid.transfer import next_pow2, stored_as, to_device
+from jhybrid.hybrid.transfer import stored_as, to_device
+from pallas_kernels._common import next_pow2
 from jhybrid.hybrid.window import evicted_blocks
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,6 @@ class PrefillCopies:
         """At a step start: drop every layer's copies from the cache (kept aside when this step is a
         prefill chunk that may extend them). Returns the cache without copies."""
         self._previous = self._evicted = None
-        if cache.layers[0].offloaded is None:
-            return cache
         if next_is_prefill:
             self._previous = tuple((s.offloaded.k, s.offloaded.v) for s in cache.layers)
         return cache.replace(layers=tuple(s.replace(offloaded=None) for s in cache.layers))
@@ -136,7 +135,7 @@ class PrefillCopies:
         the platform, and the copies' size against prefill_upload_max_bytes; nothing offloaded
         yet: the host path, which then attends to nothing.)"""
         runtime, cfg = self.runtime, self.runtime.config
-        device = runtime.device_of(cache)
+        device = runtime.device
         if cfg.prefill_offloaded == "host" or (cfg.prefill_offloaded == "auto" and device.platform != "gpu"):
             return False
         nbytes = copies_bytes(runtime.store.config, evicted_blocks(after, cfg), runtime.dtype.itemsize)
@@ -144,11 +143,11 @@ class PrefillCopies:
             return False
         limit = cfg.prefill_upload_max_bytes
         if limit is not None and nbytes > limit:
-            if not runtime.counters()["n_prefill_host_chunks"]:
+            if not runtime.core_counters.n_prefill_host_chunks:
                 log.warning("hybrid %s: a prefill chunk's offloaded prompt (%d bytes on the device) exceeds "
                             "prefill_upload_max_bytes=%d; such chunks attend to it on the CPU (slower)",
                             cfg.mode, nbytes, limit)
-            runtime.count("n_prefill_host_chunks")
+            runtime.core_counters.add(n_prefill_host_chunks=1)
             return False
         return True
 
@@ -157,21 +156,20 @@ class PrefillCopies:
         [B] offloaded blocks per sequence (the last chunk's copies extended on the device, else
         copied from the host store once every started eviction has landed there)."""
         runtime, cfg = self.runtime, self.runtime.config
-        device = runtime.device_of(cache)
+        device = runtime.device
         start = time.perf_counter()
         blocks = blocks.astype(np.int64)
         layers_kv = self._extended(blocks)
         if layers_kv is None:  # the first chunk over offloaded tokens (or after decode): from the store
             runtime.evictor.publish_all()
             layers_kv, _ = offloaded_prompt(runtime.store, runtime.batch, runtime.dtype, device)
-            runtime.count("bytes_to_device", copies_bytes(runtime.store.config, blocks, runtime.dtype.itemsize))
+            runtime.core_counters.add(bytes_to_device=copies_bytes(runtime.store.config, blocks, runtime.dtype.itemsize))
         n_valid = (blocks * cfg.block_size).astype(np.int32)
         # one n_valid per layer: the step donates the cache, and a buffer cannot be donated twice
         layers = tuple(state.replace(offloaded=DeviceCopy(k, v, jax.device_put(n_valid, device)))
                        for state, (k, v) in zip(cache.layers, layers_kv))
-        runtime.count("transfer_s", time.perf_counter() - start)
+        runtime.core_counters.add(transfer_s=time.perf_counter() - start, n_prefill_device_chunks=1)
         self._blocks = blocks
-        runtime.count("n_prefill_device_chunks")
         return cache.replace(layers=layers)
 
     def _extended(self, blocks: np.ndarray):
@@ -193,7 +191,7 @@ class PrefillCopies:
             return None
         if evicted is None:  # nothing evicted since: same blocks, same padding
             return prev
-        self.runtime.count("n_prefill_extends")
+        self.runtime.core_counters.add(n_prefill_extends=1)
         return _extend(prev, *evicted[:4], next_pow2(int(blocks.max())) * self.runtime.config.block_size)
 
 

@@ -1,33 +1,34 @@
 """HostRuntime: the host side of an open hybrid backend for one batch, run between jitted steps.
 
 `HybridAttention.open(...)` builds one; `close()` ends it. It owns the host store (`host.KVStore`),
-the worker (`host.HostExecutor`), the host end of the exchange (`host.bridge.HostBridge`), each
-sequence's token count and offloaded block count, the mode's host work (`ModeHost`), the prefill
-copies (`jhybrid.hybrid.prefill`) and the counters. `before_step(cache, positions)` is the per-step
-host work, in this order (docs/design.md, "One decode step"):
+the worker (`host.HostExecutor`), the host end of the callback exchange (`host.bridge.HostBridge`),
+the native exchange worker, each sequence's token count and offloaded block count, the mode's host
+work (`ModeHost`, which sees only a `ModeHostContext`), the prefill copies (`jhybrid.hybrid.prefill`)
+and the counters (`HostCounters`). `before_step(cache, positions)` is the per-step host work, in
+this order (docs/design.md, "One decode step"):
 
   1. re-raise a host error of the previous step; the mode's `step_start`; drop last step's device
      copies of offloaded tokens
   2. check the positions (contiguous appends, chunk fits the ring, max_len)
   3. eviction (`jhybrid.hybrid.eviction`): publish the background copies that are due, start the
      copies due at this step (one jitted gather, an asynchronous transfer, the store append and the
-     mode's `blocks_stored` / `blocks_evicted` in a background thread), and fix the step's split
-     between the GPU ring and the host side
+     mode's `blocks_stored` / `blocks_evicted` in a background thread), and fix the blocks the host
+     side owns during the step
   4. the mode's `every_step` (scout: apply finished recalls)
   5. prefill chunk: the mode's `before_prefill_chunk`, then the prefill copies;
      decode step: the mode's `before_decode` (hgca: re-evaluation; recall: upload; scout: recalls),
      then, with the native exchange, the step's plan to the exchange worker (which layers submit,
-     with which sequence numbers, and the pages each may read)
+     and the pages each may read: `ModeHost.exchange_pages`)
   6. the step's `StepMeta` (offloaded blocks per sequence) into the cache
 
 Counters (cumulative, `counters()`; `history` holds one dict of deltas per step plus wall_s, the
-time between two step starts): evict_s, transfer_s, bytes_to_host, bytes_to_device,
-n_evicted_blocks, n_prefill_device_chunks / n_prefill_extends / n_prefill_host_chunks, the
-mode's own (e.g. n_reevaluations, n_recalls) and the bridge's (callback_s, wait_s, cpu_attn_s, ...).
+time between two step starts): the core's `HostCounters` fields, the mode's own (e.g.
+n_reevaluations, n_recalls) and the callback exchange's (callback_s, wait_s, cpu_attn_s, ...).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -39,13 +40,13 @@ import numpy as np
 
 from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
+from host.exchange_worker import ExchangeWorker, StepPlan
 from host.store_format import bytes_per_value, to_storage
-from host.exchange_worker import BlockPages, ContextPages, ExchangeWorker, StepPlan, clip_to_published
 from jhybrid.hybrid.config import OffloadConfig
 from jhybrid.hybrid.eviction import Evictor
 from jhybrid.hybrid.prefill import PrefillCopies
 from jhybrid.hybrid.state import StepMeta
-from jhybrid.hybrid.transfer import device_of, device_ordinal
+from jhybrid.hybrid.transfer import device_ordinal
 from jhybrid.hybrid.window import evicted_blocks
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,14 @@ log = logging.getLogger(__name__)
 KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def views_fmt(kv_dtype: str) -> int:
-    """The attention kernels' storage format code of a store dtype."""
-    from host.store_format import FORMAT_CODE
-
-    return FORMAT_CODE[kv_dtype]
+def store_kv_dtype(config: OffloadConfig, model_dtype) -> str:
+    """The host store's format for a model dtype: config.host_kv_dtype, else the model's own."""
+    name = np.dtype(jnp.dtype(model_dtype)).name
+    own = KV_DTYPE_OF.get(name)
+    if own is None:
+        raise ValueError(f"hybrid attention: model dtype {name} is not supported (expected one of "
+                         f"{sorted(KV_DTYPE_OF)})")
+    return config.host_kv_dtype or own
 
 
 def required_host_bytes(config: OffloadConfig, n_layers: int, batch: int, max_len: int, n_kv_heads: int,
@@ -68,10 +72,131 @@ def required_host_bytes(config: OffloadConfig, n_layers: int, batch: int, max_le
     return int(values * bytes_per_value(kv_dtype, head_dim))
 
 
+class Counters:
+    """Typed cumulative counters: subclasses declare float / int fields (all 0 at start); `add`
+    is safe from any thread (eviction, recall and worker threads count too)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            for field in dataclasses.fields(self):
+                setattr(self, field.name, 0 if field.type in ("int", int) else 0.0)
+
+    def add(self, **amounts) -> None:
+        """counters.add(evict_s=0.01, n_evicted_blocks=4): each name must be a declared field."""
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(eq=False)
+class HostCounters(Counters):
+    """The core's counters (seconds, bytes, events) of one open batch."""
+
+    evict_s: float = 0.0            # step-start time spent starting and publishing evictions
+    evict_bg_s: float = 0.0         # background time of the eviction jobs (transfer, store, mode work)
+    n_evict_waits: int = 0          # publications that had to wait for their job
+    evict_wait_s: float = 0.0
+    transfer_s: float = 0.0         # device <-> host copies (evictions, uploads)
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    n_evicted_blocks: int = 0       # (block, layer) pairs evicted
+    n_prefill_device_chunks: int = 0
+    n_prefill_extends: int = 0
+    n_prefill_host_chunks: int = 0
+    exchange_barrier_s: float = 0.0  # before a decode step's first host layer: waiting for host work
+    exchange_snapshot_s: float = 0.0  # ... and snapshotting the pages
+    exchange_wait_s: float = 0.0     # (exchange_timing) the GPU stream waiting for the host
+    exchange_gpu_s: float = 0.0      # (exchange_timing) the exchange's own GPU work
+    exchange_timed_layers: int = 0
+
+    def __post_init__(self):
+        Counters.__init__(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """The open batch as the host side sees it: n_layers offloaded (global) layers, batch sequences
+    of up to max_len tokens, hq query / hkv KV heads of head_dim, nb_max host blocks per (layer,
+    sequence) at most, the model dtype (NumPy) and the score scale."""
+
+    n_layers: int
+    batch: int
+    hq: int
+    hkv: int
+    head_dim: int
+    max_len: int
+    nb_max: int
+    dtype: np.dtype
+    scale: float
+
+
+class ModeHostContext:
+    """What a mode's host part (`ModeHost`) may read and use of its open batch; a view of the runtime.
+
+    config, shape (`BatchShape`), counters (the core's `HostCounters`: bytes_to_device, transfer_s),
+    n_threads (the host's Numba threads)
+    store            the host store (replaced when the runtime adopts a filled one)
+    store_rounds     the store keeps a format other than the model's (int8): its rows, not the
+                     device's values, are what the CPU attends
+    published()      [B] blocks each sequence's host side owns (a copy)
+    tokens()         [B] tokens each sequence holds (a copy)
+    decode_steps     decode steps run so far
+    slot_tables      [L, B, nb_max] int64 the store slot of each block (read only)
+    last_block_ids(layer)   the block ids [B, Hkv, k] the CPU attended at the last decode step
+    background(fn, *args) / wait_background()   work on the eviction thread, after the started copies
+    """
+
+    def __init__(self, runtime: "HostRuntime"):
+        self._runtime = runtime
+        self.config = runtime.config
+        self.shape = runtime.shape
+        self.counters = runtime.core_counters
+        self.n_threads = runtime.n_threads  # the host's Numba threads
+
+    @property
+    def store(self) -> KVStore:
+        return self._runtime.store
+
+    @property
+    def store_rounds(self) -> bool:
+        return self._runtime.store_rounds
+
+    @property
+    def decode_steps(self) -> int:
+        return self._runtime.decode_steps
+
+    @property
+    def slot_tables(self) -> np.ndarray:
+        return self._runtime.slot_tables
+
+    def published(self) -> np.ndarray:
+        return self._runtime.offloaded_blocks()
+
+    def tokens(self) -> np.ndarray:
+        return self._runtime.n_tokens.copy()
+
+    def last_block_ids(self, layer: int) -> np.ndarray | None:
+        return self._runtime.last_block_ids(layer)
+
+    def background(self, fn, *args):
+        return self._runtime.evictor.background(fn, *args)
+
+    def wait_background(self) -> None:
+        self._runtime.evictor.wait_background()
+
+
 class HostRuntime:
     """Host side of one open batch: sequences 0..batch-1 of the store are the cache's rows."""
 
-    HISTORY = 4096  # steps kept in `history`
+    HISTORY = 1024  # steps kept in `history` (a preallocated ring: its memory does not grow with the steps)
 
     def __init__(self, config: OffloadConfig, mode, model_config, batch: int, max_len: int, dtype, native=None,
                  device=None):
@@ -83,14 +208,13 @@ class HostRuntime:
         self.scale = model_config.attention_scale
         self.dtype = np.dtype(jnp.dtype(dtype))
         self.nb_max = config.host_blocks(max_len)
-        kv_dtype = KV_DTYPE_OF.get(self.dtype.name)
-        if kv_dtype is None:
-            raise ValueError(f"hybrid attention: model dtype {self.dtype} is not supported "
-                             f"(expected one of {sorted(KV_DTYPE_OF)})")
+        self.device = device or jax.devices()[0]
+        self.shape = BatchShape(self.n_layers, batch, self.hq, self.hkv, self.d, max_len, self.nb_max, self.dtype,
+                                self.scale)
+        kv_dtype = store_kv_dtype(config, self.dtype)
         # A store format other than the model's (host_kv_dtype) rounds what it keeps: the CPU then
         # attends the stored rows, not the device's values, and every copy must come from them.
-        self.store_rounds = config.host_kv_dtype not in (None, kv_dtype)
-        kv_dtype = config.host_kv_dtype or kv_dtype
+        self.store_rounds = kv_dtype != KV_DTYPE_OF[self.dtype.name]
         need = required_host_bytes(config, self.n_layers, batch, max_len, self.hkv, self.d, kv_dtype)
         cap = config.host_memory_cap_bytes
         if cap is not None and cap < need:
@@ -103,35 +227,40 @@ class HostRuntime:
         for b in range(batch):
             self.store.add_sequence(b)
         self.n_threads = config.host_threads or max(1, numba.config.NUMBA_NUM_THREADS - 1)
+        self._host_error: BaseException | None = None  # the first error inside a host callback
         self._start_workers()
         self.n_tokens = np.zeros(batch, np.int64)  # tokens per sequence (= the cache's lengths)
         self.decode_steps = 0
-        self._c: dict[str, float] = {}
-        self._c_lock = threading.Lock()  # counters are also updated by background threads
-        self.declare_counters("bytes_to_device", "n_prefill_device_chunks", "n_prefill_extends",
-                              "n_prefill_host_chunks", "exchange_barrier_s", "exchange_snapshot_s")
+        self.core_counters = HostCounters()
         self.evictor = Evictor(self)
-        self.history: list[dict] = []
+        self._history: np.ndarray | None = None  # [HISTORY, 1 + counters] float64 ring of per-step deltas
+        self._history_keys: tuple[str, ...] = ()
+        self._history_steps = 0
         self._last_snapshot = None
         self.prefill = PrefillCopies(self)
-        self.mode_host = mode.host(self)
+        self.slot_tables = np.zeros((self.n_layers, batch, self.nb_max), np.int64)  # store slot of each block
+        self.max_ids = mode.max_block_ids(max_len)  # block ids per (sequence, KV head) a decode submit carries
+        self.mode_host = mode.host(ModeHostContext(self))
         # the stream-ordered exchange (native library + worker), or None: pure callbacks
         self.native, self.worker = native, None
-        self.slot_tables = np.zeros((self.n_layers, batch, self.nb_max), np.int64)  # store slot of each block
         if native is not None:
-            device = device or jax.devices()[0]
-            slots = native.open(self.n_layers, batch, self.hq, self.hkv, self.d, mode.max_block_ids(max_len),
-                                gpu=device.platform == "gpu", device_ordinal=device_ordinal(device),
-                                timeout_s=config.exchange_timeout_s, timing=config.exchange_timing)
-            self.declare_counters("exchange_wait_s", "exchange_gpu_s", "exchange_timed_layers")
-            self.worker = ExchangeWorker(native, slots, self.n_threads, self.scale, config.exchange_timeout_s)
+            mailboxes = native.open(self.n_layers, batch, self.hq, self.hkv, self.d, self.max_ids,
+                                    gpu=self.device.platform == "gpu", device_ordinal=device_ordinal(self.device),
+                                    timeout_s=config.exchange_timeout_s, timing=config.exchange_timing)
+            self.worker = ExchangeWorker(native, mailboxes, self.n_threads, self.scale, config.exchange_timeout_s)
         log.info("hybrid %s: %d layers x %d sequences, window %d (sink %d + %d x %d), host blocks <= %d",
                  config.mode, self.n_layers, batch, config.window_tokens, config.sink, config.blk_num,
                  config.block_size, self.nb_max)
 
     def _start_workers(self) -> None:
         self.executor = HostExecutor(self.store, n_workers=1, n_threads=self.n_threads)
-        self.bridge = HostBridge(self.store, self.executor, range(self.batch), self.scale)
+        self.bridge = HostBridge(self.store, self.executor, range(self.batch), self.scale,
+                                 published_tokens=lambda: self.evictor.published * self.config.block_size,
+                                 on_error=self._host_failed)
+
+    def _host_failed(self, error: BaseException) -> None:
+        if self._host_error is None:
+            self._host_error = error
 
     def close(self) -> None:
         self.evictor.close()
@@ -142,7 +271,7 @@ class HostRuntime:
             self.native.close()
             self.worker = None
 
-    # ---- state the modes read ---------------------------------------------------------------------
+    # ---- state the modes read (through ModeHostContext) ---------------------------------------------
     def offloaded_blocks(self) -> np.ndarray:
         """[B] blocks per sequence owned by the host side (published; a copy)."""
         return self.evictor.published.copy()
@@ -156,12 +285,8 @@ class HostRuntime:
         if not self.worker.served_any:
             return None
         self.worker.wait_idle()
-        k = self.mode.max_block_ids(self.max_len)
+        k = self.max_ids
         return self.worker.last_ids[layer, :self.batch * self.hkv * k].reshape(self.batch, self.hkv, k).astype(np.int64)
-
-    @staticmethod
-    def device_of(cache):
-        return device_of(cache.layers[0].window.k_ring)
 
     def adopt(self, n_tokens, store: KVStore | None = None) -> None:
         """Declare that the host store (this one, or `store`, already filled, e.g. a benchmark's
@@ -193,30 +318,21 @@ class HostRuntime:
             for b in range(self.batch):
                 slots = self.store.block_slots(layer, b)
                 self.slot_tables[layer, b, :slots.shape[0]] = slots
-        self.mode_host.adopted()
+        self.mode_host.adopted(store is not None)
         self.reset_counters()
 
     # ---- counters ---------------------------------------------------------------------------------
-    def declare_counters(self, *names: str) -> None:
-        for name in names:
-            self._c.setdefault(name, 0)
-
-    def count(self, name: str, amount: float = 1) -> None:
-        with self._c_lock:
-            self._c[name] = self._c.get(name, 0) + amount
-
     def reset_counters(self) -> None:
-        self.history = []
+        self._history, self._history_steps = None, 0
         self._last_snapshot = None
-        with self._c_lock:
-            self._c = {name: 0 for name in self._c}
+        self.core_counters.reset()
+        self.mode_host.reset_counters()
         self.bridge.reset_counters()
         if self.worker is not None:
             self.worker.reset_counters()
 
     def counters(self) -> dict:
-        with self._c_lock:
-            out = {**self._c, **self.bridge.counters()}
+        out = {**self.core_counters.as_dict(), **self.mode_host.counters(), **vars(self.bridge.stats)}
         if self.worker is not None:
             out.update(exchange_serve_s=self.worker.serve_s, exchange_steps=self.worker.steps)
             out["cpu_tokens"] += int(self.worker.stats[0])
@@ -228,17 +344,33 @@ class HostRuntime:
         now, totals = time.perf_counter(), self.counters()
         if self._last_snapshot is not None:
             then, before = self._last_snapshot
-            self.history.append({"wall_s": now - then, **{k: totals[k] - before.get(k, 0) for k in totals}})
-            del self.history[:-self.HISTORY]
+            if self._history is None or tuple(totals) != self._history_keys:
+                self._history_keys = tuple(totals)
+                self._history = np.zeros((self.HISTORY, 1 + len(totals)))
+                self._history_steps = 0
+            row = self._history[self._history_steps % self.HISTORY]
+            row[0] = now - then
+            row[1:] = [totals[k] - before.get(k, 0) for k in self._history_keys]
+            self._history_steps += 1
         self._last_snapshot = (now, totals)
+
+    @property
+    def history(self) -> list[dict]:
+        """The last HISTORY steps, oldest first: {"wall_s": time between two step starts, counter:
+        its change over the step}."""
+        if self._history is None:
+            return []
+        n = min(self._history_steps, self.HISTORY)
+        order = (np.arange(n) + self._history_steps - n) % self.HISTORY
+        keys = ("wall_s",) + self._history_keys
+        return [dict(zip(keys, self._history[i].tolist())) for i in order]
 
     def host_kv_bytes(self) -> int:
         """Host bytes of this batch's offloaded K/V (+ hgca's sparse copies, + recall's mirror)."""
         c = self.store.config
         block = 2 * c.n_kv_heads * c.block_size * c.row_width * self.store.layers[0].arrays["k"].itemsize
         blocks = sum(self.store.n_blocks(layer, b) for layer in range(self.n_layers) for b in range(self.batch))
-        extra = getattr(self.mode_host, "mirror_bytes", lambda: 0)()
-        return blocks * block + self.store.context.bytes_used() + extra
+        return blocks * block + self.store.context.bytes_used() + self.mode_host.host_bytes()
 
     def append_blocks(self, layer: int, seq: int, blocks: np.ndarray, k: np.ndarray, v: np.ndarray,
                       maw: np.ndarray) -> np.ndarray:
@@ -260,22 +392,29 @@ class HostRuntime:
         return got
 
     # ---- the per-step host work -------------------------------------------------------------------
-    def before_step(self, cache, positions):
-        """Call with the cache and the step's positions [B, T] (-1 = padding) before the step."""
-        self.bridge.raise_pending()
+    def _raise_pending(self) -> None:
+        """Re-raise a host error of an earlier step (a callback's, or the exchange worker's)."""
+        if self._host_error is not None:
+            error, self._host_error = self._host_error, None
+            self.bridge.cancel_all()
+            raise error
         if self.worker is not None:
             self.worker.raise_pending()
             timing = self.native.timing()  # the steps that have run since the last step start
             if timing is not None:
-                self.count("exchange_wait_s", timing[0] / 1e3)
-                self.count("exchange_gpu_s", timing[1] / 1e3)
-                self.count("exchange_timed_layers", timing[2])
+                self.core_counters.add(exchange_wait_s=timing[0] / 1e3, exchange_gpu_s=timing[1] / 1e3,
+                                       exchange_timed_layers=timing[2])
+
+    def before_step(self, cache, positions):
+        """Call with the cache and the step's positions [B, T] (-1 = padding) before the step."""
+        self._raise_pending()
         pos = np.asarray(positions).astype(np.int64)
         if pos.ndim != 2 or pos.shape[0] != self.batch:
             raise ValueError(f"positions of shape {pos.shape}; expected [B={self.batch}, T]")
         prefill = pos.shape[1] > 1
         cache = self.mode_host.step_start(cache)
-        cache = self.prefill.take_previous(cache, prefill)
+        if cache.layers[0].offloaded is not None:  # last step's device copies (prefill, recall)
+            cache = self.prefill.take_previous(cache, prefill)
         self._record_step()
         valid = pos >= 0
         n_new = valid.sum(axis=1)
@@ -293,68 +432,40 @@ class HostRuntime:
             self.evictor.precompile(cache.layers)  # no timed decode step compiles an eviction
         before = self.evictor.published.copy()
         device_prefill = prefill and self.prefill.uses_device(cache, after)
-        cache, split = self.evictor.before_step(cache, after, prefill, device_prefill, self.decode_steps)
+        cache, owned = self.evictor.before_step(cache, after, prefill, device_prefill, self.decode_steps)
         cache = self.mode_host.every_step(cache)
         if prefill:
             self.mode_host.before_prefill_chunk(pos)
             if device_prefill:
-                cache = self.prefill.attach(cache, split)
+                cache = self.prefill.attach(cache, owned)
         else:
             cache = self.mode_host.before_decode(cache, before)
             self.decode_steps += 1
-            self.bridge.context_token_limits = split * self.config.block_size  # the callback transport's clip
-            if self.worker is not None:
+            if self.worker is not None and self.mode.host_target is not None:
                 self.worker.arm(self._plan())
         self.n_tokens = after
-        meta = StepMeta(offloaded_blocks=jax.device_put(split.astype(np.int32), self.device_of(cache)))
+        meta = StepMeta(offloaded_blocks=jax.device_put(owned.astype(np.int32), self.device))
         return cache.replace(meta=meta)
 
     def _plan(self) -> StepPlan:
-        """The decode step's work for the exchange worker: every layer submits, in layer order. The
-        pages are snapshot on the worker thread once the host work queued before this step (hgca's
-        sparsification and re-evaluation, on the executor's FIFO) is done."""
+        """The decode step's work for the exchange worker: every layer submits, in layer order; the
+        pages (the mode's, `ModeHost.exchange_pages`) are snapshot on the worker thread under the
+        store's lock, of the blocks published for this step."""
         layers = np.arange(self.n_layers, dtype=np.int32)
-        barrier = self.executor.submit_task(lambda: None, what="exchange barrier")
-        kind = self.mode.decode_host_kind()
-        offloaded = self.evictor.published.copy()
+        published = self.evictor.published.copy()
+        store, mode_host, counters = self.store, self.mode_host, self.core_counters
 
-        def pages():  # both parts delay the step's first layer: counted apart (the breakdown)
+        def pages():  # delays the step's first layer: counted apart (the breakdown)
             start = time.perf_counter()
-            self.executor.collect(barrier)
-            store = self.store
             with store.lock:
                 taken = time.perf_counter()
-                snapshot = self._context_pages(offloaded) if kind == "context" else self._block_pages(offloaded)
+                snapshot = mode_host.exchange_pages(published)
                 store.begin_read()
-            self.count("exchange_barrier_s", taken - start)
-            self.count("exchange_snapshot_s", time.perf_counter() - taken)
+            counters.add(exchange_barrier_s=taken - start, exchange_snapshot_s=time.perf_counter() - taken)
             return snapshot, store.end_read
 
         return StepPlan(layers=layers, pages=pages)
 
-    def _context_pages(self, published: np.ndarray) -> ContextPages:
-        """hgca: every layer's kept tokens of the `published` [B] blocks (store lock held)."""
-        limit = published * self.config.block_size
-        views = [clip_to_published(self.store.context.snapshot_locked(layer, range(self.batch)),
-                                   self.store.context.layers[layer].arrays["token_index"], limit)
-                 for layer in range(self.n_layers)]
-        return ContextPages(
-            fmt=views[0].fmt, k_pages=tuple(v.k_pages for v in views), v_pages=tuple(v.v_pages for v in views),
-            page_ptr=np.concatenate([v.page_ptr for v in views]),
-            ptr_off=np.cumsum([0] + [v.page_ptr.shape[0] for v in views]).astype(np.int64),
-            page_ids=np.concatenate([v.page_ids for v in views]),
-            ids_off=np.cumsum([0] + [v.page_ids.shape[0] for v in views]).astype(np.int64),
-            unit_tokens=np.concatenate([v.unit_tokens for v in views]))
 
-    def _block_pages(self, offloaded: np.ndarray) -> BlockPages:
-        """topk / scout: every layer's store blocks (store lock held)."""
-        c = self.store.config
-        arenas = [self.store.layers[layer].arrays for layer in range(self.n_layers)]
-        return BlockPages(k=self.mode.max_block_ids(self.max_len), fmt=views_fmt(c.kv_dtype), block_size=c.block_size,
-                          k_pages=tuple(a["k"].reshape(-1, c.block_size, c.row_width) for a in arenas),
-                          v_pages=tuple(a["v"].reshape(-1, c.block_size, c.row_width) for a in arenas),
-                          slot_tables=self.slot_tables.copy(),
-                          n_blocks=np.broadcast_to(offloaded, (self.n_layers, self.batch)).copy())
-
-
-__all__ = ["HostRuntime", "required_host_bytes", "KV_DTYPE_OF"]
+__all__ = ["HostRuntime", "ModeHostContext", "BatchShape", "HostCounters", "Counters", "required_host_bytes",
+           "store_kv_dtype", "KV_DTYPE_OF"]

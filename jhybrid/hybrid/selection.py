@@ -1,4 +1,5 @@
-"""Top-k selection of offloaded blocks (scout, topk) and its split between GPU pool and CPU.
+"""Top-k selection of offloaded blocks (scout, topk) and its split between GPU pool and CPU, and
+what the selecting modes share on the device (their GPU parts, the record of a selection).
 
 Digests (per layer, device): kmin, kmax [B, Hkv, NB, D] of every offloaded block (Quest), written by
 the manager at eviction. The recall pool (scout): pool_k/pool_v [B * R, Hkv, bs, D] hold R slots per
@@ -17,7 +18,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jhybrid.hybrid.window import decode_attention
 from pallas_kernels.block_digest import block_scores, select_blocks
+from pallas_kernels.block_sparse_attention import block_sparse_attention
 
 
 class Selection(NamedTuple):
@@ -55,3 +58,47 @@ def select(q: jax.Array, kmin: jax.Array, kmax: jax.Array, n_blocks: jax.Array, 
     cpu_ids = jnp.where(resident, -1, ids)
     return Selection(gpu_ids.astype(jnp.int32), gpu_counts, cpu_ids.astype(jnp.int32), ids,
                      jnp.any(match, axis=2))
+
+
+# ---- what the selecting modes (topk, scout) share ------------------------------------------------
+
+def budget_blocks(config, max_len: int) -> int:
+    """Blocks selected per (sequence, KV head): the budget's, at most every host block."""
+    nb = config.host_blocks(max_len)
+    return min(config.topk_blocks or nb, nb)
+
+
+def check_budget(config, max_len: int) -> None:
+    """ValueError when a top-k budget given (not "auto", which is clamped) exceeds the context."""
+    k = config.topk_blocks
+    if config.budget != "auto" and k is not None and k * config.block_size > max_len:
+        raise ValueError(f"top-k budget of {k} blocks x {config.block_size} tokens is larger than the "
+                         f"context of {max_len} tokens")
+
+
+def select_for(config, q, state, offloaded, digests, pool_blocks) -> Selection:
+    """The top-k of one layer for q [B, 1, Hq, D] over `digests` (a `Digests`), split against the
+    pool table `pool_blocks` [B, Hkv, R] (None: no pool); k = the width of `state.selected`."""
+    k = state.selected.shape[2]
+    return select(q[:, 0], digests.kmin, digests.kmax, offloaded, k, pool_blocks, config.kernel_backend)
+
+
+def gpu_parts(config, step, q, state, sel: Selection):
+    """The window (+ the pool's selected blocks) on the GPU -> ([(o, lse), ...], ring probs)."""
+    o_w, lse_w, probs = decode_attention(config, q, state.window, step.lengths, step.offloaded, step.scale)
+    parts = [(o_w, lse_w)]
+    if state.pool is not None:
+        parts.append(block_sparse_attention(q, state.pool.k, state.pool.v, sel.gpu_ids, sel.gpu_counts,
+                                            scale=step.scale, backend=config.kernel_backend))
+    return parts, probs
+
+
+def note_selection(state, sel: Selection, positions):
+    """Record the selection in a LayerState: `selected` (the whole top-k) and, with a pool, each
+    selected slot's last use (the recall planner evicts the least recently used slots)."""
+    state = state.replace(selected=sel.ids.astype(jnp.int32))
+    if state.pool is not None and sel.pool_hit is not None:
+        pos = positions[:, 0].astype(jnp.int32)[:, None, None]
+        used = jnp.where(sel.pool_hit & (pos >= 0), pos, state.pool.used)
+        state = state.replace(pool=state.pool.replace(used=used))
+    return state

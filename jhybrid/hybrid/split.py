@@ -29,6 +29,8 @@ import time
 import numpy as np
 
 from jhybrid.hybrid.config import OffloadConfig
+from jhybrid.hybrid.modes.base import SplitBudget, Workload
+from jhybrid.hybrid.registry import mode_class
 
 log = logging.getLogger(__name__)
 
@@ -122,30 +124,33 @@ class SplitReport:
     gpu_ms_per_layer: float
     cpu_bytes_per_layer: int          # what the CPU may read per layer without making the GPU wait
     cpu_tokens_per_seq_head: int      # the same in tokens per (sequence, KV head)
-    budget: int | None                # scout / topk: tokens attended per (sequence, KV head)
-    recall_blocks: int | None         # scout: GPU pool slots per (sequence, KV head)
-    hgca_balanced_keep: float | None  # hgca: the kept share of the offloaded tokens that balances
+    cpu_share: float | None           # the share of the offloaded tokens that is (None: nothing offloaded)
+    changes: dict                     # the mode's part (`OffloadMode.balanced`): e.g. budget, recall_blocks,
+                                      # max_keep_share
     profile: str
 
     def fields(self) -> dict:
         return {"split": "balanced", "split_gpu_ms_per_layer": round(self.gpu_ms_per_layer, 4),
-                "split_cpu_tokens": self.cpu_tokens_per_seq_head, "split_hgca_keep": self.hgca_balanced_keep,
+                "split_cpu_tokens": self.cpu_tokens_per_seq_head, "split_cpu_share": self.cpu_share,
                 "split_profile": self.profile}
 
 
 def balanced_split(model_config, base: OffloadConfig, batch: int, context: int, fits, profile: MachineProfile,
-                   weight_bytes_per_layer: int, resident_share: float = 0.8,
+                   weight_bytes_per_layer: int, workload: Workload = Workload(),
                    host_fits=None) -> tuple[OffloadConfig, SplitReport]:
-    """The config of `base` (an offloading mode) with its window (and scout / topk budget and pool)
-    chosen by the balanced split (module docstring). fits(config) -> bool: does the point fit the
-    device with this config (the caller's memory prediction, weights and reserves included)?
-    host_fits(config) -> bool (None: always): does the offloaded part fit the host? A smaller window
-    offloads more, so the largest window the device holds is also the host's best case.
-    resident_share: scout's expected share of the selection held by the recall pool
-    (jhybrid.bench.selection_stats). ValueError when not even the smallest window fits the device, or
-    the largest that does leaves more than the host holds."""
-    if base.mode == "full":
-        raise ValueError("the balanced split is for the offloading modes (mode 'full' keeps everything)")
+    """The config of `base` (an offloading mode) with its window, and its mode's part of the split
+    (`OffloadMode.balanced`: scout / topk a budget and pool, hgca a kept-share cap), chosen by the
+    balanced split (module docstring). fits(config) -> bool: does the point fit the device with this
+    config (the caller's memory prediction, weights and reserves included)? host_fits(config) ->
+    bool (None: always): does the offloaded part fit the host? A smaller window offloads more, so
+    the largest window the device holds is also the host's best case. workload: the attention
+    statistics the mode sizes its CPU work with (jhybrid.bench.selection_stats). ValueError when
+    not even the smallest window fits the device, or the largest that does leaves more than the
+    host holds."""
+    mode_cls = mode_class(base.mode)
+    if not mode_cls.offloads:
+        raise ValueError(f"the balanced split is for the offloading modes (mode {base.mode!r} keeps everything "
+                         "on the device)")
     bs, sink = base.block_size, base.sink
     it = np.dtype(model_config.dtype).itemsize
     per_unit_token = model_config.head_dim * 2 * it  # K + V of one (token, KV head)
@@ -156,24 +161,24 @@ def balanced_split(model_config, base: OffloadConfig, batch: int, context: int, 
         gpu_s = (weight_bytes_per_layer + batch * window * kv_token_layer) / (profile.hbm_gbps * 1e9)
         cpu_bytes = int(max(0.0, gpu_s - profile.exchange_us_per_layer * 1e-6) * profile.host_attention_gbps * 1e9)
         cpu_tokens = cpu_bytes // max(1, batch * model_config.num_kv_heads * per_unit_token)
-        changes, budget, recall, keep = {"window_tokens": window, "gpu_ratio": None}, None, None, None
-        if base.mode in ("scout", "topk"):
-            on_cpu = (1.0 - resident_share) if base.mode == "scout" else 1.0
-            budget = min(max(bs, int(cpu_tokens / max(on_cpu, 1e-3)) // bs * bs), max(bs, offloaded // bs * bs))
-            changes["budget"] = budget
-            if base.mode == "scout":  # a pool of twice the selection: 81 % of SmolLM2's top-k was
-                recall = max(1, 2 * -(-budget // bs))  # resident with it on real text (selection_stats)
-                changes["recall_blocks"] = recall
-        if base.mode == "hgca" and offloaded:
-            keep = round(min(1.0, cpu_tokens / offloaded), 4)
-            if keep < 1.0:
-                cap = max(keep, 1e-4)  # > 0: a share the config accepts
-                changes["max_keep_share"] = cap if base.max_keep_share is None else min(cap, base.max_keep_share)
-        report = SplitReport(window, gpu_s * 1e3, cpu_bytes, int(cpu_tokens), budget, recall, keep,
+        sized = dataclasses.replace(base.with_defaults(), window_tokens=window, gpu_ratio=None)
+        changes = mode_cls(sized).balanced(SplitBudget(int(cpu_tokens), offloaded, workload))
+        config = dataclasses.replace(sized, **changes)
+        share = round(min(1.0, cpu_tokens / offloaded), 4) if offloaded else None
+        report = SplitReport(window, gpu_s * 1e3, cpu_bytes, int(cpu_tokens), share, changes,
                              f"{profile.source}: HBM {profile.hbm_gbps:g} GB/s, host attention "
                              f"{profile.host_attention_gbps:g} GB/s, exchange {profile.exchange_us_per_layer:g} us/layer")
-        return dataclasses.replace(base, **changes), report
+        return config, report
 
+    if not mode_cls.grows_window:  # the window stays the config's (scout): only the mode's part is sized
+        window = base.resolved(context).window_tokens
+        chosen = choose(window)
+        if not fits(chosen[0]):
+            raise ValueError(f"balanced split: the {base.mode} window of {window} tokens does not fit the device at "
+                             f"batch {batch}")
+        if host_fits is not None and not host_fits(chosen[0]):
+            raise ValueError(f"balanced split: batch {batch} offloads more than the host holds")
+        return chosen
     lo, hi = 2, max(2, (context - sink) // bs - 1)  # ring blocks of the window
     if not fits(choose(sink + lo * bs)[0]):
         raise ValueError(f"balanced split: not even a window of {sink + lo * bs} tokens fits the device at batch {batch}")

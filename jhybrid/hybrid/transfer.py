@@ -81,9 +81,4 @@ def stored_as(x: np.ndarray, kv_dtype: str, dtype) -> np.ndarray:
     return from_storage(x, kv_dtype).astype(dtype)
 
 
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (>= 1): padded sizes, so few shapes are ever compiled."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
-__all__ = ["log_once", "to_host", "to_device", "device_of", "device_ordinal", "next_pow2", "stored_as"]
+__all__ = ["log_once", "to_host", "to_device", "device_of", "device_ordinal", "stored_as"]

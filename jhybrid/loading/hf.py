@@ -15,12 +15,44 @@ from jhybrid.models.config import ModelConfig, from_hf_config
 from jhybrid.models.decoder import CausalLM
 
 
-def read_hf_config(folder: str) -> ModelConfig:
-    path = os.path.join(folder, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
-    with open(path) as f:
-        return from_hf_config(json.load(f))
+def hf_config_path(name: str) -> str | None:
+    """The config.json a model name refers to: a `*.json` path itself, or a Hugging Face folder's
+    config.json; None for anything else (a known name, a GGUF, a folder without one)."""
+    if name.endswith(".json"):
+        return name
+    path = os.path.join(name, "config.json")
+    return path if os.path.isdir(name) and os.path.isfile(path) else None
+
+
+def read_hf_config(folder_or_file: str) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder's config.json (or of a config.json path). Every
+    problem is a ValueError (FileNotFoundError when there is no file) naming the file and what was
+    expected: not JSON, not an object, a missing field, a value of the wrong type or range."""
+    path = folder_or_file
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{folder_or_file}: no config.json (not a Hugging Face model folder)")
+    from jhybrid.config.files import read_json
+
+    expected = "expected a Hugging Face config.json"
+    try:
+        hf = read_json(path, expected)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such config.json") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}: holds a JSON {type(hf).__name__}, not an object; {expected}")
+    try:
+        return from_hf_config(hf)
+    except KeyError as error:
+        raise ValueError(f"{path}: field {error.args[0]!r} is missing (model_type "
+                         f"{hf.get('model_type')!r} needs it); {expected} with every field of its "
+                         "architecture") from None
+    except (TypeError, ZeroDivisionError, AttributeError) as error:
+        raise ValueError(f"{path}: a field has a value of the wrong type or range ({error}); "
+                         f"{expected}") from None
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 class SafetensorsFiles:

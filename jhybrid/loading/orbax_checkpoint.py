@@ -32,13 +32,25 @@ def is_orbax_folder(folder: str) -> bool:
     return os.path.exists(os.path.join(folder, CONFIG_FILE))
 
 
+def load_config(folder: str) -> ModelConfig:
+    """The ModelConfig a converted folder records (ValueError naming the file if it does not read)."""
+    from jhybrid.config.files import read_text
+
+    path = os.path.join(os.path.abspath(folder), CONFIG_FILE)
+    expected = "expected the folder of `jhybrid convert` (convert the model again)"
+    text = read_text(path, expected)
+    try:
+        return ModelConfig.from_json(text)
+    except (ValueError, TypeError, KeyError, AttributeError) as error:  # JSON or field errors
+        raise ValueError(f"{path}: not a model config written by jhybrid convert ({error}); {expected}") from None
+
+
 def load_orbax(folder: str) -> CausalLM:
     folder = os.path.abspath(folder)
     params = os.path.join(folder, "params")
     if not os.path.exists(params):
         raise FileNotFoundError(f"{folder}: no params/ checkpoint next to {CONFIG_FILE}")
-    with open(os.path.join(folder, CONFIG_FILE)) as f:
-        config = ModelConfig.from_json(f.read())
+    config = load_config(folder)
     abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     state = ocp.StandardCheckpointer().restore(params, abstract_state)

@@ -17,8 +17,8 @@ from typing import Callable
 from tokenizers import Tokenizer
 
 from jhybrid.loading import chat, orbax_checkpoint
-from jhybrid.loading.gguf_loader import field, load_gguf_model, open_gguf
-from jhybrid.loading.hf import load_hf_model
+from jhybrid.loading.gguf_loader import field, gguf_config, load_gguf_model, open_gguf
+from jhybrid.loading.hf import load_hf_model, read_hf_config
 from jhybrid.loading.tokenizer import load_tokenizer_json, tokenizer_from_gguf
 from jhybrid.models.decoder import CausalLM
 
@@ -76,7 +76,7 @@ class Pretrained:
     stop_token_ids: ids that end generation (eos, <|im_end|>, ...).
     """
 
-    model: CausalLM
+    model: CausalLM | None  # None: loaded with weights=False
     tokenizer: Tokenizer | None
     source: str
     chat_format: str | None = None
@@ -119,8 +119,15 @@ def _stop_ids(tokenizer: Tokenizer | None, eos_ids, chat_format) -> tuple[int, .
 
 
 def load_pretrained(name_or_path: str, dtype: str | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> Pretrained:
-    """Loads a model by name ("smollm2", "gemma3") or path (.gguf, HF folder, Orbax folder)."""
+                    progress: Callable[[int, int], None] | None = None, weights: bool = True) -> Pretrained:
+    """Loads a model by name ("smollm2", "gemma3") or path (.gguf, HF folder, Orbax folder).
+
+    dtype: None (as stored / float32) or one of jhybrid.config.schema.MODEL_DTYPES, checked before
+    anything is read. weights=False: everything but the weights (model None): the tokenizer, chat
+    format, stop and BOS tokens, cheap enough to check inputs before a model loads."""
+    from jhybrid.config.schema import check_dtype
+
+    check_dtype(dtype)
     if name_or_path == "smollm2":
         name_or_path = smollm2_gguf_path()
     elif name_or_path == "gemma3":
@@ -128,18 +135,20 @@ def load_pretrained(name_or_path: str, dtype: str | None = None,
     path = name_or_path
     if os.path.isfile(path) and path.endswith(".gguf"):
         reader = open_gguf(path)
-        model = load_gguf_model(path, dtype=dtype, progress=progress, reader=reader)
+        model = load_gguf_model(path, dtype=dtype, progress=progress, reader=reader) if weights else None
+        config = model.config if model is not None else gguf_config(reader, path)
         tokenizer = tokenizer_from_gguf(reader, path)
         template = field(reader, "tokenizer.chat_template")
         chat_format = "chatml" if chat.is_chatml_template(template) else None
         default_system = None
         if chat_format and chat.SMOLLM2_DEFAULT_SYSTEM in (template or ""):
             default_system = chat.SMOLLM2_DEFAULT_SYSTEM
-        bos = model.config.bos_token_id if field(reader, "tokenizer.ggml.add_bos_token") else None
+        bos = config.bos_token_id if field(reader, "tokenizer.ggml.add_bos_token") else None
         return Pretrained(model, tokenizer, path, chat_format, default_system,
-                          _stop_ids(tokenizer, model.config.eos_token_ids, chat_format), bos)
+                          _stop_ids(tokenizer, config.eos_token_ids, chat_format), bos)
     if os.path.isdir(path) and orbax_checkpoint.is_orbax_folder(path):
-        model = orbax_checkpoint.load_orbax(path)
+        model = orbax_checkpoint.load_orbax(path) if weights else None
+        config = model.config if model is not None else orbax_checkpoint.load_config(path)
         tokenizer = (load_tokenizer_json(path)
                      if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
         info = {}
@@ -148,10 +157,11 @@ def load_pretrained(name_or_path: str, dtype: str | None = None,
                 info = json.load(f)
         return Pretrained(model, tokenizer, path, info.get("chat_format"),
                           info.get("default_system"),
-                          tuple(info.get("stop_token_ids") or model.config.eos_token_ids),
+                          tuple(info.get("stop_token_ids") or config.eos_token_ids),
                           info.get("bos_token_id"))
     if os.path.isdir(path):
-        model = load_hf_model(path, dtype=dtype, progress=progress)
+        model = load_hf_model(path, dtype=dtype, progress=progress) if weights else None
+        config = model.config if model is not None else read_hf_config(path)
         tokenizer = (load_tokenizer_json(path)
                      if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
         template = None
@@ -161,6 +171,6 @@ def load_pretrained(name_or_path: str, dtype: str | None = None,
                 template = json.load(f).get("chat_template")
         chat_format = "chatml" if chat.is_chatml_template(template) else None
         return Pretrained(model, tokenizer, path, chat_format, None,
-                          _stop_ids(tokenizer, model.config.eos_token_ids, chat_format))
+                          _stop_ids(tokenizer, config.eos_token_ids, chat_format))
     raise FileNotFoundError(f"{path}: not a known model name ({', '.join(EMBEDDED_MODELS)}), "
                             "a .gguf file, or a model folder")

@@ -4,7 +4,8 @@ parallelism ("seq": a prompt's tokens), with the checks that make a bad mesh a o
 from __future__ import annotations
 
 import jax
-from jax.sharding import Mesh
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 TP, SEQ = "tp", "seq"
 
@@ -40,4 +41,15 @@ def sequence_mesh(n: int, devices=None) -> Mesh:
     return Mesh(_devices(n, devices), (SEQ,))
 
 
-__all__ = ["tensor_mesh", "sequence_mesh", "TP", "SEQ"]
+def place(value, sharding: NamedSharding) -> jax.Array:
+    """`value` (the same on every process) as a global array with `sharding`: each process supplies
+    the shards of its addressable devices (single process: a device_put)."""
+    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
+        return value  # placed already (e.g. a tensor-parallel backend's own cache arrays)
+    if jax.process_count() == 1:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+__all__ = ["tensor_mesh", "sequence_mesh", "place", "TP", "SEQ"]

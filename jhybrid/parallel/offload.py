@@ -12,7 +12,7 @@ shards: each shard is the single-device system on a model of Hkv/n KV heads (doc
   device side   `ShardedOffload.attend` runs one layer's attend under `shard_map`: q, k, v, the layer
                 state and scout's layer-ahead carry split by head, positions and the step metadata
                 replicated. The traced host calls carry the shard they come from (callbacks:
-                `jax.lax.axis_index`, `exchange.ShardedSlots`; native custom calls: routed by the XLA
+                `jax.lax.axis_index`, `exchange.ShardedRuntimes`; native custom calls: routed by the XLA
                 device ordinal to that device's exchange, `NativeExchange.route`).
   host side     `before_step` hands each shard's runtime its device's slice of the cache (views, no
                 copy), runs the shards' per-step host work in parallel threads and reassembles the
@@ -40,11 +40,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jhybrid.attention.base import AttentionBackend, LayerContext
 from jhybrid.hybrid.backend import HybridAttention
 from jhybrid.hybrid.config import OffloadConfig
-from jhybrid.hybrid.exchange import ShardedSlots
+from jhybrid.hybrid.exchange import ShardedRuntimes
+from jhybrid.hybrid.registry import mode_class
 from jhybrid.hybrid.sliding import SlidingWindow
 from jhybrid.hybrid.state import LayerAhead, LayerState, StepMeta
 from jhybrid.hybrid.transfer import device_ordinal
-from jhybrid.parallel.mesh import TP
+from jhybrid.parallel.mesh import TP, place
 
 HEADS = P(None, None, TP, None)  # q, k, v, o [B, T, H, D]
 
@@ -84,8 +85,8 @@ class ShardedOffload(AttentionBackend):
     handles_long_context = True
 
     def __init__(self, config: OffloadConfig, mesh):
-        if config.mode == "full":
-            raise ValueError("mode 'full' needs no per-device host side; TensorParallel runs it directly")
+        if not mode_class(config.mode).offloads:
+            raise ValueError(f"mode {config.mode!r} needs no per-device host side; TensorParallel runs it directly")
         self.config, self.mesh, self.tp = config, mesh, mesh.shape[TP]
         self.name = config.mode
         devices = list(mesh.devices.flat)
@@ -99,8 +100,8 @@ class ShardedOffload(AttentionBackend):
         if transports == {False}:  # every shard on the callback transport: so must the template be
             shard_config = dataclasses.replace(shard_config, host_exchange="callback")
         # The device-side template: the traced attend of every shard, its host calls routed by shard.
-        slots = ShardedSlots(TP, {i: shard._slot for i, shard in self.shards.items()})
-        self.template = HybridAttention(shard_config, slots)
+        handles = ShardedRuntimes(TP, {i: shard._handle for i, shard in self.shards.items()})
+        self.template = HybridAttention(shard_config, handles)
         if (self.template.native is not None) != (transports == {True}):
             raise RuntimeError("tensor-parallel hybrid backend: the shards and their device-side template would use "
                                "different exchange transports")
@@ -145,26 +146,12 @@ class ShardedOffload(AttentionBackend):
         if not self._opened:
             raise RuntimeError("tensor-parallel hybrid backend: call backend.open(model_config, batch, max_len) "
                                "before stepping")
-        if positions.shape[1] == 1:
-            self._share_recall_counts()
+        if positions.shape[1] == 1:  # decisions a single device takes over all its heads: over every shard
+            hosts = [shard.runtime.mode_host for _, shard in sorted(self.shards.items())]
+            type(hosts[0]).coordinate(hosts)
         pieces = {i: self._slice(cache, device) for i, device in self.devices.items()}
         futures = {i: self._pool.submit(shard.before_step, pieces[i], positions) for i, shard in self.shards.items()}
         return self._assemble({i: future.result() for i, future in futures.items()})
-
-    def _share_recall_counts(self) -> None:
-        """scout: each shard's recall trigger reads the CPU's share of a layer's selection over every
-        shard's heads, as a single device does (each shard then recalls its own heads' blocks). Read
-        here, before any shard's exchange worker is armed for the coming step."""
-        hosts = [shard.runtime.mode_host for _, shard in sorted(self.shards.items())]
-        if not all(hasattr(host, "shared_counts") for host in hosts):
-            return
-        counts = {}
-        for layer in range(hosts[0].runtime.n_layers):
-            parts = [host.cpu_blocks(layer) for host in hosts]
-            counts[layer] = None if None in parts else sum(parts)
-        heads = sum(host.runtime.hkv for host in hosts)
-        for host in hosts:
-            host.shared_counts, host.shared_heads = counts, heads
 
     def _slice(self, cache, device):
         """The cache as `device` holds it: each array's shard on that device (no copy)."""
@@ -210,10 +197,27 @@ class ShardedOffload(AttentionBackend):
     def query_ahead(self, layer_idx, config):
         return self.template.query_ahead(layer_idx, config)
 
+    def reset_counters(self) -> None:
+        for shard in self.shards.values():
+            shard.reset_counters()
+
+    def host_bytes(self) -> int:
+        return sum(shard.host_bytes() for shard in self.shards.values())
+
+    def selections(self, cache):
+        return self.template.selections(cache)
+
+    def row_fields(self) -> dict:
+        """The mode's columns, with what the hosts measured averaged over the shards."""
+        per_shard = [shard.row_fields() for _, shard in sorted(self.shards.items())]
+        out = dict(per_shard[0])
+        for key, value in out.items():
+            if isinstance(value, float):
+                out[key] = round(sum(f[key] for f in per_shard) / len(per_shard), 4)
+        return out
+
     # ---- device side ------------------------------------------------------------------------------
     def _place(self, tree):
-        from jhybrid.parallel.tensor import place
-
         return jax.tree_util.tree_map(lambda spec, x: place(x, NamedSharding(self.mesh, spec)), head_specs(tree),
                                       tree, is_leaf=_is_spec)
 

@@ -27,7 +27,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jhybrid.attention.full import FullAttention
-from jhybrid.parallel.mesh import TP
+from jhybrid.hybrid.backend import HybridAttention
+from jhybrid.parallel.mesh import TP, place
+from jhybrid.parallel.offload import ShardedOffload, cache_specs
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +52,11 @@ def param_spec(path: tuple, shape: tuple, tp: int) -> P:
     return P()
 
 
-def place(value, sharding: NamedSharding) -> jax.Array:
-    """`value` (the same on every process) as a global array with `sharding`: each process supplies
-    the shards of its addressable devices (single process: a device_put)."""
-    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
-        return value  # placed already (e.g. a tensor-parallel backend's own cache arrays)
-    if jax.process_count() == 1:
-        return jax.device_put(value, sharding)
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
 class TensorParallel:
     """A model placed over a ("tp",) mesh. backend: `full` (default) or an offloading mode's
     backend (`make_backend(...)`), which becomes a `ShardedOffload` over the mesh (`self.backend`)."""
 
     def __init__(self, model, mesh, backend=None):
-        from jhybrid.hybrid.backend import HybridAttention
-        from jhybrid.parallel.offload import ShardedOffload
-
         backend = backend or FullAttention()
         tp = mesh.shape[TP]
         if isinstance(backend, HybridAttention):
@@ -92,16 +80,10 @@ class TensorParallel:
         spec = param_spec(keys, leaf.shape, self.tp) if getattr(leaf, "ndim", 0) else P()
         return place(leaf, NamedSharding(self.mesh, spec))
 
-    def cache_sharding(self) -> NamedSharding:
-        """The sharding of a `full` cache's K and V [B, L, Hkv, D]."""
-        return NamedSharding(self.mesh, P(None, None, TP, None))
-
     def _cache_specs(self, cache):
         if isinstance(self.backend, FullAttention):
             kv = P(None, None, TP, None)
             return cache.replace(layers=tuple({name: kv for name in layer} for layer in cache.layers), lengths=P())
-        from jhybrid.parallel.offload import cache_specs
-
         return cache_specs(cache)
 
     def init_cache(self, batch: int, max_len: int):

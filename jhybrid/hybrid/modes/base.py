@@ -1,29 +1,42 @@
-"""The interface of an offloading mode: its device state, its decode attend, its host work.
+"""The interface of a mode: everything specific to it, declared here and implemented in its file.
 
 A mode is one class (one module under `jhybrid/hybrid/modes/`, one line in the registry of
-`jhybrid.hybrid.modes`). The shared core does everything modes have in common: the GPU window and
-eviction to the host store (`jhybrid.hybrid.runtime`, `jhybrid.hybrid.window`), the exact prefill
-path, prefill copies of an offloaded prompt (`jhybrid.hybrid.prefill`), transfers, the merge. A
-mode adds:
+`jhybrid.hybrid.modes`). The shared core does everything the offloading modes have in common: the
+GPU window and eviction to the host store (`jhybrid.hybrid.runtime`, `jhybrid.hybrid.window`), the
+exact prefill path, prefill copies of an offloaded prompt (`jhybrid.hybrid.prefill`), the merge.
+Nothing outside `jhybrid/hybrid/modes/` tests a mode's name: callers ask the mode.
 
-  device side (traced, pure)   `layer_state`: the optional `LayerState` groups it needs;
-                               `decode`: one layer's decode attention as partial states (o, lse);
-                               `wants_next_query`: the decoder computes the next layer's predicted
-                               query for it (scout's layer-ahead selection)
-  host side (between steps)    `host(runtime)`: a `ModeHost` whose hooks the runtime calls at fixed
-                               points of every step start (docs/design.md, "One decode step")
+  what it is            `name`, `settings` (the OffloadConfig fields it reads), `offloads` (False:
+                        every token stays on the device, e.g. `full`), `own_backend()` (a backend
+                        of its own instead of the shared `HybridAttention`),
+                        `default_window_tokens`, `config_problems`, `check`
+  device side (traced)  `layer_state` (its optional LayerState groups), `decode` (one layer's decode
+                        attention as partial states), `wants_next_query`, `prefill_token`
+  host side             `host_target` (what its decode steps attend on the CPU, host.targets), and
+                        `host(context)`: a `ModeHost` whose hooks the runtime calls at fixed points
+                        of every step start (docs/design.md, "One decode step")
+  around the core       `host_bytes_per_sequence` (capacity), `balanced` (its part of the balanced
+                        split), `restore_queries` / `restored_window` (HCache restore),
+                        `for_model` (per-model calibration), `row_fields` (benchmark row columns)
+
+Device bytes are never computed by hand: `jhybrid.hybrid.capacity` takes them from the shapes the
+backend allocates (`jax.eval_shape` of its `init_layer_cache`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import numpy as np
 
-from jhybrid.hybrid.config import OffloadConfig
 from jhybrid.hybrid.state import LayerAhead, LayerState
+
+if TYPE_CHECKING:
+    from host.targets import HostTarget
+    from jhybrid.hybrid.config import OffloadConfig
+    from jhybrid.hybrid.runtime import ModeHostContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,30 +66,96 @@ class DecodeStep:
 Partial = tuple  # (o [B, T, Hq, D] float32, lse [B, T, Hq] float32): one producer's partial state
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Attention statistics of the contexts served, measured on real text (jhybrid.bench.selection_stats)
+    or assumed by a benchmark: what sizes a mode's host state and CPU work.
+
+    kept_share      hgca: share of the offloaded tokens its salience threshold keeps for the CPU
+    resident_share  scout: share of a step's selected blocks already resident in the GPU pool
+    """
+
+    kept_share: float = 0.1
+    resident_share: float = 0.73
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLayout:
+    """The host store's layout for one model (from host.kv_store / host.context_cache, never by hand):
+    n_layers offloaded layers; block_bytes: one stored block of one layer (K, V of every KV head,
+    MAW, positions); n_kv_heads, head_dim and the model dtype; page_tokens / page_bytes: one
+    context-cache page of one (layer, KV head) (hgca's kept tokens)."""
+
+    n_layers: int
+    block_bytes: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_tokens: int
+    page_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitBudget:
+    """What the balanced split (jhybrid.hybrid.split) gives a mode to size its CPU work with, per
+    layer and decode step: `cpu_tokens` tokens per (sequence, KV head) the host can attend in the
+    GPU's time, `offloaded` tokens per sequence on the host, and the expected `workload`."""
+
+    cpu_tokens: int
+    offloaded: int
+    workload: Workload
+
+
 class OffloadMode:
-    """Base class of the offloading modes (see the module docstring)."""
+    """Base class of the modes (see the module docstring)."""
 
     name: ClassVar[str] = "abstract"
     # OffloadConfig fields this mode reads besides `config.COMMON_SETTINGS` (the GPU window and host)
     settings: ClassVar[frozenset[str]] = frozenset()
-    # What every layer of a decode step submits to the host through the exchange: "context"
-    # (hgca's kept tokens), "blocks" (chosen block ids) or None (no host work in decode steps).
-    decode_kind: ClassVar[str | None] = None
+    # False: every token's KV stays on the device (no window, no host store)
+    offloads: ClassVar[bool] = True
+    # The mode every other is measured against (`full`; plots draw it as the reference)
+    reference: ClassVar[bool] = False
+    # budget "auto": this many tokens (None: every block). An "auto" budget larger than a context is
+    # clamped to it; a budget given larger than the context is an error.
+    default_budget: ClassVar[int | None] = None
+    # The GPU window when the config gives neither window_tokens nor gpu_ratio.
+    default_window_tokens: ClassVar[int] = 1024
+    # The balanced split gives the window all the device memory the batch leaves (a dense window that
+    # grows with the context: hgca's regime). False: the window stays the config's (scout's short
+    # recent window; its important blocks live in a pool sized from the budget).
+    grows_window: ClassVar[bool] = True
+    # What every layer of a decode step attends on the CPU through the exchange (host.targets), or
+    # None: decode steps make no host call.
+    host_target: ClassVar["HostTarget | None"] = None
 
-    def __init__(self, config: OffloadConfig):
+    def __init__(self, config: "OffloadConfig"):
         self.config = config
 
-    def decode_host_kind(self) -> str | None:
-        """What a decode step's layers submit through the stream-ordered exchange (None: nothing)."""
-        return self.decode_kind
-
-    def max_block_ids(self, max_len: int) -> int:
-        """Block ids per (sequence, KV head) a decode submit carries ("blocks" kind)."""
-        return 0
-
     # ---- checks before anything is allocated ------------------------------------------------------
+    @classmethod
+    def config_problems(cls, config: "OffloadConfig") -> list[tuple[str, object, str]]:
+        """(field, value, what was expected) for settings this mode cannot take (OffloadConfig raises
+        them with its own field checks)."""
+        return []
+
+    @classmethod
+    def defaults(cls, config: "OffloadConfig") -> dict:
+        """OffloadConfig changes that fill in the fields this mode leaves to itself (e.g. scout's pool
+        size), applied by `OffloadConfig.with_defaults` / `resolved`; {} when there are none."""
+        return {}
+
     def check(self, model_config, max_len: int) -> None:
         """ValueError when this mode cannot serve the model / context (named values)."""
+
+    def own_backend(self):
+        """The AttentionBackend of a mode that does not run on the shared HybridAttention core
+        (`full`, GPU-only modes); None: HybridAttention."""
+        return None
+
+    def max_block_ids(self, max_len: int) -> int:
+        """Block ids per (sequence, KV head) a decode submit carries (chosen-blocks target)."""
+        return 0
 
     # ---- device side -------------------------------------------------------------------------------
     def layer_state(self, layer: int, num_layers: int, batch: int, num_kv_heads: int, head_dim: int,
@@ -94,14 +173,60 @@ class OffloadMode:
         raise NotImplementedError
 
     def prefill_token(self, step_layer: int, q: jax.Array, positions: jax.Array, exchange) -> jax.Array | None:
-        """A prefill chunk that attends to its offloaded prompt on the device makes no host call:
-        a mode that must still see the chunk's queries (hgca) hands them over here and returns a
-        token the step ties into its outputs. None: nothing to hand over."""
+        """A prefill chunk's queries q [B, T, Hq, D] for a mode that must see them on the host
+        (hgca's re-evaluation): hand them over and return a token the step ties into its outputs.
+        None: nothing to hand over."""
         return None
 
     # ---- host side ---------------------------------------------------------------------------------
-    def host(self, runtime) -> "ModeHost":
+    def host(self, context: "ModeHostContext") -> "ModeHost":
+        """This mode's host work for one open batch (see ModeHost)."""
         return ModeHost()
+
+    def host_bytes_per_sequence(self, layout: HostLayout, offloaded_blocks: int, max_len: int,
+                                workload: Workload) -> int:
+        """Host bytes one sequence holds with `offloaded_blocks` blocks per layer on the host (contexts
+        of up to max_len tokens): the store's blocks, plus what the mode keeps besides (hgca: its
+        context-cache pages; recall: its mirror)."""
+        return layout.n_layers * offloaded_blocks * layout.block_bytes if self.offloads else 0
+
+    def step_scratch_bytes(self, model_config, max_len: int) -> int:
+        """Device bytes per sequence a decode step of this mode needs beyond its cache and the
+        logits, at most (an estimate where XLA does not measure it)."""
+        return 0
+
+    # A step start builds these LayerState groups anew while the previous step's still exist (recall's
+    # upload of the offloaded KV): device memory counts them twice.
+    rebuilt_each_step: ClassVar[tuple[str, ...]] = ()
+
+    # ---- around the core ---------------------------------------------------------------------------
+    def balanced(self, budget: SplitBudget) -> dict:
+        """This mode's part of the balanced split: OffloadConfig changes that keep its CPU work
+        within `budget` (a budget, a pool, a kept-share cap; {} when it has no CPU work)."""
+        return {}
+
+    def restore_queries(self) -> int:
+        """How many of a restored history's last queries this mode's restore needs (HCache)."""
+        return 0
+
+    def restored_window(self, window, queries: jax.Array, n_tokens: int, evicted: int, scale: float):
+        """A restored layer's `Window` given the history's last queries [1, R, Hq, D] (hgca: its
+        ring MAW from them); unchanged by default."""
+        return window
+
+    @classmethod
+    def needs_calibration(cls, config: "OffloadConfig") -> bool:
+        """Does `for_model` need a calibration text for this config?"""
+        return False
+
+    @classmethod
+    def for_model(cls, config: "OffloadConfig", model, calibration_tokens) -> "OffloadConfig":
+        """The config with per-model settings resolved on a calibration text ([T] token ids)."""
+        return config
+
+    def row_fields(self) -> dict:
+        """This mode's settings as benchmark row columns (e.g. hgca's beta, scout's budget)."""
+        return {}
 
 
 class ModeHost:
@@ -116,7 +241,7 @@ class ModeHost:
     def blocks_stored(self, layer: int, seq: int, numbers: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Blocks `numbers` [n] of (layer, seq) are in the host store now; k, v [n, bs, Hkv, W] as
         the store was given them: the model's values, or where the store rounds them
-        (`HostRuntime.store_rounds`) its rows (host.store_format.from_storage gives the values)."""
+        (`ModeHostContext.store_rounds`) its rows (host.store_format.from_storage gives the values)."""
 
     def blocks_evicted(self, layer: int, numbers_by_seq: dict[int, np.ndarray]) -> None:
         """The ring evicted these blocks of `layer` (sequence -> block numbers), all stored."""
@@ -132,8 +257,27 @@ class ModeHost:
         eviction."""
         return cache
 
-    def adopted(self) -> None:
-        """The runtime adopted a filled store or a restored history (`HostRuntime.adopt`)."""
+    def exchange_pages(self, published: np.ndarray):
+        """(Exchange worker thread, store lock held) the pages this decode step's host calls read
+        for blocks `published` [B] owned by the host side (host.exchange_worker.ContextPages /
+        BlockPages); only called for modes with a `host_target`."""
+        raise NotImplementedError(f"{type(self).__name__} makes no host call in decode steps")
+
+    def receive_queries(self, layer: int, tail: np.ndarray, valid: np.ndarray) -> None:
+        """A prefill chunk's last queries (`OffloadMode.prefill_token`): tail [B, keep, Hq, D]
+        float32, valid [B] tokens of the chunk per row."""
+
+    def adopted(self, store_replaced: bool) -> None:
+        """The runtime adopted a history (`HostRuntime.adopt`): a filled store (store_replaced) or
+        blocks appended to its own store (HCache restore)."""
+
+    def restored(self, queries: dict[int, np.ndarray]) -> None:
+        """A restored history's last queries {layer: [1, R, Hq, D]} (restore_queries > 0)."""
+
+    @classmethod
+    def coordinate(cls, hosts: list["ModeHost"]) -> None:
+        """Tensor parallelism, before a decode step: decisions a single device takes over all of its
+        KV heads, taken over every shard of this process (`hosts`, one per shard, this class)."""
 
     def counters(self) -> dict:
         return {}
@@ -141,8 +285,16 @@ class ModeHost:
     def reset_counters(self) -> None:
         pass
 
+    def row_stats(self) -> dict:
+        """Measured benchmark row columns of this mode's host work (e.g. hgca's kept share)."""
+        return {}
+
+    def host_bytes(self) -> int:
+        """Host bytes this mode holds besides the store (recall's mirror)."""
+        return 0
+
     def close(self) -> None:
         pass
 
 
-__all__ = ["DecodeStep", "OffloadMode", "ModeHost", "Partial"]
+__all__ = ["DecodeStep", "OffloadMode", "ModeHost", "Partial", "Workload", "HostLayout", "SplitBudget"]

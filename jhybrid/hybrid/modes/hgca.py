@@ -3,45 +3,50 @@ tokens whose moving-average attention weight (MAW) passed beta / window_tokens w
 evicted (`host.sparsify`), with the exact query; the two partial states merged exactly.
 
 Device side, per layer of a decode step:
-    "split":  ticket = submit(q) -> window kernel (+ its probabilities for the MAW) -> collect -> merge
-              (the CPU works while the GPU attends to the window)
-    "sync":   the CPU part computed inside one exchange, then the window kernel
+    host_overlap (default): ticket = submit(q) -> window kernel (+ its probabilities for the MAW)
+              -> collect -> merge (the CPU works while the GPU attends to the window)
+    otherwise: the CPU part computed inside one exchange, then the window kernel
 Host side: after every eviction, sparsify the evicted blocks of each layer (eviction thread);
 before the first decode step of a turn, re-score every offloaded token with the turn's last
 `reevaluate_queries` queries (`host.sparsify.reevaluate`): what HGCA does after each new user turn.
-The turn's queries come from the host attention calls of its prefill chunks, or, when a chunk
-attended to the offloaded prompt on the device, from `prefill_token` (a tail of the chunk's queries
-handed to the host inside the step).
+Every prefill chunk hands the tail of its queries to the host inside the step (`prefill_token` ->
+`HgcaHost.receive_queries`), whichever path attends its offloaded prompt.
+The CPU reads the kept tokens of the published blocks (`host.targets.KEPT_TOKENS`; the exchange
+worker's `ContextPages`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from host.exchange_worker import ContextPages
 from host.sparsify import reevaluate, sparsify_evicted
+from host.targets import KEPT_TOKENS
 from jhybrid.hybrid.exchange import after
-from jhybrid.hybrid.modes.base import DecodeStep, ModeHost, OffloadMode
+from jhybrid.hybrid.modes.base import DecodeStep, HostLayout, ModeHost, OffloadMode, SplitBudget, Workload
+from jhybrid.hybrid.runtime import Counters
 from jhybrid.hybrid.state import LayerState
-from jhybrid.hybrid.window import decode_attention
+from jhybrid.hybrid.window import decode_attention, exact_window_attention
 
 
 class Hgca(OffloadMode):
     name = "hgca"
-    settings = frozenset({"alpha", "beta", "keep_after", "max_keep_share", "reevaluate_queries", "exchange"})
-    decode_kind = "context"
-
-    def decode_host_kind(self):
-        return None if self.config.exchange == "sync" else "context"  # "sync": one callback per layer
+    settings = frozenset({"alpha", "beta", "keep_after", "max_keep_share", "reevaluate_queries", "host_overlap"})
+    host_target = KEPT_TOKENS
 
     def decode(self, step: DecodeStep, state: LayerState):
         cfg, exchange = self.config, step.exchange
-        if cfg.exchange == "sync":
-            cpu = exchange.attend_now(step.layer, "context", step.q)
+        if not cfg.host_overlap:
+            cpu = exchange.attend_now(step.layer, KEPT_TOKENS, step.q)
             q = after(step.q, cpu[1])
             o_w, lse_w, probs = decode_attention(cfg, q, state.window, step.lengths, step.offloaded, step.scale)
             return [(o_w, lse_w), cpu], probs, state, None
-        ticket = exchange.submit(step.layer, "context", step.q)
+        ticket = exchange.submit(step.layer, KEPT_TOKENS, step.q)
         q = after(step.q, ticket)
         o_w, lse_w, probs = decode_attention(cfg, q, state.window, step.lengths, step.offloaded, step.scale)
         return [(o_w, lse_w), exchange.collect(step.layer, ticket, q.shape, lse_w)], probs, state, None
@@ -49,35 +54,94 @@ class Hgca(OffloadMode):
     def prefill_token(self, layer, q, positions, exchange):
         return exchange.record_tail(layer, q, positions, self.config.reevaluate_queries)
 
-    def host(self, runtime) -> "HgcaHost":
-        return HgcaHost(runtime)
+    def host(self, context) -> "HgcaHost":
+        return HgcaHost(context)
+
+    # ---- around the core --------------------------------------------------------------------------
+    def host_bytes_per_sequence(self, layout: HostLayout, offloaded_blocks, max_len, workload: Workload):
+        """The store's blocks, plus the context cache's pages of the kept share (whole pages per
+        (layer, KV head); a cap on the kept share bounds it)."""
+        cfg = self.config
+        kept = min(workload.kept_share, cfg.max_keep_share or 1.0) * offloaded_blocks * cfg.block_size
+        pages = -(-int(kept) // layout.page_tokens)
+        return layout.n_layers * (offloaded_blocks * layout.block_bytes + pages * layout.n_kv_heads * layout.page_bytes)
+
+    def balanced(self, budget: SplitBudget) -> dict:
+        """Cap the kept share at what the host attends in the GPU's time (a tighter given cap stays)."""
+        if not budget.offloaded:
+            return {}
+        keep = min(1.0, budget.cpu_tokens / budget.offloaded)
+        if keep >= 1.0:
+            return {}
+        cap = max(round(keep, 4), 1e-4)  # > 0: a share the config accepts
+        return {"max_keep_share": cap if self.config.max_keep_share is None else min(cap, self.config.max_keep_share)}
+
+    def restore_queries(self) -> int:
+        return self.config.reevaluate_queries
+
+    def restored_window(self, window, queries, n_tokens, evicted, scale):
+        """The ring's MAW = the probabilities the history's last queries give it (so a ring token the
+        first decode steps evict is judged by what the history attended, not dropped for a MAW of 0)."""
+        if queries.shape[1] == 0:
+            return window
+        return _scored_ring(self.config, window, queries, n_tokens, evicted, scale)
+
+    def row_fields(self) -> dict:
+        cfg = self.config
+        return {"beta": cfg.beta, **({"keep_after": cfg.keep_after} if cfg.keep_after else {}),
+                **({"max_keep_share": cfg.max_keep_share} if cfg.max_keep_share is not None else {})}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _scored_ring(cfg, window, q: jax.Array, n: int, evicted: int, scale: float):
+    """The window with its ring MAW set to the probabilities of q [1, R, Hq, D] (the history's last R
+    queries, positions n - R .. n - 1) over the sinks + ring (`exact_window_attention`'s probs)."""
+    r = q.shape[1]
+    positions = jnp.arange(n - r, n, dtype=jnp.int32)[None]
+    _, _, probs = exact_window_attention(cfg, q, window, positions, jnp.full((1,), n, jnp.int32),
+                                         jnp.full((1,), evicted, jnp.int32), scale)
+    return window.replace(maw=probs)
+
+
+@dataclasses.dataclass(eq=False)
+class HgcaCounters(Counters):
+    n_reevaluations: int = 0  # (layer) re-scorings of the offloaded tokens queued
+
+    def __post_init__(self):
+        Counters.__init__(self)
 
 
 class HgcaHost(ModeHost):
-    """Sparsification at eviction and re-evaluation after each new turn (both on the host worker)."""
+    """Sparsification at eviction and re-evaluation after each new turn (both on the eviction thread)."""
 
-    def __init__(self, runtime):
-        self.runtime = runtime
-        self.turn_queries: list[np.ndarray | None] = [None] * runtime.n_layers  # [B, <= keep, Hq, D]
-        self.last_chunk_valid: np.ndarray | None = None  # [B] valid tokens of the last prefill chunk
+    def __init__(self, context):
+        self.ctx = context
+        n_layers = context.shape.n_layers
+        self.turn_queries: list[np.ndarray | None] = [None] * n_layers  # [B, <= keep, Hq, D]
+        # (tail [B, keep, Hq, D], valid [B]) of the last prefill chunk, per layer (receive_queries)
+        self.tails: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.chunk_pending = False  # a prefill chunk ran since its queries were collected
         self.needs_reevaluate = False
-        runtime.declare_counters("n_reevaluations")
+        self.stats = HgcaCounters()
 
     def step_start(self, cache):
-        if self.last_chunk_valid is not None:  # the last step was a prefill chunk: its queries reach the
-            jax.block_until_ready(cache)       # host inside the step (host attention calls or query tails);
-        return cache                           # let them land before the turn's queries are read
+        if self.chunk_pending:           # the last step was a prefill chunk: its queries reach the
+            jax.block_until_ready(cache)  # host inside the step; let them land before they are read
+        return cache
+
+    def receive_queries(self, layer, tail, valid):
+        self.tails[layer] = (tail, valid)
 
     def blocks_evicted(self, layer, numbers_by_seq):
         """(Eviction thread) keep the salient tokens of the blocks just stored: done before the
         blocks are published, so the CPU attends them from the first step it owns them."""
-        cfg = self.runtime.config
-        sparsify_evicted(self.runtime.store, layer, list(numbers_by_seq), list(numbers_by_seq.values()),
+        cfg = self.ctx.config
+        sparsify_evicted(self.ctx.store, layer, list(numbers_by_seq), list(numbers_by_seq.values()),
                          cfg.beta, cfg.window_tokens, cfg.keep_after, cfg.max_keep_share)
 
     def before_prefill_chunk(self, positions):
         self._collect_turn_queries()
-        self.last_chunk_valid = (positions >= 0).sum(axis=1)
+        self.chunk_pending = True
         self.needs_reevaluate = True
 
     def before_decode(self, cache, offloaded_before):
@@ -85,59 +149,86 @@ class HgcaHost(ModeHost):
             self._reevaluate()
         return cache
 
-    def adopted(self):
+    def exchange_pages(self, published):
+        return ContextPages.of(self.ctx.store, self.ctx.shape.n_layers, self.ctx.shape.batch,
+                               published * self.ctx.config.block_size)
+
+    def adopted(self, store_replaced):
+        """A filled store: its kept tokens = the salient ones of every adopted block by the MAW it
+        holds (what sparsification at eviction would have kept); a restored history re-scores
+        instead (`restored`)."""
         self.needs_reevaluate = False
+        if not store_replaced:
+            return
+        cfg, store = self.ctx.config, self.ctx.store
+        published = self.ctx.published()
+        with store.lock:
+            for layer in range(self.ctx.shape.n_layers):
+                for b in range(self.ctx.shape.batch):
+                    for h in range(self.ctx.shape.hkv):
+                        store.context.clear_head_locked(layer, b, h)
+        for layer in range(self.ctx.shape.n_layers):
+            sparsify_evicted(store, layer, range(self.ctx.shape.batch), [np.arange(e) for e in published],
+                             cfg.beta, cfg.window_tokens, cfg.keep_after, cfg.max_keep_share)
+
+    def restored(self, queries):
+        """A restored history (HCache): re-score its offloaded tokens with its last queries
+        {layer: [1, R, Hq, D]} (what a prefill's first decode step would have done)."""
+        for layer, q in sorted(queries.items()):
+            self._reevaluate_layer(layer, [0], np.asarray(q, np.float32))
+
+    def counters(self):
+        return self.stats.as_dict()
+
+    def reset_counters(self):
+        self.stats.reset()
+
+    def row_stats(self):
+        """kept_share: tokens in the context cache / offloaded tokens (over layers, sequences and KV
+        heads; what the salience threshold kept)."""
+        store, shape = self.ctx.store, self.ctx.shape
+        kept = sum(int(store.context.kept_counts(layer, b).sum())
+                   for layer in range(shape.n_layers) for b in range(shape.batch))
+        stored = sum(store.n_tokens(layer, b) for layer in range(shape.n_layers) for b in range(shape.batch))
+        return {"kept_share": round(kept / stored / shape.hkv, 4)} if stored else {}
 
     def _collect_turn_queries(self) -> None:
         """Keep the last `reevaluate_queries` queries of each row seen by the last prefill chunk."""
-        valid = self.last_chunk_valid
-        if valid is None:
+        if not self.chunk_pending:
             return
-        bridge, keep = self.runtime.bridge, self.runtime.config.reevaluate_queries
-        for layer in range(self.runtime.n_layers):
-            q = bridge.last_queries.get(layer)
-            tail = bridge.turn_tails.pop(layer, None)  # the chunk ran on the device path
-            if tail is None and (q is None or q.shape[1] == 1):
+        keep = self.ctx.config.reevaluate_queries
+        for layer in range(self.ctx.shape.n_layers):
+            tail = self.tails.pop(layer, None)
+            if tail is None:
                 continue
             old = self.turn_queries[layer]
             rows = []
-            for b in range(self.runtime.batch):
-                if tail is not None:
-                    mine = tail[0][b, keep - min(keep, int(tail[1][b])):]
-                else:
-                    mine = q[b, max(0, int(valid[b]) - keep):int(valid[b])]
+            for b in range(self.ctx.shape.batch):
+                mine = tail[0][b, keep - min(keep, int(tail[1][b])):]
                 if old is not None:
                     mine = np.concatenate([old[b], mine])[-keep:] if mine.shape[0] < keep else mine
                 rows.append(mine)
             tq = min(r.shape[0] for r in rows)
             if tq > 0:
                 self.turn_queries[layer] = np.stack([r[-tq:] for r in rows])
-        self.last_chunk_valid = None
+        self.chunk_pending = False
 
     def _reevaluate(self) -> None:
-        runtime = self.runtime
         self._collect_turn_queries()
-        if not runtime.offloaded_blocks().any():
+        if not self.ctx.published().any():
             return  # nothing on the host yet: re-score at the first decode step that publishes blocks
         self.needs_reevaluate = False
-        cfg = runtime.config
-        for layer in range(runtime.n_layers):
+        for layer in range(self.ctx.shape.n_layers):
             q = self.turn_queries[layer]
             if q is not None:
-                self._reevaluate_layer(layer, range(runtime.batch), q)
-        self.turn_queries = [None] * runtime.n_layers
-        runtime.evictor.wait_background()  # the step's CPU attention reads the re-evaluated context
-
-    def reevaluate_history(self, queries: dict[int, np.ndarray]) -> None:
-        """A restored history (HCache): re-score its offloaded tokens with its last queries
-        {layer: [1, R, Hq, D]} (what a prefill's first decode step would have done)."""
-        for layer, q in sorted(queries.items()):
-            self._reevaluate_layer(layer, [0], np.asarray(q, np.float32))
+                self._reevaluate_layer(layer, range(self.ctx.shape.batch), q)
+        self.turn_queries = [None] * self.ctx.shape.n_layers
+        self.ctx.wait_background()  # the step's CPU attention reads the re-evaluated context
 
     def _reevaluate_layer(self, layer: int, seqs, queries: np.ndarray) -> None:
         """Queue one layer's re-evaluation on the eviction thread: serialised with the sparsification
         of newly evicted blocks, so neither sees the other half done (a token kept twice)."""
-        cfg, runtime = self.runtime.config, self.runtime
-        runtime.evictor.background(reevaluate, runtime.store, layer, list(seqs), queries, cfg.beta, runtime.scale,
-                                   cfg.keep_after, cfg.max_keep_share)
-        runtime.count("n_reevaluations")
+        cfg = self.ctx.config
+        self.ctx.background(reevaluate, self.ctx.store, layer, list(seqs), queries, cfg.beta, self.ctx.shape.scale,
+                            cfg.keep_after, cfg.max_keep_share)
+        self.stats.add(n_reevaluations=1)

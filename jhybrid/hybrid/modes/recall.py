@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from host.store_format import from_storage
 
-from jhybrid.hybrid.modes.base import DecodeStep, ModeHost, OffloadMode
+from jhybrid.hybrid.modes.base import DecodeStep, HostLayout, ModeHost, OffloadMode, Workload
 from jhybrid.hybrid.state import DeviceCopy, LayerState
 from jhybrid.hybrid.transfer import to_device
 from jhybrid.hybrid.window import decode_attention
@@ -25,6 +26,7 @@ from pallas_kernels.window_attention import window_attention
 
 class Recall(OffloadMode):
     name = "recall"
+    rebuilt_each_step = ("offloaded",)
 
     def layer_state(self, layer, num_layers, batch, num_kv_heads, head_dim, max_len, dtype):
         """The device copy's buffers exist from the start: device memory is what every decode step
@@ -42,21 +44,29 @@ class Recall(OffloadMode):
                                       backend=cfg.kernel_backend)
         return [(o_w, lse_w), (o_o, lse_o)], probs, state, None
 
-    def host(self, runtime) -> "RecallHost":
-        return RecallHost(runtime)
+    def host(self, context) -> "RecallHost":
+        return RecallHost(context)
+
+    def host_bytes_per_sequence(self, layout: HostLayout, offloaded_blocks, max_len, workload: Workload):
+        """The store's blocks, plus the mirror: every layer's offloaded KV of max_len in the model dtype."""
+        mirror = jax.eval_shape(lambda: self.layer_state(0, 1, 1, layout.n_kv_heads, layout.head_dim, max_len,
+                                                         jnp.dtype(layout.dtype)))["offloaded"]
+        return super().host_bytes_per_sequence(layout, offloaded_blocks, max_len, workload) + \
+            layout.n_layers * (mirror.k.size + mirror.v.size) * mirror.k.dtype.itemsize
 
 
 class RecallHost(ModeHost):
-    def __init__(self, runtime):
-        self.runtime = runtime
-        shape = (runtime.n_layers, runtime.batch, runtime.hkv, runtime.nb_max * runtime.config.block_size, runtime.d)
-        self.mirror_k = np.zeros(shape, runtime.dtype)  # zero pages are only touched when written
-        self.mirror_v = np.zeros(shape, runtime.dtype)
+    def __init__(self, context):
+        self.ctx = context
+        shape = context.shape
+        mirror = (shape.n_layers, shape.batch, shape.hkv, shape.nb_max * context.config.block_size, shape.head_dim)
+        self.mirror_k = np.zeros(mirror, shape.dtype)  # zero pages are only touched when written
+        self.mirror_v = np.zeros(mirror, shape.dtype)
 
     def blocks_stored(self, layer, seq, numbers, k, v):
-        bs = self.runtime.config.block_size
-        if self.runtime.store_rounds:  # the mirror holds what the host store holds: its rows' values
-            kv_dtype = self.runtime.store.config.kv_dtype
+        bs = self.ctx.config.block_size
+        if self.ctx.store_rounds:  # the mirror holds what the host store holds: its rows' values
+            kv_dtype = self.ctx.store.config.kv_dtype
             k, v = from_storage(k, kv_dtype), from_storage(v, kv_dtype)
         for j, block in enumerate(numbers):
             lo = int(block) * bs
@@ -64,20 +74,34 @@ class RecallHost(ModeHost):
             self.mirror_v[layer, seq, :, lo:lo + bs] = np.asarray(v[j]).transpose(1, 0, 2).astype(self.mirror_v.dtype)
 
     def before_decode(self, cache, offloaded_before):
-        runtime = self.runtime
+        ctx = self.ctx
         start = time.perf_counter()
-        device = runtime.device_of(cache)
-        n_valid = np.asarray(runtime.offloaded_blocks() * runtime.config.block_size, np.int32)
+        device = next(iter(cache.layers[0].window.k_ring.devices()))
+        n_valid = np.asarray(ctx.published() * ctx.config.block_size, np.int32)
         # one n_valid per layer: the step donates the cache, and a buffer cannot be donated twice
         layers = tuple(state.replace(offloaded=DeviceCopy(to_device(self.mirror_k[layer], device),
                                                           to_device(self.mirror_v[layer], device),
                                                           to_device(n_valid, device)))
                        for layer, state in enumerate(cache.layers))
-        runtime.count("transfer_s", time.perf_counter() - start)
-        runtime.count("bytes_to_device", self.mirror_k.nbytes + self.mirror_v.nbytes)
+        ctx.counters.add(transfer_s=time.perf_counter() - start,
+                         bytes_to_device=self.mirror_k.nbytes + self.mirror_v.nbytes)
         return cache.replace(layers=layers)
 
-    def mirror_bytes(self) -> int:
+    def adopted(self, store_replaced):
+        """A filled store: the mirror = its blocks (a restored history's appends filled it already)."""
+        if not store_replaced:
+            return
+        ctx, bs = self.ctx, self.ctx.config.block_size
+        store, kv_dtype = ctx.store, ctx.store.config.kv_dtype
+        for layer in range(ctx.shape.n_layers):
+            arrays = store.layers[layer].arrays
+            for b, e in enumerate(ctx.published()):
+                slots = store.block_slots(layer, b)[:e]
+                for name, mirror in (("k", self.mirror_k), ("v", self.mirror_v)):
+                    rows = from_storage(arrays[name][slots], kv_dtype)  # [e, Hkv, bs, D]
+                    mirror[layer, b, :, :e * bs] = rows.transpose(1, 0, 2, 3).reshape(ctx.shape.hkv, e * bs, -1)
+
+    def host_bytes(self) -> int:
         return self.mirror_k.nbytes + self.mirror_v.nbytes
 
     def close(self):

@@ -12,38 +12,72 @@ Device side, per layer of a decode step:
   submits its work, chosen with the next layer's norm + W_q + RoPE applied to this layer's input
   (the decoder computes that query when `wants_next_query` says so).
   Exchanges per decode step: L + |exact layers| (L + 1 with layer 0 only).
-Host side (`ScoutHost`): asynchronous incremental recall into the pool
-(`jhybrid.hybrid.modes.scout_recall`): at a step start, per layer, when the CPU's share of the
+Host side (`ScoutHost`): asynchronous incremental recall into the pool (§3.4; "The recall"
+below): at a step start, per layer, when the CPU's share of the
 layer's selected blocks at the last step exceeded `recall_threshold` (and `recall_min_interval`
 steps passed, and none of its recalls is in flight), a background thread plans, gathers and
 uploads the recall; the first step start at which it has finished applies it with one jitted,
-buffer-donating scatter. No step ever waits for it. Warm start: at the second decode step after a
-prefill (or an adopted store), every layer recalls what its first decode step selected.
+buffer-donating scatter; no step waits for it (recall_lag_steps None; an int N applies each one
+exactly N steps after its trigger, for replayable runs). Warm start, as the paper's GPU keeps the
+blocks selected after prefill: at the second decode step after a prefill (or an adopted store) every
+layer recalls what its first decode step selected (like every recall, never waited for).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
+import numba
 import numpy as np
 
+from host.exchange_worker import BlockPages
+from host.gather import gather_rows
+from host.targets import CHOSEN_BLOCKS
+from jhybrid.hybrid.calibration import resolve_exact_layers
 from jhybrid.hybrid.exchange import after
-from jhybrid.hybrid.modes.base import DecodeStep, ModeHost
-from jhybrid.hybrid.modes.scout_recall import RecallPlan, plan_recall, pool_spec, stage_recall
-from jhybrid.hybrid.modes.topk import TopK
+from jhybrid.hybrid.modes.base import DecodeStep, ModeHost, OffloadMode, SplitBudget
+from jhybrid.hybrid.runtime import Counters
+from jhybrid.hybrid.selection import budget_blocks, check_budget, gpu_parts, note_selection, select_for
 from jhybrid.hybrid.state import Digests, LayerAhead, LayerState, Pool
+from jhybrid.hybrid.transfer import log_once, stored_as, to_device
+from pallas_kernels._common import next_pow2
 
 log = logging.getLogger(__name__)
 
 
-class Scout(TopK):
+class Scout(OffloadMode):
     name = "scout"
-    settings = frozenset({"budget", "recall_blocks", "recall_threshold", "recall_min_interval",
+    settings = frozenset({"budget", "recall_blocks", "recall_threshold", "recall_min_interval", "recall_lag_steps",
                           "predict_query", "scout_exact_layers", "scout_min_cos"})
+    host_target = CHOSEN_BLOCKS
+
+    default_window_tokens = 272  # the sinks + the last 256 tokens: the paper's regime (module docstring)
+    grows_window = False  # the GPU keeps important blocks in the pool, not a longer window
+    default_budget = 2048  # ScoutAttention's evaluation budget (tokens per sequence and KV head)
+
+    @classmethod
+    def defaults(cls, config):
+        """recall_blocks None: a pool of twice the budget's blocks (8 with every block selected)."""
+        if config.recall_blocks is not None:
+            return {}
+        k = config.topk_blocks
+        return {"recall_blocks": 8 if k is None else 2 * k}
+
+    @classmethod
+    def config_problems(cls, config):
+        exact = config.scout_exact_layers
+        if not config.predict_query and isinstance(exact, tuple) and set(exact) - {0}:
+            return [("scout_exact_layers", exact, "with predict_query=False every layer already uses its exact "
+                     "query (set one of the two)")]
+        return []
 
     def exact_layers(self) -> frozenset:
         """scout_exact_layers as a set of layer indices (layer 0 always included; "auto" left
@@ -54,26 +88,37 @@ class Scout(TopK):
         return frozenset(range(max(exact, 1)) if isinstance(exact, int) else (0, *exact))
 
     def selects_exactly(self, layer: int) -> bool:
+        """Does `layer` select with its own exact query (False: the layer-ahead prediction)?"""
         return not self.config.predict_query or layer in self.exact_layers()
 
+    def max_block_ids(self, max_len):
+        return budget_blocks(self.config, max_len)
+
     def check(self, model_config, max_len):
-        super().check(model_config, max_len)
+        check_budget(self.config, max_len)
         n = model_config.num_layers
         over = sorted(x for x in self.exact_layers() if x >= n) if self.config.predict_query else []
         if over:
             raise ValueError(f"scout_exact_layers={self.config.scout_exact_layers!r}: layer(s) "
                              f"{', '.join(map(str, over))} out of range for a model of {n} layers (0..{n - 1})")
+        if self.config.predict_query and self.config.scout_exact_layers == "auto":
+            log_once("scout-auto-unresolved", logging.WARNING, "scout: scout_exact_layers='auto' was not "
+                     "resolved (make_backend(..., model=, calibration_tokens=)): every layer but the first "
+                     "selects with its layer-ahead predicted query")
 
     def wants_next_query(self, layer, num_layers):
         return layer + 1 < num_layers and not self.selects_exactly(layer + 1)
 
     def layer_state(self, layer, num_layers, batch, num_kv_heads, head_dim, max_len, dtype):
-        out = super().layer_state(layer, num_layers, batch, num_kv_heads, head_dim, max_len, dtype)
         nb, bs, r = self.config.host_blocks(max_len), self.config.block_size, self.config.recall_blocks
+        digests = lambda: Digests(jnp.zeros((batch, num_kv_heads, nb, head_dim), dtype),  # noqa: E731
+                                  jnp.zeros((batch, num_kv_heads, nb, head_dim), dtype))
+        out = {"selected": jnp.full((batch, num_kv_heads, budget_blocks(self.config, max_len)), -1, jnp.int32)}
+        if self.selects_exactly(layer):
+            out["digests"] = digests()
         ahead = self.wants_next_query(layer, num_layers)
         if ahead:
-            out["next_digests"] = Digests(jnp.zeros((batch, num_kv_heads, nb, head_dim), dtype),
-                                          jnp.zeros((batch, num_kv_heads, nb, head_dim), dtype))
+            out["next_digests"] = digests()
         if r:
             out["pool"] = Pool(k=jnp.zeros((batch * r, num_kv_heads, bs, head_dim), dtype),
                                v=jnp.zeros((batch * r, num_kv_heads, bs, head_dim), dtype),
@@ -84,14 +129,14 @@ class Scout(TopK):
         return out
 
     def decode(self, step: DecodeStep, state: LayerState):
-        exchange, q = step.exchange, step.q
+        cfg, exchange, q = self.config, step.exchange, step.q
         pool_blocks = None if state.pool is None else state.pool.blocks
         if self.selects_exactly(step.layer):
             if step.carry is not None:
                 raise RuntimeError(f"scout: layer {step.layer} selects with its exact query but a layer-ahead "
                                    "selection was handed to it")
-            sel = self._select(q, state, step.offloaded, state.digests, pool_blocks)
-            ticket = exchange.submit(step.layer, "blocks", q, sel.cpu_ids)
+            sel = select_for(cfg, q, state, step.offloaded, state.digests, pool_blocks)
+            ticket = exchange.submit(step.layer, CHOSEN_BLOCKS, q, sel.cpu_ids)
             q = after(q, ticket)
         else:
             if step.carry is None:
@@ -100,52 +145,306 @@ class Scout(TopK):
             sel, ticket = step.carry
         ahead = self.wants_next_query(step.layer, step.num_layers)
         if ahead:
-            next_sel = self._select(step.next_q, state, step.offloaded, state.next_digests, state.next_pool_blocks)
-        parts, probs = self._gpu_parts(step, q, state, sel)
+            next_sel = select_for(cfg, step.next_q, state, step.offloaded, state.next_digests, state.next_pool_blocks)
+        parts, probs = gpu_parts(cfg, step, q, state, sel)
         lse_w = parts[0][1]
         carry = None
         if ahead:
-            o_c, lse_c, next_ticket = exchange.exchange(step.layer, ticket, q.shape, "blocks", step.layer + 1, step.next_q,
-                                                        next_sel.cpu_ids, lse_w)
+            o_c, lse_c, next_ticket = exchange.collect_and_submit(step.layer, ticket, q.shape, CHOSEN_BLOCKS,
+                                                                  step.layer + 1, step.next_q, next_sel.cpu_ids, lse_w)
             carry = LayerAhead(next_sel, next_ticket)
         else:
             o_c, lse_c = exchange.collect(step.layer, ticket, q.shape, lse_w)
         parts.append((o_c, lse_c))
-        return parts, probs, self._note(state, sel, step.positions), carry
+        return parts, probs, note_selection(state, sel, step.positions), carry
 
-    def host(self, runtime) -> "ScoutHost | None":
-        return ScoutHost(runtime) if self.config.recall_blocks else ModeHost()
+    def host(self, context) -> "ScoutHost":
+        return ScoutHost(context, self.max_block_ids(context.shape.max_len))
+
+    # ---- around the core --------------------------------------------------------------------------
+    def balanced(self, budget: SplitBudget) -> dict:
+        """The budget stays the config's (an accuracy setting, not a speed one); the pool holds twice
+        its blocks, so that the selection's stable part and its recent alternates are resident and
+        the CPU attends only what drifts (the split reports whether the host keeps up:
+        `SplitReport.cpu_tokens_per_seq_head` against the budget's CPU part)."""
+        k = self.config.topk_blocks
+        return {} if k is None else {"recall_blocks": 2 * k}
+
+    @classmethod
+    def needs_calibration(cls, config):
+        return config.predict_query and config.scout_exact_layers == "auto"
+
+    @classmethod
+    def for_model(cls, config, model, calibration_tokens):
+        return resolve_exact_layers(config, model, calibration_tokens)
+
+    def row_fields(self) -> dict:
+        cfg = self.config
+        exact = cfg.scout_exact_layers
+        return {"budget": cfg.effective_budget, "recall_blocks": cfg.recall_blocks, "predict_query": cfg.predict_query,
+                "exact_layers_used": exact if isinstance(exact, (int, str)) else list(exact)}
+
+
+# ---- the recall (§3.4) ---------------------------------------------------------------------------
+# The asynchronous, incremental recall of important offloaded blocks into the GPU pool, in three
+# pieces used by `ScoutHost`:
+#
+#   plan_recall   (host, NumPy)  which (sequence, KV head, slot) gets which host block: the blocks
+#                 the CPU attended at the last step, best-scored first, go into the least recently
+#                 used slots of the same (sequence, KV head) — never into a slot the last step used.
+#   stage_recall  (background thread)  gathers exactly those (block, head) rows from the host store
+#                 into a staging buffer and starts their upload (host -> `pinned_host` -> device on a
+#                 GPU; a plain device_put elsewhere, logged once). Nothing already resident moves.
+#   apply_recall  (main thread, between steps)  one small jitted scatter, donating the pool buffers:
+#                 the layer's `Pool` (rows, table, last use), and next_pool_blocks of the layer before
+#                 it (scout's layer-ahead selection of this layer reads that copy; the two tables are
+#                 always written together so they never disagree).
+#
+# The scout host applies a staged recall at the first step start at which its upload has finished and
+# never waits for it (recall_lag_steps None), or exactly recall_lag_steps after its trigger. Exactness does not depend on timing: a block is attended by the GPU iff it is
+# in pool_blocks when the step runs, and pool rows and table change in the same scatter.
+#
+# Shapes (R = slots per (sequence, KV head), N = recalled (block, head) rows, padded to Np):
+#   Pool (jhybrid.hybrid.state), next_pool_blocks [B, Hkv, R] int32
+#   plan: b, h, r, block  int32 [N]
+#   staged k, v           [Np, bs, D] model dtype, or the int8 store's rows [Np, bs, D + 4] (dequantized
+#                         on the device); rows past N: b = B, dropped by the scatter
+
+
+@dataclasses.dataclass
+class RecallPlan:
+    """One layer's recall: rows (b[i], h[i]) of slot r[i] receive host block block[i] (int32 [N])."""
+
+    layer: int
+    b: np.ndarray
+    h: np.ndarray
+    r: np.ndarray
+    block: np.ndarray
+    trigger_step: int
+    epoch: int
+    warm: bool = False
+    future: Future | None = None
+    bg_s: float = 0.0  # background seconds (gather + conversion + upload)
+
+    @property
+    def n(self) -> int:
+        return int(self.block.size)
+
+
+def plan_recall(cpu_ids: np.ndarray, pool_ids: np.ndarray, pool_used: np.ndarray,
+                last_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pick the recall of one layer.
+
+    cpu_ids   int [B, Hkv, k]  blocks the CPU attended at the last step, best first (-1 = none);
+                               by construction none of them is resident in (b, h)'s slots
+    pool_ids  int [B, Hkv, R]  current pool table (-1 = empty)
+    pool_used int [B, Hkv, R]  position of the last step that selected each slot (-1 = never)
+    last_pos  int [B]          position of the last step's token (a slot with pool_used ==
+                               last_pos was selected at that step and is kept)
+    Returns (b, h, r, block) int32 [N]: for each (b, h), its best CPU blocks paired with its free or
+    least recently used slots, as many as there are both.
+    """
+    bsz, hkv, k = cpu_ids.shape
+    r_slots = pool_ids.shape[2]
+    if r_slots == 0:
+        empty = np.zeros(0, np.int32)
+        return empty, empty, empty, empty
+    valid = cpu_ids >= 0
+    cand = np.take_along_axis(cpu_ids, np.argsort(~valid, axis=2, kind="stable"), axis=2)  # valid first
+    n_cand = valid.sum(axis=2)
+    # Slot priority: empty first, then least recently used; a slot used at the last step is not free.
+    key = np.where(pool_ids < 0, -2, pool_used).astype(np.int64)
+    free = (pool_ids < 0) | (pool_used < last_pos[:, None, None])
+    order = np.argsort(key, axis=2, kind="stable")
+    n_free = free.sum(axis=2)
+    m = min(k, r_slots)
+    n = np.minimum(np.minimum(n_cand, n_free), m)  # [B, Hkv]
+    take = np.arange(m)[None, None, :] < n[..., None]  # [B, Hkv, m]
+    bi, hi, ji = np.nonzero(take)
+    return (bi.astype(np.int32), hi.astype(np.int32), order[bi, hi, ji].astype(np.int32),
+            cand[bi, hi, ji].astype(np.int32))
+
+
+def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, pool_specs=None):
+    """Background: gather plan's (block, head) rows from the host store and upload them.
+
+    Returns (staged, apply): staged = device arrays (b, h, r, block int32 [Np], k, v [Np, bs, D]
+    dtype), Np = next power of two >= N (padding rows have b = batch, dropped by the scatter);
+    apply = `apply_recall` compiled ahead of time for these shapes when pool_specs (the
+    ShapeDtypeStructs of the pool and of next_pool_blocks, None when absent) are given,
+    so the step start that applies it never compiles. `hook()` (tests) runs first.
+    """
+    start = time.perf_counter()
+    if hook is not None:
+        hook()
+    c = store.config
+    n = plan.n
+    size = max(8, next_pow2(n))
+    dtype = np.dtype(dtype)
+    k_st = np.zeros((size, c.block_size, c.row_width), store.layers[plan.layer].arrays["k"].dtype)
+    v_st = np.zeros_like(k_st)
+    arena_slot = np.zeros(n, np.int64)
+    for b in np.unique(plan.b):
+        rows = np.nonzero(plan.b == b)[0]
+        slots = store.block_slots(plan.layer, int(b))  # copy, under the store's lock
+        if plan.block[rows].max() >= slots.shape[0]:
+            raise RuntimeError(f"scout recall: block {int(plan.block[rows].max())} of sequence {int(b)} "
+                               f"layer {plan.layer} is not in the host store ({slots.shape[0]} blocks)")
+        arena_slot[rows] = slots[plan.block[rows]]
+    with store.lock:  # the arena may be reallocated by a concurrent append; blocks never change
+        arrays = store.layers[plan.layer].arrays
+        gather_rows(arrays["k"], arrays["v"], arena_slot, plan.h.astype(np.int64), k_st, v_st)
+    if c.kv_dtype == "int8":  # uploaded as stored (half the bytes), dequantized on the device (apply_recall)
+        k_host, v_host = k_st, v_st
+    else:
+        k_host, v_host = stored_as(k_st, c.kv_dtype, dtype), stored_as(v_st, c.kv_dtype, dtype)
+    pad = size - n
+    idx = [np.concatenate([x, np.full(pad, fill, np.int32)]) for x, fill in
+           ((plan.b, batch), (plan.h, 0), (plan.r, 0), (plan.block, -1))]
+    out = tuple(jax.device_put(x, device) for x in idx) + (to_device(k_host, device), to_device(v_host, device))
+    apply = None
+    if pool_specs is not None:
+        now = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
+        apply = compiled_apply(tuple(pool_specs) + tuple(_spec(x) for x in out) + (now,))
+    jax.block_until_ready(out)
+    plan.bg_s = time.perf_counter() - start
+    return out, apply
+
+
+def _spec(x):
+    return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def pool_spec(x):
+    """ShapeDtypeStructs (with shardings) of a pool argument (an array or a Pool), or None."""
+    return None if x is None else jax.tree_util.tree_map(_spec, x)
+
+
+_compiled: dict = {}
+_compiled_lock = threading.Lock()
+
+
+def compiled_apply(specs: tuple):
+    """`apply_recall` lowered and compiled for these argument specs (cached per shapes/shardings)."""
+    key = tuple(None if s is None else (s.shape, str(s.dtype), s.sharding)
+                for s in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: x is None))
+    with _compiled_lock:
+        exe = _compiled.get(key)
+    if exe is None:
+        exe = apply_recall.lower(*specs).compile()
+        with _compiled_lock:
+            _compiled[key] = exe
+    return exe
+
+
+def _dequantize_rows(rows: jax.Array, d: int) -> jax.Array:
+    """int8 store rows [..., D + 4] (host.store_format) -> float32 values [..., D] on the device:
+    the same values the CPU attends (host.store_format.from_storage)."""
+    scale = jax.lax.bitcast_convert_type(rows[..., d:d + 4].reshape(*rows.shape[:-1], 4), jnp.float32)
+    return rows[..., :d].astype(jnp.float32) * scale[..., None]
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def apply_recall(pool, next_pool_blocks, b, h, r, block, k, v, now):
+    """Scatter staged rows into one layer's `Pool` (buffers donated) -> (pool, next_pool_blocks).
+    next_pool_blocks may be None. now int32 [B]: the position written to `used` of the new slots
+    (recent, so the next plan does not evict a block before it had a chance to be selected)."""
+    n_slots = pool.blocks.shape[2]
+    row = b * n_slots + r  # >= B * R for padding rows (b = B): dropped
+    stamp = now[jnp.minimum(b, now.shape[0] - 1)]
+    if k.dtype == jnp.int8:  # int8 store rows [Np, bs, D + 4]: D values, then their float32 scale
+        k, v = (_dequantize_rows(x, pool.k.shape[-1]) for x in (k, v))
+    pool = pool.replace(k=pool.k.at[row, h].set(k.astype(pool.k.dtype), mode="drop"),
+                        v=pool.v.at[row, h].set(v.astype(pool.v.dtype), mode="drop"),
+                        blocks=pool.blocks.at[b, h, r].set(block, mode="drop"),
+                        used=pool.used.at[b, h, r].set(stamp, mode="drop"))
+    if next_pool_blocks is not None:
+        next_pool_blocks = next_pool_blocks.at[b, h, r].set(block, mode="drop")
+    return pool, next_pool_blocks
+
+
+@dataclasses.dataclass(eq=False)
+class ScoutCounters(Counters):
+    recall_s: float = 0.0          # step-start time spent triggering and applying recalls
+    recall_bg_s: float = 0.0       # background time of the recalls (plan, gather, upload)
+    n_recall_triggers: int = 0
+    n_recalls: int = 0             # recalls applied
+    recall_rows: int = 0           # (block, head) rows recalled
+
+    def __post_init__(self):
+        Counters.__init__(self)
 
 
 class ScoutHost(ModeHost):
     """The asynchronous recall of important blocks into each layer's GPU pool (see module doc)."""
 
-    HISTORY = 4096  # entries kept in recall_log
+    HISTORY = 1024  # entries kept in recall_log
 
-    def __init__(self, runtime):
-        self.runtime = runtime
-        cfg = runtime.config
+    def __init__(self, context, k: int):
+        self.ctx, self.k = context, k
+        cfg, shape = context.config, context.shape
         # host copy of every layer's pool table [L, B, Hkv, R] (updated when a recall is applied)
-        self.pool_ids = np.full((runtime.n_layers, runtime.batch, runtime.hkv, cfg.recall_blocks), -1, np.int32)
+        self.pool_ids = np.full((shape.n_layers, shape.batch, shape.hkv, cfg.recall_blocks), -1, np.int32)
         self.pending: dict[int, RecallPlan] = {}  # layer -> its in-flight recall
-        self.last_recall = np.full(runtime.n_layers, -10**9)
+        self.last_recall = np.full(shape.n_layers, -10**9)
         self.since_prefill = 0  # decode steps since the last prefill chunk (or adopted store)
-        self.warm = np.zeros(runtime.n_layers, bool)  # layers whose warm-start recall is still due
+        self.warm = np.zeros(shape.n_layers, bool)  # layers whose warm-start recall is still due
         self.epoch = 0  # bumped when the store is replaced: older recalls are void
         self.recall_hook = None  # tests: called at the start of each background recall job
         # tensor parallelism: {layer: CPU blocks of the last step over every shard} and the shards' KV heads
         self.shared_counts: dict[int, int | None] | None = None
-        self.shared_heads = runtime.hkv
-        self.recall_log: list[dict] = []
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="jhybrid-recall")
-        runtime.declare_counters("recall_s", "recall_bg_s", "n_recall_triggers", "n_recalls", "recall_rows")
+        self.shared_heads = shape.hkv
+        self.recall_log: collections.deque[dict] = collections.deque(maxlen=self.HISTORY)
+        self.since_reset = 0  # decode step of the last counter reset (row_stats counts from there)
+        # a quarter of the host's threads gather the recalled rows (the rest keep attending)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="jhybrid-recall", initializer=numba.set_num_threads,
+                                          initargs=(max(1, context.n_threads // 4),))
+        self.stats = ScoutCounters()
+
+    def exchange_pages(self, published):
+        return BlockPages.of(self.ctx.store, self.k, self.ctx.slot_tables, published)
+
+    def counters(self):
+        return self.stats.as_dict()
+
+    def reset_counters(self):
+        self.stats.reset()
+        self.since_reset = self.ctx.decode_steps
+
+    def row_stats(self):
+        """The recalls since the counters were reset: how many were triggered, and the measured
+        per-layer interval between two triggers of a layer (decode steps; mean over the layers that
+        recalled twice or more, and the shortest and longest layer mean)."""
+        since = self.since_reset
+        steps: dict[int, list[int]] = {}
+        for entry in self.recall_log:
+            if entry["trigger_step"] >= since and not entry["warm"]:
+                steps.setdefault(entry["layer"], []).append(entry["trigger_step"])
+        means = [float(np.mean(np.diff(sorted(s)))) for s in steps.values() if len(s) >= 2]
+        return {"recalls": sum(len(s) for s in steps.values()),
+                "recall_interval_mean": round(float(np.mean(means)), 2) if means else None,
+                "recall_interval_min": round(min(means), 2) if means else None,
+                "recall_interval_max": round(max(means), 2) if means else None}
+
+    @classmethod
+    def coordinate(cls, hosts):
+        """Each shard's recall trigger reads the CPU's share of a layer's selection over every
+        shard's heads, as a single device does (each shard then recalls its own heads' blocks).
+        Read before any shard's exchange worker is armed for the coming step."""
+        counts = {}
+        for layer in range(hosts[0].ctx.shape.n_layers):
+            parts = [host.cpu_blocks(layer) for host in hosts]
+            counts[layer] = None if None in parts else sum(parts)
+        heads = sum(host.ctx.shape.hkv for host in hosts)
+        for host in hosts:
+            host.shared_counts, host.shared_heads = counts, heads
 
     def close(self):
         self.epoch += 1
         self.pending.clear()
         self._worker.shutdown(wait=False, cancel_futures=True)
 
-    def adopted(self):
+    def adopted(self, store_replaced):
         self.epoch += 1
         self.pending.clear()
         self.pool_ids[:] = -1  # the cache handed in with the store has an empty pool
@@ -168,7 +467,7 @@ class ScoutHost(ModeHost):
         self.warm[:] = True
 
     def before_decode(self, cache, offloaded_before):
-        if self.since_prefill > 0:
+        if self.since_prefill > 0 and self.ctx.config.recall_blocks:
             self._trigger(cache, offloaded_before)
         self.since_prefill += 1
         return cache
@@ -177,7 +476,7 @@ class ScoutHost(ModeHost):
     def cpu_blocks(self, layer: int) -> int | None:
         """(sequence, KV head, block) entries of `layer`'s selection the CPU attended at the last
         decode step, over this runtime's KV heads (None: no decode step yet)."""
-        ids = self.runtime.last_block_ids(layer)
+        ids = self.ctx.last_block_ids(layer)
         return None if ids is None else int((ids >= 0).sum())
 
     def cpu_share(self, layer: int, n_blocks: np.ndarray) -> float | None:
@@ -185,21 +484,20 @@ class ScoutHost(ModeHost):
         head of the model (None: unknown). n_blocks [B]: offloaded blocks per sequence then. Under
         tensor parallelism the shards of this process count together (`shared_counts`, set before
         each step by jhybrid.parallel.offload), so each recalls exactly when a single device would."""
-        runtime = self.runtime
         if self.shared_counts is not None:
             cpu, heads = self.shared_counts.get(layer), self.shared_heads
         else:
-            cpu, heads = self.cpu_blocks(layer), runtime.hkv
-        budget = int(np.minimum(runtime.config.topk_blocks or runtime.nb_max, n_blocks).sum()) * heads
+            cpu, heads = self.cpu_blocks(layer), self.ctx.shape.hkv
+        budget = int(np.minimum(self.ctx.config.topk_blocks or self.ctx.shape.nb_max, n_blocks).sum()) * heads
         if cpu is None or budget == 0:
             return None
         return cpu / budget
 
     def _trigger(self, cache, n_blocks: np.ndarray) -> None:
         """Start the recalls due at this step start; never blocks on one."""
-        runtime, cfg = self.runtime, self.runtime.config
-        last_pos = runtime.n_tokens - 1  # the previous decode step's token positions [B]
-        for layer in range(runtime.n_layers):
+        ctx, cfg = self.ctx, self.ctx.config
+        last_pos = ctx.tokens() - 1  # the previous decode step's token positions [B]
+        for layer in range(ctx.shape.n_layers):
             if layer in self.pending:
                 continue
             share = self.cpu_share(layer, n_blocks)
@@ -208,26 +506,25 @@ class ScoutHost(ModeHost):
             warm = bool(self.warm[layer])  # the first selection with CPU blocks since the prefill
             self.warm[layer] = False
             if not warm and (share <= cfg.recall_threshold
-                             or runtime.decode_steps - self.last_recall[layer] < cfg.recall_min_interval):
+                             or ctx.decode_steps - self.last_recall[layer] < cfg.recall_min_interval):
                 continue
             start = time.perf_counter()
             state = cache.layers[layer]
-            plan = RecallPlan(layer, *(np.zeros(0, np.int32),) * 4, trigger_step=runtime.decode_steps,
+            plan = RecallPlan(layer, *(np.zeros(0, np.int32),) * 4, trigger_step=ctx.decode_steps,
                               epoch=self.epoch, warm=warm)
             # Snapshots the job may use after this step has donated the cache: the CPU's ids, the
             # host pool table, the slots' last use.
-            cpu_ids = runtime.last_block_ids(layer)
+            cpu_ids = ctx.last_block_ids(layer)
             pool_ids = self.pool_ids[layer].copy()
             pool_used = np.asarray(state.pool.used)
             device = next(iter(state.pool.k.devices()))
             prev = cache.layers[layer - 1].next_pool_blocks if layer > 0 else None
             specs = (pool_spec(state.pool), pool_spec(prev))
-            plan.future = self._worker.submit(self._job, plan, runtime.store, cpu_ids, pool_ids, pool_used,
+            plan.future = self._worker.submit(self._job, plan, ctx.store, cpu_ids, pool_ids, pool_used,
                                               last_pos.copy(), device, specs)
             self.pending[layer] = plan
-            self.last_recall[layer] = runtime.decode_steps
-            runtime.count("n_recall_triggers")
-            runtime.count("recall_s", time.perf_counter() - start)
+            self.last_recall[layer] = ctx.decode_steps
+            self.stats.add(n_recall_triggers=1, recall_s=time.perf_counter() - start)
 
     def _job(self, plan: RecallPlan, store, cpu_ids, pool_ids, pool_used, last_pos, device, specs):
         """Background thread: plan, gather and upload one layer's recall, and compile its scatter
@@ -238,43 +535,48 @@ class ScoutHost(ModeHost):
         plan.b, plan.h, plan.r, plan.block = plan_recall(cpu_ids, pool_ids, pool_used, last_pos)
         staged = None
         if plan.n:
-            staged = stage_recall(store, plan, self.runtime.batch, self.runtime.dtype, device,
+            staged = stage_recall(store, plan, self.ctx.shape.batch, self.ctx.shape.dtype, device,
                                   hook=self.recall_hook, pool_specs=specs)
         plan.bg_s = time.perf_counter() - start
         return staged
 
     def _apply_ready(self, cache):
-        """Apply every in-flight recall whose upload has finished (one jitted scatter per layer)."""
-        runtime = self.runtime
+        """Apply the in-flight recalls that are due (one jitted scatter per layer): with
+        recall_lag_steps None each one whose upload has finished (never waiting), else each one
+        exactly recall_lag_steps decode steps after its trigger (waiting for its upload if needed:
+        a schedule that does not depend on timing, for accuracy runs and tests)."""
+        ctx = self.ctx
         layers = list(cache.layers)
         for layer in sorted(self.pending):
             plan = self.pending[layer]
-            if not plan.future.done():
+            lag = ctx.config.recall_lag_steps
+            if lag is None and not plan.future.done():
+                continue
+            if lag is not None and ctx.decode_steps < plan.trigger_step + lag:
                 continue
             start = time.perf_counter()
             del self.pending[layer]
-            exc = plan.future.exception()
+            exc = plan.future.exception(timeout=ctx.config.exchange_timeout_s)
             if exc is not None:
                 raise RuntimeError(f"scout recall of layer {layer} failed in the background") from exc
             result = plan.future.result()
-            runtime.count("recall_bg_s", plan.bg_s)
+            self.stats.add(recall_bg_s=plan.bg_s)
             if result is not None and plan.epoch == self.epoch:
                 staged, apply = result
                 state = layers[layer]
                 prev = layers[layer - 1] if layer > 0 and layers[layer - 1].next_pool_blocks is not None else None
-                now = jax.device_put(np.asarray(runtime.n_tokens - 1, np.int32), staged[0].sharding)
+                now = jax.device_put(np.asarray(ctx.tokens() - 1, np.int32), staged[0].sharding)
                 pool, nxt = apply(state.pool, None if prev is None else prev.next_pool_blocks, *staged, now)
                 layers[layer] = state.replace(pool=pool)
                 if prev is not None:
                     layers[layer - 1] = prev.replace(next_pool_blocks=nxt)
                 self.pool_ids[layer][plan.b, plan.h, plan.r] = plan.block
-                runtime.count("n_recalls")
-                runtime.count("recall_rows", plan.n)
-                runtime.count("bytes_to_device", staged[4].nbytes * 2)
+                self.stats.add(n_recalls=1, recall_rows=plan.n)
+                ctx.counters.add(bytes_to_device=staged[4].nbytes * 2)
                 self.recall_log.append(dict(layer=layer, trigger_step=plan.trigger_step,
-                                            apply_step=runtime.decode_steps, rows=plan.n, warm=plan.warm))
-                del self.recall_log[:-self.HISTORY]
-            runtime.count("recall_s", time.perf_counter() - start)
+                                            apply_step=ctx.decode_steps, rows=plan.n, warm=plan.warm))
+
+            self.stats.add(recall_s=time.perf_counter() - start)
         return cache.replace(layers=tuple(layers))
 
 
