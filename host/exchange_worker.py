@@ -431,6 +431,7 @@ class ExchangeWorker:
         self.exchange, self.mailboxes = exchange, mailboxes
         self.n_threads, self.scale, self.timeout_s = n_threads, np.float32(scale), timeout_s
         self.abort = np.zeros(1, np.uint32)
+        self.closing = False  # close() was called: an abandoned step is not an error
         self.error: BaseException | None = None
         self.serve_s = 0.0  # worker seconds inside serve calls (waiting for queries included)
         self.steps = 0
@@ -467,10 +468,16 @@ class ExchangeWorker:
             error, self.error = self.error, None
             raise error
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the worker: an armed step it is serving is abandoned at its next layer (not an error:
+        the owner is closing). -> True once the thread has ended (then its pinned mailboxes may be
+        freed); False if it is still inside a layer's attention after `timeout` seconds (default
+        timeout_s): the caller must then leave the memory it reads alone."""
+        self.closing = True
         self.abort[0] = 1
         self._plans.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=self.timeout_s if timeout is None else timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         numba.set_num_threads(self.n_threads)
@@ -488,8 +495,12 @@ class ExchangeWorker:
                 pages, release = plan.pages()
                 self._serve(plan, pages)
             except BaseException as exc:  # noqa: BLE001 - surfaced at the next step start
-                exc.add_note(f"--- raised in the host exchange worker ---\n{traceback.format_exc()}")
-                self._fail(exc)
+                if self.closing:  # abandoned by close(): release the stream, no error to report
+                    log.debug("host exchange: a step abandoned at close (%s)", exc)
+                    self.exchange.fail("closed")
+                else:
+                    exc.add_note(f"--- raised in the host exchange worker ---\n{traceback.format_exc()}")
+                    self._fail(exc)
             finally:
                 watchdog.cancel()
                 self.serve_s += time.perf_counter() - start

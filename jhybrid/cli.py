@@ -29,6 +29,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill step")
     p.add_argument("--dtype", default=None, help="parameter/activation dtype, e.g. bfloat16")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: the model's KV heads split over this many devices (default 1)")
     _add_offload_flags(p)
 
 
@@ -159,6 +161,12 @@ def _generate(args) -> int:
             calibration = prompt_ids
     backend = make_backend(offload, context=len(prompt_ids) + args.max_tokens, model=pretrained.model,
                            calibration_tokens=calibration)
+    parallel = None
+    if args.tp > 1:  # the tensor-parallel layout (jhybrid.parallel); a bad degree is a one-line error
+        from jhybrid.parallel import TensorParallel, tensor_mesh
+
+        parallel = TensorParallel(pretrained.model, tensor_mesh(args.tp, pretrained.model.config), backend)
+        backend = None
     device = jax.devices()[0]
     print(f"[{pretrained.source} loaded in {load_seconds:.1f} s on {device.platform}: "
           f"{len(prompt_ids)} prompt tokens]", file=sys.stderr)
@@ -177,7 +185,8 @@ def _generate(args) -> int:
                 shown = full
 
     with DeferredInterrupt() as interrupt, \
-            _interruptible(Generator, interrupt)(pretrained.model, backend, prefill_chunk=args.prefill_chunk) as generator:
+            _interruptible(Generator, interrupt)(pretrained.model, backend, prefill_chunk=args.prefill_chunk,
+                                                 parallel=parallel) as generator:
         start = time.perf_counter()  # the with block closes the backend, however it ends
         try:
             result = generator.generate([prompt_ids], max_new_tokens=args.max_tokens, sampling=sampling,
@@ -204,6 +213,7 @@ def check_generate_args(args) -> None:
     from jhybrid.config.schema import check_dtype
 
     check_dtype(args.dtype, "--dtype")
+    check_tp(args.tp)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}; expected >= 1")
     if args.prefill_chunk < 1:
@@ -214,6 +224,20 @@ def check_generate_args(args) -> None:
         byte = ord(error.object[error.start]) & 0xFF  # surrogateescape keeps the byte as U+DC80..U+DCFF
         raise ValueError(f"the prompt is not UTF-8 text (byte {byte:#04x} at character {error.start}); "
                          "expected a UTF-8 prompt") from None
+
+
+def check_tp(tp: int, flag: str = "--tp") -> None:
+    """A tensor-parallel degree this process can run (before anything loads): a positive int, at most
+    the visible devices. Whether it divides the model's KV heads is checked once the model is known
+    (jhybrid.parallel.tensor_mesh)."""
+    import jax
+
+    if tp < 1:
+        raise ValueError(f"{flag} {tp}; expected a positive int (1 = one device)")
+    devices = jax.devices()
+    if tp > len(devices):
+        raise ValueError(f"{flag} {tp}: only {len(devices)} {devices[0].platform} device(s) visible; expected at "
+                         f"most {len(devices)} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
 
 
 class DeferredInterrupt:
@@ -335,8 +359,14 @@ def _add_budget(sub) -> None:
     p.add_argument("--gpu-mem", required=True, help="GPU memory: 80 (GiB), 80GiB, 80GB, 512MiB")
     p.add_argument("--gpu-share", type=float, default=0.25,
                    help="target share of each sequence's KV kept on the GPU (default 0.25)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--sink", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per block (default: OffloadConfig's, 16)")
+    p.add_argument("--sink", type=int, default=None, help="attention-sink tokens (default: OffloadConfig's, 16)")
+    p.add_argument("--host-mem", default=None,
+                   help="host memory for the offloaded KV (same units; default: this machine's)")
+    p.add_argument("--host-reserve", default="16", help="host memory kept for the process itself (default 16 GiB)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: --gpu-mem is per device, the host holds every device's offloaded "
+                        "KV (one process); the KV heads must divide by it")
     p.add_argument("--kv-dtype", default=None, help="KV element type (default: the model's dtype)")
     p.add_argument("--host-kv-dtype", default=None, choices=["bf16", "fp16", "fp32", "int8"],
                    help="host store format of the offloaded KV (default: as --kv-dtype; int8 = 8-bit rows + scale)")
@@ -344,7 +374,7 @@ def _add_budget(sub) -> None:
     p.add_argument("--split", default="fixed", choices=["fixed", "balanced"],
                    help="balanced: also print the balanced split for --mode (window from the memory left at "
                         "this batch, the CPU's share from a machine profile; jhybrid.hybrid.split)")
-    p.add_argument("--mode", default="hgca", choices=["hgca", "scout", "topk"],
+    p.add_argument("--mode", default="hgca", choices=_offloading_modes(),
                    help="the offloading mode whose balanced split is printed (default hgca)")
     p.add_argument("--measure", action="store_true",
                    help="--split balanced: measure this machine's profile (HBM and host attention GB/s, a few "
@@ -383,8 +413,8 @@ def check_budget_args(args) -> None:
     import math
 
     for flag, value, least in (("--context", args.context, 1), ("--batch", args.batch, 1),
-                               ("--block-size", args.block_size, 1), ("--sink", args.sink, 0)):
-        if value < least:
+                               ("--block-size", args.block_size, 1), ("--sink", args.sink, 0), ("--tp", args.tp, 1)):
+        if value is not None and value < least:
             raise ValueError(f"{flag} {value}; expected an integer >= {least}")
     if not (math.isfinite(args.gpu_share) and 0.0 < args.gpu_share <= 1.0):
         raise ValueError(f"--gpu-share {args.gpu_share}; expected a fraction in (0, 1]")
@@ -392,6 +422,34 @@ def check_budget_args(args) -> None:
 
     if args.kv_dtype is not None and args.kv_dtype not in DTYPE_BYTES:
         raise ValueError(f"--kv-dtype {args.kv_dtype}; expected one of {', '.join(DTYPE_BYTES)}")
+
+
+def _offloading_modes() -> list[str]:
+    from jhybrid.hybrid.registry import mode_class, mode_names
+
+    return [name for name in mode_names() if mode_class(name).offloads]
+
+
+def _capacity_lines(args, config, gpu_bytes: int, weights: int, reserve: int) -> list[tuple[str, str]]:
+    """Per mode at its defaults (and the fixed GPU share for the dense-window modes): bytes per
+    sequence on the device and the host, the largest batch, and which memory limits it."""
+    from jhybrid.bench.budget import mode_capacity, parse_bytes, format_capacity
+    from jhybrid.bench.throughput import host_memory_bytes
+    from jhybrid.hybrid import OffloadConfig
+
+    host = _memory_flag("--host-mem", args.host_mem, parse_bytes) if args.host_mem else host_memory_bytes()
+    host_reserve = _memory_flag("--host-reserve", args.host_reserve, parse_bytes)
+    given = {k: v for k, v in (("sink", args.sink), ("block_size", args.block_size)) if v is not None}
+    rows = []
+    for mode, extra in (("full", {}), ("quest", {}), ("hgca", {"gpu_ratio": args.gpu_share}), ("scout", {})):
+        for host_kv in ([None, "int8"] if mode == "scout" else [None]):
+            offload = OffloadConfig(mode=mode, **(given if mode != "full" else {}), **extra,
+                                    **({"host_kv_dtype": host_kv} if host_kv else {}))
+            label = mode + (f" (GPU share {args.gpu_share:g})" if "gpu_ratio" in extra else "") + \
+                (f", {host_kv} host KV" if host_kv else "")
+            rows.append((label, mode_capacity(config, offload, args.context, gpu_bytes, host, weights=weights,
+                                              reserve=reserve, host_reserve=host_reserve)))
+    return format_capacity(rows)
 
 
 def _memory_flag(flag: str, text: str, parse_bytes) -> int:
@@ -421,15 +479,25 @@ def _budget(args) -> int:
     reserve = _memory_flag("--reserve", args.reserve, parse_bytes) if args.reserve != "0" else 0
     if gpu_bytes <= 0:
         raise ValueError(f"--gpu-mem {args.gpu_mem}; expected a positive memory size (e.g. 80GiB)")
+    if config.num_kv_heads % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the {config.num_kv_heads} KV heads of {args.model}; "
+                         "expected a divisor of the KV heads")
+    per_device = gpu_bytes
+    gpu_bytes *= args.tp  # weights and KV heads split over the devices (embeddings too, where they divide)
     budget = kv_budget(args.model, config, args.context, args.batch, gpu_bytes, gpu_share=args.gpu_share,
                        sink=args.sink, block_size=args.block_size, kv_dtype=args.kv_dtype,
-                       host_kv_dtype=args.host_kv_dtype, reserve_bytes=reserve)
-    if budget.weight_bytes + reserve >= gpu_bytes:
+                       host_kv_dtype=args.host_kv_dtype, reserve_bytes=reserve * args.tp)
+    if budget.weight_bytes + reserve * args.tp >= gpu_bytes:
         kept = f" + --reserve {human_bytes(reserve)}" if reserve else ""
+        over = f" over {args.tp} devices" if args.tp > 1 else ""
         raise ValueError(f"--gpu-mem {args.gpu_mem}: the weights of {args.model} (~{human_bytes(budget.weight_bytes)})"
-                         f"{kept} do not fit in {human_bytes(gpu_bytes)}, leaving nothing for KV; expected more "
-                         f"than {human_bytes(budget.weight_bytes + reserve)}")
+                         f"{kept} do not fit in {human_bytes(gpu_bytes)}{over}, leaving nothing for KV; expected "
+                         f"more than {human_bytes((budget.weight_bytes + reserve * args.tp) // args.tp)} per device")
     lines = format_budget(budget)
+    if args.tp > 1:
+        lines.insert(1, ("tensor parallel", f"{args.tp} devices of {human_bytes(per_device)}: weights and KV "
+                                            f"per device / {args.tp}, the host holds every device's offloaded KV"))
+    lines += _capacity_lines(args, config, gpu_bytes, budget.weight_bytes, reserve * args.tp)
     if args.split == "balanced":
         from jhybrid.bench.budget import balanced_budget_split, format_split
         from jhybrid.hybrid.split import machine_profile

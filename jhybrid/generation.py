@@ -137,18 +137,26 @@ class Generator:
     prefill_chunk: tokens per prefill step (the chunked prefill is exact).
     max_len: cache capacity in tokens per sequence (default: prompt + max_new_tokens, rounded up
     to 64, capped by the model's context).
+    parallel: a `jhybrid.parallel.TensorParallel` of `model`: its placed parameters, its backend
+    (one host side per device) and its sharded cache are used instead (`backend` must be None).
     """
 
     def __init__(self, model: CausalLM, backend: AttentionBackend | None = None,
-                 prefill_chunk: int = 256, max_len: int | None = None):
+                 prefill_chunk: int = 256, max_len: int | None = None, parallel=None):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be > 0")
+        if parallel is not None and backend is not None:
+            raise ValueError("Generator(parallel=...) runs the tensor-parallel backend; pass no backend")
         self.config = model.config
-        self.backend = backend or FullAttention()
+        self.parallel = parallel
+        self.backend = parallel.backend if parallel is not None else (backend or FullAttention())
         # An offloading backend may bound the chunk (its GPU ring must hold one chunk).
         self.prefill_chunk = min(prefill_chunk, self.backend.max_prefill_chunk or prefill_chunk)
         self.max_len = max_len
-        self.graphdef, self.params = nnx.split(model)
+        if parallel is not None:  # the parameters as the tensor-parallel layout placed them
+            self.graphdef, self.params = parallel.graphdef, parallel.params
+        else:
+            self.graphdef, self.params = nnx.split(model)
         self._executables: dict = {}
         self.compile_seconds = 0.0
 
@@ -302,6 +310,8 @@ class Generator:
         """Opens the backend's host side for this batch (left open for its counters afterwards;
         the next generate or backend.close() ends it) and builds the device cache."""
         self.backend.open(self.config, batch, max_len)
+        if self.parallel is not None:
+            return self.parallel.init_cache(batch, max_len)
         model = nnx.merge(self.graphdef, self.params)
         return model.init_cache(batch, max_len, self.backend)
 

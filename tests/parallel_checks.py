@@ -221,6 +221,46 @@ def check_tensor_parallel(rng):
         raise AssertionError("a step before open accepted")
 
 
+def check_generator_and_cli(rng):
+    """Generator(parallel=TensorParallel) at TP 2 and 4 gives TP 1's greedy tokens (full and hgca);
+    `jhybrid generate --tp` runs SmolLM2 over 3 devices, and refuses a degree the devices or the KV
+    heads cannot take (one line, exit 2)."""
+    from jhybrid.cli import main
+    from jhybrid.generation import Generator
+
+    model = create_model(TP_HYBRID, seed=1)
+    prompts = [rng.integers(0, 96, 40).tolist(), rng.integers(0, 96, 23).tolist()]
+    for mode, settings in (("full", {}), ("hgca", dict(KEEP_ALL))):
+        def tokens(tp):
+            backend = make_backend(mode, **settings)
+            if tp == 1:
+                generator = Generator(model, backend, prefill_chunk=16)
+            else:
+                generator = Generator(model, prefill_chunk=16,
+                                      parallel=TensorParallel(model, tensor_mesh(tp, model.config), backend))
+            with generator:
+                return generator.generate(prompts, max_new_tokens=12).tokens
+        one = tokens(1)
+        for tp in (2, 4):
+            assert tokens(tp) == one, (mode, tp)
+    import contextlib
+    import io
+
+    def generate(tp):  # SmolLM2 (real weights): 3 KV heads
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(["generate", "--tp", tp, "--max-tokens", "4", "--mode", "hgca", "--window-tokens", "48",
+                         "hello"])
+        return code, err.getvalue()
+
+    code, err = generate("3")
+    assert code == 0 and "decode" in err, err
+    for tp, message in (("2", "does not divide the model's 3 KV heads"), ("8", "only 4 cpu device(s) visible"),
+                        ("0", "expected a positive int")):
+        code, err = generate(tp)
+        assert code == 2 and message in err and "Traceback" not in err, (tp, err)
+
+
 if __name__ == "__main__":
     name, seed = sys.argv[1], int(sys.argv[2])
     assert len(jax.devices()) == 4, jax.devices()

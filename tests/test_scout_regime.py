@@ -76,3 +76,40 @@ def test_host_memory_bounds_scout_and_int8_doubles_it(context):
     assert full.limited_by == "device" and bf16.limited_by == "host" and int8.limited_by == "host"
     assert bf16.max_batch > full.max_batch and bf16.max_batch_device > 4 * full.max_batch
     assert 1.8 * bf16.max_batch <= int8.max_batch <= 2.1 * bf16.max_batch
+
+
+def test_budget_command_sizes_every_mode_and_names_the_limit(capsys):
+    from jhybrid.cli import main
+
+    assert main(["budget", "--model", "llama3-8b", "--context", "32768", "--gpu-mem", "80GiB",
+                 "--host-mem", "128GiB"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines()[out.splitlines().index(
+        next(l for l in out.splitlines() if l.startswith("capacity per mode"))) + 1:]}
+    assert "device)" in lines["full"] and "host)" in lines["scout"] and "quest" in lines
+    # two devices: per-device memory doubles what fits, the host is shared (one process)
+    assert main(["budget", "--model", "llama3-70b", "--context", "32768", "--gpu-mem", "80GiB", "--tp", "2",
+                 "--host-mem", "256GiB"]) == 0
+    assert "tensor parallel" in capsys.readouterr().out
+    assert main(["budget", "--model", "llama3-8b", "--context", "32768", "--gpu-mem", "80GiB", "--tp", "3"]) == 2
+    assert "--tp 3 does not divide the 8 KV heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overlap,drift", [(0.82, 2.15), (0.876, 1.7), (0.6, 3.0)])
+def test_calibrated_tiers_reproduce_the_overlap_and_the_drift(rng, overlap, drift):
+    """Simulate the calibrated fill's selection (every step: the hot blocks and a random k - hot of
+    the warm ones): its step-to-step overlap and its distinct blocks over many steps match the
+    statistics the tiers were chosen for."""
+    from jhybrid.bench.synthetic import calibrated_tiers
+
+    k = 128
+    hot, warm = calibrated_tiers(k, overlap, drift)
+    previous, overlaps, seen = None, [], set()
+    for _ in range(400):
+        chosen = set(range(hot)) | set((hot + rng.choice(warm, size=k - hot, replace=False)).tolist())
+        if previous is not None:
+            overlaps.append(len(chosen & previous) / k)
+        seen |= chosen
+        previous = chosen
+    assert abs(np.mean(overlaps) - overlap) < 0.02
+    assert abs(len(seen) / k - drift) < 0.05

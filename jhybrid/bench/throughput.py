@@ -447,7 +447,8 @@ def _run_synthetic(model, point, backend, batch, window, on_step, deadline, memo
         backend.open(model.config, batch, max_len)
         cache = model.init_cache(batch, max_len, backend)
         overlap = bench.selection_overlap if bench.fill == "calibrated" else None
-        cache = synthetic.load_hybrid_cache(cache, backend, host, batch, bench.context, overlap=overlap)
+        cache = synthetic.load_hybrid_cache(cache, backend, host, batch, bench.context, overlap=overlap,
+                                            drift=bench.selection_drift)
     jax.block_until_ready(cache)
     fill_s = time.perf_counter() - fill_start
 

@@ -96,6 +96,9 @@ class BenchmarkSpec:
           top-k stays selected from step to step, hgca keeps `hgca_keep` (jhybrid.bench.synthetic).
       selection_overlap: calibrated fill: scout / topk's step-to-step top-k overlap to reproduce (the
           balanced split also takes it as the share of scout's selection its recall pool holds).
+      selection_drift: calibrated fill: distinct blocks a (sequence, KV head) selects over many steps
+          / k (jhybrid.bench.selection_stats' drift); with it, the top-k's non-stable part is drawn from
+          that many alternates (jhybrid.bench.synthetic.calibrated_tiers); null: from every block.
       split: 'fixed' = the offload section's window / budget as given; 'balanced' = the offloading
           modes' window as large as the device memory left at the batch allows and the CPU's share
           (scout / topk budget, scout's pool) what the host attends in the GPU's time per layer, from
@@ -138,6 +141,7 @@ class BenchmarkSpec:
     prefill_repeats: int = 3
     hgca_keep: float = 0.1
     selection_overlap: float = 0.8
+    selection_drift: float | None = None
     split: str = dataclasses.field(default="fixed", metadata=_choices("fixed", "balanced"))
     split_host_gbps: float | None = None
     run_over_capacity: bool = False
@@ -239,6 +243,8 @@ def _check_ranges(section: str, spec) -> None:
         raise ConfigError(f"'benchmark.niah_depth' = {spec.niah_depth}: expected a fraction in [0, 1]")
     if section == "benchmark" and not 0.0 <= spec.selection_overlap <= 1.0:
         raise ConfigError(f"'benchmark.selection_overlap' = {spec.selection_overlap}: expected a fraction in [0, 1]")
+    if section == "benchmark" and spec.selection_drift is not None and not spec.selection_drift >= 1.0:
+        raise ConfigError(f"'benchmark.selection_drift' = {spec.selection_drift}: expected null or a ratio >= 1")
     if section == "benchmark" and spec.split_host_gbps is not None and not spec.split_host_gbps > 0:
         raise ConfigError(f"'benchmark.split_host_gbps' = {spec.split_host_gbps}: expected a rate > 0 (GB/s)")
     if section == "benchmark" and not 0.0 <= spec.hgca_keep <= 1.0:

@@ -41,7 +41,9 @@ import numpy as np
 from host import HostExecutor, KVStore, StoreConfig
 from host.bridge import HostBridge
 from host.exchange_worker import ExchangeWorker, StepPlan
-from host.store_format import bytes_per_value, to_storage
+from host.context_cache import page_nbytes
+from host.kv_store import block_nbytes
+from host.store_format import to_storage
 from jhybrid.hybrid.config import OffloadConfig
 from jhybrid.hybrid.eviction import Evictor
 from jhybrid.hybrid.prefill import PrefillCopies
@@ -64,12 +66,13 @@ def store_kv_dtype(config: OffloadConfig, model_dtype) -> str:
     return config.host_kv_dtype or own
 
 
-def required_host_bytes(config: OffloadConfig, n_layers: int, batch: int, max_len: int, n_kv_heads: int,
-                        head_dim: int, kv_dtype: str) -> int:
-    """KV bytes the host store needs for contexts of max_len tokens (K + V in the store's format
-    `kv_dtype`, int8 scales included)."""
-    values = n_layers * batch * config.host_blocks(max_len) * config.block_size * n_kv_heads * head_dim * 2
-    return int(values * bytes_per_value(kv_dtype, head_dim))
+def required_host_bytes(store: StoreConfig, blocks_per_sequence: int, batch: int) -> int:
+    """Host bytes the store reserves for `batch` sequences of `blocks_per_sequence` offloaded blocks
+    per layer: its arenas' slots (K, V, MAW, positions: host.kv_store.block_nbytes) and the context
+    cache's first pages (host.context_cache), as the store will reserve them."""
+    pages = max(4, store.initial_blocks_per_layer * store.n_kv_heads * store.block_size // store.context_page_tokens)
+    slots = max(store.initial_blocks_per_layer, batch * blocks_per_sequence)
+    return store.n_layers * (slots * block_nbytes(store) + pages * page_nbytes(store))
 
 
 class Counters:
@@ -215,15 +218,16 @@ class HostRuntime:
         # A store format other than the model's (host_kv_dtype) rounds what it keeps: the CPU then
         # attends the stored rows, not the device's values, and every copy must come from them.
         self.store_rounds = kv_dtype != KV_DTYPE_OF[self.dtype.name]
-        need = required_host_bytes(config, self.n_layers, batch, max_len, self.hkv, self.d, kv_dtype)
         cap = config.host_memory_cap_bytes
+        store_config = StoreConfig(
+            n_layers=self.n_layers, n_kv_heads=self.hkv, head_dim=self.d, block_size=config.block_size,
+            kv_dtype=kv_dtype, host_memory_cap_bytes=cap,
+            initial_blocks_per_layer=max(16, min(batch * self.nb_max, 4096)))
+        need = required_host_bytes(store_config, self.nb_max, batch)
         if cap is not None and cap < need:
             raise ValueError(f"host memory cap of {cap} bytes cannot hold the offloaded KV of {batch} sequence(s) "
                              f"x {max_len} tokens x {self.n_layers} layers ({need} bytes needed)")
-        self.store = KVStore(StoreConfig(
-            n_layers=self.n_layers, n_kv_heads=self.hkv, head_dim=self.d, block_size=config.block_size,
-            kv_dtype=kv_dtype, host_memory_cap_bytes=cap,
-            initial_blocks_per_layer=max(16, min(batch * self.nb_max, 4096))))
+        self.store = KVStore(store_config)
         for b in range(batch):
             self.store.add_sequence(b)
         self.n_threads = config.host_threads or max(1, numba.config.NUMBA_NUM_THREADS - 1)
@@ -267,8 +271,11 @@ class HostRuntime:
         self.mode_host.close()
         self.executor.close(wait=False)
         if self.worker is not None:
-            self.worker.close()
-            self.native.close()
+            if self.worker.close():
+                self.native.close()
+            else:  # freeing the pinned mailboxes under a running thread would crash the process
+                log.warning("hybrid runtime: the host exchange worker did not stop within %.0f s; its pinned "
+                            "memory is left allocated", self.config.exchange_timeout_s)
             self.worker = None
 
     # ---- state the modes read (through ModeHostContext) ---------------------------------------------
