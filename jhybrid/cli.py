@@ -441,9 +441,13 @@ def _capacity_lines(args, config, gpu_bytes: int, weights: int, reserve: int) ->
     host_reserve = _memory_flag("--host-reserve", args.host_reserve, parse_bytes)
     given = {k: v for k, v in (("sink", args.sink), ("block_size", args.block_size)) if v is not None}
     rows = []
-    for mode, extra in (("full", {}), ("quest", {}), ("hgca", {"gpu_ratio": args.gpu_share}), ("scout", {})):
-        for host_kv in ([None, "int8"] if mode == "scout" else [None]):
-            offload = OffloadConfig(mode=mode, **(given if mode != "full" else {}), **extra,
+    from jhybrid.hybrid.registry import mode_class
+
+    for mode, extra, host_kvs in (("full", {}, [None]), ("quest", {}, [None]),
+                                  ("hgca", {"gpu_ratio": args.gpu_share}, [None]), ("scout", {}, [None, "int8"])):
+        for host_kv in host_kvs:
+            offload = OffloadConfig(mode=mode, **(given if "sink" in mode_class(mode).settings
+                                                  or mode_class(mode).offloads else {}), **extra,
                                     **({"host_kv_dtype": host_kv} if host_kv else {}))
             label = mode + (f" (GPU share {args.gpu_share:g})" if "gpu_ratio" in extra else "") + \
                 (f", {host_kv} host KV" if host_kv else "")

@@ -18,6 +18,8 @@ the top-k order) fails a test here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,15 +138,22 @@ def test_eviction_schedule_matches_its_definition(model):
     assert firsts[0] != firsts[1]
 
 
-def test_hgca_kept_tokens_match_a_float64_simulation(model):
+@pytest.mark.parametrize("keep_after", [0, 3])
+def test_hgca_kept_tokens_match_a_float64_simulation(model, keep_after):
+    """What hgca keeps over a prefill and decode steps crossing evictions and the turn's re-evaluation,
+    with HGCA's rule (keep_after 0) and with spans (each kept token keeps the 3 after it, within the
+    group sparsified together), against a float64 simulation of the rule."""
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 97, (1, PROMPT + STEPS)).astype(np.int32)
-    cfg = OffloadConfig(mode="hgca", beta=1.0, alpha=0.3, **WINDOW).resolved()
+    cfg = OffloadConfig(mode="hgca", beta=1.0, alpha=0.3, keep_after=keep_after, **WINDOW).resolved()
     backend = run(model, cfg, tokens)
     store = backend.runtime.store
     got = [set(store.context.kept(0, 0, h)["token_index"].tolist()) for h in range(CONFIG.num_kv_heads)]
     want = simulate_hgca(cfg, *projections(model, tokens))
     assert sum(len(w) for w in want) > 0 and any(len(w) < store.n_tokens(0, 0) for w in want)  # a real threshold
+    if keep_after:  # the spans change what is kept (so a broken span extension fails here)
+        plain = simulate_hgca(dataclasses.replace(cfg, keep_after=0), *projections(model, tokens))
+        assert any(w > p for w, p in zip(want, plain))
     for h in range(CONFIG.num_kv_heads):
         assert got[h] == want[h], f"KV head {h}: product keeps {sorted(got[h] ^ want[h])[:12]} differently"
 
@@ -179,13 +188,18 @@ def simulate_hgca(cfg: OffloadConfig, q, k):
     kept = [set() for _ in range(hkv)]
     reevaluated = False
 
+    def spans(chosen: set, lo: int, hi: int) -> set:
+        """keep_after: each chosen token index also keeps the next ones, inside [lo, hi)."""
+        return {min(i + j, hi - 1) for i in chosen for j in range(cfg.keep_after + 1) if i + j < hi} | chosen
+
     def copy_started(blocks, into_kept=True):
-        for blk in blocks:
-            for j in range(bs):
-                pos = s + blk * bs + j
-                for h in range(hkv):
-                    if into_kept and maw[pos][h] > beta / window:
-                        kept[h].add(pos - s)
+        blocks = list(blocks)
+        if not blocks:
+            return
+        for h in range(hkv):
+            chosen = {s + blk * bs + j - s for blk in blocks for j in range(bs)
+                      if into_kept and maw[s + blk * bs + j][h] > beta / window}
+            kept[h] |= spans(chosen, blocks[0] * bs, (blocks[-1] + 1) * bs)
 
     def window_probs(query_positions, published):
         """MAW update of one step: per KV head, probabilities over the GPU tokens (sinks + ring from
@@ -236,7 +250,7 @@ def simulate_hgca(cfg: OffloadConfig, q, k):
                     scores = np.array([[q[0, qp, h * g + i] @ k[0, j, h] * scale for j in stored] for i in range(g)])
                     e = np.exp(scores - scores.max(axis=1, keepdims=True))
                     probs += (e / e.sum(axis=1, keepdims=True)).sum(axis=0) / len(turn)
-                kept[h] = {j - s for j, pr in zip(stored, probs) if pr > beta / len(stored)}
+                kept[h] = spans({j - s for j, pr in zip(stored, probs) if pr > beta / len(stored)}, 0, len(stored))
         update(window_probs([p], published), [p])
     return kept
 

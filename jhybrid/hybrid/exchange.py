@@ -15,7 +15,7 @@ Two transports with that interface:
   FfiExchange       decode steps through XLA FFI custom calls into the native library
                     (host/native/exchange.cc): stream-ordered copies and flags, no Python, no stream
                     synchronisation; the host worker is host.exchange_worker. Everything else
-                    (prefill chunks, "sync", record_tail) goes through its CallbackExchange.
+                    (prefill chunks, attend_now, record_tail) goes through its CallbackExchange.
   CallbackExchange  `jax.pure_callback`s into host.bridge.HostBridge (works everywhere; on a GPU
                     each callback stalls the stream and takes the GIL).
 Both find the host side through the backend's `RuntimeHandle` when they RUN, not when they are
@@ -160,8 +160,8 @@ def register_ffi_targets(lib, platform: str) -> None:
 
 
 class FfiExchange:
-    """Decode steps (Tq = 1) through the native library's custom calls; prefill chunks, "sync"
-    attention and record_tail through `self.fallback` (a CallbackExchange). `exchange_id` is the
+    """Decode steps (Tq = 1) through the native library's custom calls; prefill chunks, attend_now
+    (hgca without host_overlap) and record_tail through `self.fallback` (a CallbackExchange). `exchange_id` is the
     backend's reserved native exchange (host.exchange_worker.NativeExchange); under tensor
     parallelism the library routes each device's calls to that device's exchange by its XLA device
     ordinal (`NativeExchange.route`)."""
