@@ -86,6 +86,11 @@ class HostBridge:
     def counters(self) -> dict:
         return dataclasses.asdict(self.stats)
 
+    def forget_rows(self, rows) -> None:
+        """Rows `rows` start new sequences: their last block ids are none (-1)."""
+        for ids in self.last_block_ids.values():
+            ids[rows] = -1
+
     # ---- work --------------------------------------------------------------------------------
     def _timed_attention(self, target: HostTarget, layer, queries, block_ids):
         start = time.perf_counter()

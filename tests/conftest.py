@@ -74,3 +74,18 @@ def smollm2():
     except FileNotFoundError as error:  # pragma: no cover - setup.sh installs it
         pytest.skip(f"SmolLM2 GGUF not installed: {error}")
     return load_pretrained("smollm2")
+
+
+@pytest.fixture
+def sigint_raises(monkeypatch):
+    """SIGINT raises KeyboardInterrupt in this test, as in a terminal, even where the test run was
+    started in the background (a shell without job control starts background jobs with SIGINT
+    ignored, and Python then installs no handler of its own)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        yield
+        signal.signal(signal.SIGINT, previous)
+    else:
+        yield

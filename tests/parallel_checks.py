@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jhybrid.attention.full import masked_attention
 from jhybrid.generation import make_step
@@ -175,6 +176,33 @@ def _decode_tp(model, tp, tokens, steps):
     return np.stack(out, 1)
 
 
+def check_megatron_layout(model):
+    """Every projection and MLP kernel is split over the devices (each holds 1/tp of it), the vocabulary
+    where it divides; norms replicated. An oracle of names, independent of param_spec: a path error once
+    left every parameter replicated, still exact and only slower."""
+    from jhybrid.parallel.tensor import random_sharded_model
+
+    column, row = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}, {"o_proj", "down_proj"}
+    for tp in (2, 4):
+        mesh = tensor_mesh(tp, model.config)
+        placed = TensorParallel(model, mesh).params
+        built = nnx.split(random_sharded_model(model.config, 0, mesh))[1]
+        for params in (placed, built):
+            seen = 0
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+                text = jax.tree_util.keystr(path)
+                shard = leaf.addressable_shards[0].data.shape
+                module = next((m for m in column | row if f"['{m}']" in text), None)
+                if module is not None and "['kernel']" in text:
+                    axis = 1 if module in column else 0
+                    expected = tuple(n // tp if i == axis else n for i, n in enumerate(leaf.shape))
+                    assert shard == expected, (tp, text, shard, leaf.shape)
+                    seen += 1
+                elif "norm" in text:
+                    assert shard == leaf.shape, (tp, text, shard)
+            assert seen == 7 * model.config.num_layers, seen
+
+
 def check_tensor_parallel(rng):
     """TP 2 and 4 == TP 1 (full) over a prefill and 64 greedy decode steps, 4 KV heads; bad meshes."""
     config = TP_CONFIG
@@ -183,6 +211,7 @@ def check_tensor_parallel(rng):
     one = _decode_tp(model, 1, tokens, 64)
     for tp in (2, 4):
         np.testing.assert_allclose(_decode_tp(model, tp, tokens, 64), one, atol=TOL, rtol=0, err_msg=f"tp={tp}")
+    check_megatron_layout(model)
     odd = create_model(TINY.replace(vocab_size=97), seed=2)  # 97: embedding replicated, still exact
     np.testing.assert_allclose(_decode_tp(odd, 2, tokens % 97, 8), _decode_tp(odd, 1, tokens % 97, 8), atol=TOL)
     for tp, message in ((3, "does not divide the model's 4 KV heads"), (8, "> the model's 4 KV heads"),
@@ -259,6 +288,44 @@ def check_generator_and_cli(rng):
                         ("0", "expected a positive int")):
         code, err = generate(tp)
         assert code == 2 and message in err and "Traceback" not in err, (tp, err)
+
+
+def check_bench_tp(rng):
+    """`parallel.tp` in a run config: `jhybrid bench` runs a throughput point over 1 and 2 devices for
+    full and hgca, rows carry `tp`; a degree beyond the devices and a synthetic fill at tp 2 are
+    one-line errors naming parallel.tp."""
+    import tempfile
+
+    from jhybrid.bench.runner import run_sweep
+    from jhybrid.config.loading import config_from_dict
+
+    doc = {"name": "tp-check", "model": {"name": "tiny", "dtype": "float32"},
+           "offload": {"window_tokens": 32, "block_size": 16, "host_threads": 1},
+           "benchmark": {"task": "throughput", "fill": "prefill", "batch": 2, "context": 64, "decode_tokens": 4,
+                         "prefill_repeats": 1, "prefill_chunk": 32, "host_memory_gib": 8.0, "host_reserve_gib": 1.0,
+                         "device_memory_gib": 8.0},
+           "sweep": [{"offload.mode": ["full", "hgca"], "parallel.tp": [1, 2]}]}
+    with tempfile.TemporaryDirectory() as folder:
+        outcome = run_sweep(config_from_dict(doc), output_dir=folder, show_progress=False)
+        rows = outcome.rows
+    by = {(r["mode"], r["tp"]): r for r in rows}
+    assert set(by) == {("full", 1), ("full", 2), ("hgca", 1), ("hgca", 2)}, [(r.get("mode"), r.get("tp"), r.get("error")) for r in rows]
+    for row in rows:
+        assert row.get("error") is None and row["decode_tok_s"] > 0, row
+    from jhybrid.bench.runner import check_inputs
+    from jhybrid.config.sweep import expand_sweep
+
+    for change, message in (({"parallel": {"tp": 8}}, "parallel.tp = 8 but only 4 cpu device(s)"),
+                            ({"parallel": {"tp": 2}, "benchmark": {**doc["benchmark"], "fill": "synthetic"}},
+                             "parallel.tp = 2 runs throughput points with fill: prefill only")):
+        bad = {**{k: v for k, v in doc.items() if k != "sweep"}, **change}
+        bad["offload"] = {**doc["offload"], "mode": "hgca"}
+        try:
+            check_inputs(expand_sweep(config_from_dict(bad)))
+        except ValueError as error:
+            assert message in str(error) and "\n" not in str(error), str(error)
+        else:
+            raise AssertionError(f"no error for {change}")
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def test_unusable_own_text_is_found_before_the_model_loads(tmp_path, monkeypatch
         assert err.startswith("error: point base: ") and message in err and len(err.splitlines()) == 1
 
 
-def test_ctrl_c_stops_a_point_at_its_next_step_and_exits_130(sweep, monkeypatch, capsys):
+def test_ctrl_c_stops_a_point_at_its_next_step_and_exits_130(sweep, monkeypatch, capsys, sigint_raises):
     """SIGINT arrives in the middle of a point's steps: the point stops at its next step (not inside
     one), the rows measured so far stay, and the command exits 130 with nothing after the summary."""
     path, out, calls = sweep

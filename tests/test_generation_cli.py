@@ -98,7 +98,7 @@ def test_generator_closes_the_backend_it_opened():
     generator.close()  # twice: a no-op
 
 
-def test_ctrl_c_in_hgca_generate_stops_cleanly(capsys, caplog, monkeypatch):
+def test_ctrl_c_in_hgca_generate_stops_cleanly(capsys, caplog, monkeypatch, sigint_raises):
     """SIGINT in the middle of an hgca decode: the step in flight finishes, the command stops at the
     next step, closes the backend (no "host exchange failed"), prints one line and exits 130."""
     pytest.importorskip("gguf")

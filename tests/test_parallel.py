@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("check", ["ring_attention", "ring_prefill", "ring_prefill_into_modes", "tensor_parallel",
-                                   "tensor_parallel_offload", "generator_and_cli"])
+                                   "tensor_parallel_offload", "generator_and_cli", "bench_tp"])
 def test_parallel(check, rng):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT}

@@ -82,6 +82,17 @@ class AttentionBackend(abc.ABC):
         """Per-step host work before the step with positions [B, T] (NumPy int32); returns the cache."""
         return cache
 
+    # True when `reset_rows` is implemented: a serving engine may then start a new sequence in a row
+    # while the other rows go on (continuous batching).
+    reuses_rows: bool = False
+
+    def reset_rows(self, cache, rows):
+        """Empties the sequences in `rows` ([n] int NumPy, batch indices) so that new sequences start
+        there at position 0 while the other rows go on: their lengths become 0, and whatever this
+        backend holds for them on the device and the host (windows, host-store blocks, selections,
+        pools) is dropped and reusable. Returns the cache (a `KVCache`)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot reset single rows (continuous batching)")
+
     @property
     def max_prefill_chunk(self) -> int | None:
         """Longest prefill chunk the backend accepts (None: any)."""

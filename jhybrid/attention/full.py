@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jhybrid.attention.base import AttentionBackend, LayerContext
 from typing import TYPE_CHECKING
@@ -125,12 +126,30 @@ class FullAttention(AttentionBackend):
     """All KV on the device; the reference every other backend must match with keep-everything."""
 
     name = "full"
+    reuses_rows = True
 
     def __eq__(self, other):
         return type(other) is FullAttention
 
     def __hash__(self):
         return hash(FullAttention)
+
+    def reset_rows(self, cache, rows):
+        """Empties rows `rows` ([n] ints, batch indices) for new sequences: their lengths become 0.
+        Their K/V stay in the buffers but are never seen: attention masks keys at positions >=
+        the length, and the new sequence overwrites them as it grows. ValueError for a row outside
+        the batch; no rows returns the cache as it is."""
+        batch = int(cache.lengths.shape[0])
+        rows = np.unique(np.asarray(rows, np.int64).reshape(-1))
+        bad = rows[(rows < 0) | (rows >= batch)]
+        if bad.size:
+            raise ValueError(f"reset_rows: row {int(bad[0])} is out of range for a batch of {batch} "
+                             f"(rows 0..{batch - 1})")
+        if rows.size == 0:
+            return cache
+        keep = np.ones(batch, bool)
+        keep[rows] = False  # a [B] mask, not the rows: one shape whatever rows are reset
+        return cache.replace(lengths=jnp.where(keep, cache.lengths, 0).astype(cache.lengths.dtype))
 
     def init_layer_cache(self, config: ModelConfig, layer_idx: int, batch_size: int, max_len: int,
                          dtype):

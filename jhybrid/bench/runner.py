@@ -106,7 +106,10 @@ def point_config(point, legacy: bool = False) -> dict:
     if not legacy:
         defaults = {f.name: f.default for f in dataclasses.fields(point.offload)}
         offload.update({name: defaults[name] for name in point.offload.ignored_settings()})
-    return {"model": dataclasses.asdict(point.model), "offload": offload, "benchmark": bench}
+    config = {"model": dataclasses.asdict(point.model), "offload": offload, "benchmark": bench}
+    if point.parallel.tp != 1:  # one device: the configuration (and hash) of rows made before `parallel`
+        config["parallel"] = dataclasses.asdict(point.parallel)
+    return config
 
 
 def _read_configs(json_path: str) -> dict:
@@ -220,6 +223,8 @@ def check_inputs(points) -> None:
     from jhybrid.loading.hf import hf_config_path, read_hf_config
     from jhybrid.loading.pretrained import load_pretrained
 
+    for point in points:
+        check_parallel(point)
     for spec in {p.model for p in points}:
         path = hf_config_path(spec.name)
         if path is not None:
@@ -239,11 +244,35 @@ def check_inputs(points) -> None:
             raise TextError(f"point {point.key}: {error}") from None
 
 
+def check_parallel(point) -> None:
+    """ValueError naming `parallel.tp` unless the point can run at its tensor-parallel degree: a
+    throughput point with a real prefill, and no more devices than this process sees (the KV-head
+    divisibility is checked by jhybrid.parallel.tensor_mesh once the model's shape is known)."""
+    tp = point.parallel.tp
+    if tp == 1:
+        return
+    bench = point.benchmark
+    if bench.task != "throughput" or bench.fill != "prefill":
+        raise ValueError(f"point {point.key}: parallel.tp = {tp} runs throughput points with fill: prefill "
+                         f"only (this point: task {bench.task}, fill {bench.fill})")
+    if bench.split == "balanced":
+        raise ValueError(f"point {point.key}: parallel.tp = {tp} with benchmark.split: balanced is not supported "
+                         "(the split measures one device); expected split: fixed")
+    if bench.predict_only:
+        return
+    import jax
+
+    devices = jax.devices()
+    if tp > len(devices):
+        raise ValueError(f"point {point.key}: parallel.tp = {tp} but only {len(devices)} {devices[0].platform} "
+                         f"device(s) are visible (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
+
+
 def point_fields(point) -> dict:
     """The identifying fields of a point, for rows that say why it did not run."""
     b = point.benchmark
     return {"task": b.task, "model": point.model.name, "mode": point.offload.mode,
-            "host_kv_dtype": point.offload.host_kv_dtype or "model",
+            "host_kv_dtype": point.offload.host_kv_dtype or "model", "tp": point.parallel.tp,
             **({"batch_spec": str(b.batch), "context": b.context, "fill": b.fill} if b.task == "throughput" else {})}
 
 
@@ -327,9 +356,12 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                                            "this point (rerun to resume)")
                     if point.benchmark.task == "throughput" and point.benchmark.predict_only:
                         predict_throughput(point)  # raises PointSkipped with the prediction
-                    if point.model not in models:
-                        models[point.model] = load_model(point.model)
-                    model, pretrained = models[point.model]
+                    held = (point.model, point.parallel.tp if not uses_real_weights(point.model) else 1)
+                    if held not in models:
+                        if held[1] > 1:  # a model over several devices (a 70B shape) leaves no room for another
+                            models.clear()
+                        models[held] = load_model(point.model, tp=held[1]) if held[1] > 1 else load_model(point.model)
+                    model, pretrained = models[held]
                     task = TASKS[point.benchmark.task]
                     new = task(model, pretrained, point, deadline=deadline,
                                on_step=PointProgress(_stopping(functools.partial(progress.update, steps), stop),

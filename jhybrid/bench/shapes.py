@@ -98,12 +98,13 @@ def check_model_spec(spec) -> None:
                          "a checkpoint folder or a config.json path")
 
 
-def load_model(spec):
+def load_model(spec, tp: int = 1):
     """(model, pretrained or None) for a ModelSpec. Real weights when the name is 'smollm2',
     'gemma3' or an existing path other than a config.json (and weights is not 'random'); random
     weights (seed) of the shape otherwise. Missing real weights are an error that says how to ask
     for random ones, never a silent fallback. Random weights are cast to the config's dtype (so a
-    bfloat16 shape holds bfloat16 parameters, as the memory predictions assume)."""
+    bfloat16 shape holds bfloat16 parameters, as the memory predictions assume). tp > 1: random
+    weights are created already sharded over `tp` devices (jhybrid.parallel.tensor.random_sharded_model)."""
     if uses_real_weights(spec):
         if spec.num_layers is not None:
             raise ValueError("model.num_layers applies to random-weight shapes only (set model.weights: random)")
@@ -123,6 +124,11 @@ def load_model(spec):
                          f"{', '.join(SHAPES)} or a config.json path)")
     log.info("model %s: random weights (seed %d), %d layers, %s, no tokenizer", spec.name, spec.seed,
              config.num_layers, config.dtype)
+    if tp > 1:  # created sharded over the devices: a shape larger than one device still builds
+        from jhybrid.parallel import tensor_mesh
+        from jhybrid.parallel.tensor import random_sharded_model
+
+        return random_sharded_model(config, spec.seed, tensor_mesh(tp, config)), None
     return create_cast_on_host(config, spec.seed), None
 
 

@@ -244,12 +244,15 @@ def workload_of(bench) -> Workload:
 
 def predict(model_config, point, batch: int, weights: int) -> PointMemory:
     """The point's memory prediction at `batch` (jhybrid.bench.budget.point_memory)."""
-    bench = point.benchmark
+    bench, tp = point.benchmark, point.parallel.tp
     limit = bench.device_memory_gib * GIB if bench.device_memory_gib else device_memory().get("bytes_limit")
     host = bench.host_memory_gib * GIB if bench.host_memory_gib else host_memory_bytes()
+    # Over tp devices the weights and the KV heads split evenly: the whole model against tp devices'
+    # memory and reserves is the per-device check (as `jhybrid budget --tp`).
     return point_memory(model_config, resolve(point.offload, bench.context), batch, bench.context,
-                        max_len_for(bench), weights=weights, device_limit=None if limit is None else int(limit),
-                        host_limit=int(host), device_reserve=int(bench.device_reserve_gib * GIB),
+                        max_len_for(bench), weights=weights,
+                        device_limit=None if limit is None else int(limit) * tp,
+                        host_limit=int(host), device_reserve=int(bench.device_reserve_gib * GIB) * tp,
                         host_reserve=int(bench.host_reserve_gib * GIB), workload=workload_of(bench))
 
 
@@ -303,7 +306,7 @@ def predict_throughput(point) -> list[dict]:
 def run_throughput(model, pretrained, point, on_step: PointProgress | None = None, deadline=None) -> list[dict]:
     bench, offload = point.benchmark, point.offload
     base = {"task": "throughput", "model": point.model.name, "layers": model.config.num_layers,
-            "mode": offload.mode, "fill": bench.fill, "batch_spec": str(bench.batch),
+            "tp": point.parallel.tp, "mode": offload.mode, "fill": bench.fill, "batch_spec": str(bench.batch),
             "context": bench.context, "host_kv_dtype": offload.host_kv_dtype or "model"}
     balanced = bench.split == "balanced" and mode_class(offload.mode).offloads
     if balanced:  # the split chooses the mode's budget
@@ -561,10 +564,27 @@ def _exchange_timing(c: dict, steps: int, step_ms: float) -> dict:
 # ---------------------------------------------------------------------------- real prefill
 
 def _run_prefill(model, point, backend, batch, on_step) -> dict:
+    """A real chunked prefill of random prompts, then timed decode (at parallel.tp > 1 over that many
+    devices, each with its own host side, closed here)."""
     from jhybrid.generation import Generator
 
     bench = point.benchmark
     max_len = max_len_for(bench)
+    if point.parallel.tp == 1:
+        generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk, max_len=max_len)
+        return _time_generations(model, point, generator, backend, batch, on_step)
+    from jhybrid.parallel import TensorParallel, tensor_mesh
+
+    parallel = TensorParallel(model, tensor_mesh(point.parallel.tp, model.config), backend)
+    generator = Generator(model, prefill_chunk=bench.prefill_chunk, max_len=max_len, parallel=parallel)
+    try:
+        return _time_generations(model, point, generator, parallel.backend, batch, on_step)
+    finally:
+        _release(parallel.backend)
+
+
+def _time_generations(model, point, generator, backend, batch, on_step) -> dict:
+    bench = point.benchmark
     rng = np.random.default_rng(0)
     stamps: list[float] = []
 
@@ -573,7 +593,6 @@ def _run_prefill(model, point, backend, batch, on_step) -> dict:
         if on_step:
             on_step(len(stamps), bench.decode_tokens)
 
-    generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk, max_len=max_len)
     # Warm-up on other prompts of the same length: compiles the prefill chunks, the decode step and
     # every host-side program the first steps after a prefill use (eviction gathers of a whole chunk,
     # hgca's re-evaluation), so the timed runs measure none of them.

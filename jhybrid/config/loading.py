@@ -13,7 +13,7 @@ import yaml
 from jhybrid.config.files import read_text
 from jhybrid.config.schema import SECTIONS, ConfigError, RunConfig, allowed_keys, build_section
 
-TOP_KEYS = ("name", "description", "model", "offload", "benchmark", "sweep")
+TOP_KEYS = ("name", "description", "model", "offload", "benchmark", "parallel", "sweep")
 
 
 def parse_override(text: str) -> tuple[str, object]:

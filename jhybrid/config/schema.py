@@ -4,6 +4,7 @@
     model:     {name: smollm2, dtype: float32}
     offload:   {mode: hgca, gpu_ratio: 0.25, beta: 0.5, ...}     # jhybrid.hybrid.OffloadConfig
     benchmark: {task: perplexity, text: paul_graham, ...}         # BenchmarkSpec
+    parallel:  {tp: 2}                                            # ParallelSpec (default tp 1)
     sweep:                                # a list of groups; each group is the cartesian product
       - {offload.mode: full}              # of its lists; the groups run one after the other
       - {offload.mode: hgca, offload.gpu_ratio: [0.25, 0.5], offload.beta: [0.5, 1.0]}
@@ -154,6 +155,16 @@ class BenchmarkSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelSpec:
+    """tp: tensor-parallel degree (jhybrid.parallel.TensorParallel over `tp` devices of this host; 1 =
+    one device). It must divide the model's KV heads; throughput points with `fill: prefill` only
+    (the synthetic fills write one device's cache). Rows carry `tp`; memory predictions are per
+    device, the host's for the process."""
+
+    tp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """One YAML file: the base settings and the sweep over them (groups of 'section.key': values)."""
 
@@ -161,14 +172,15 @@ class RunConfig:
     model: ModelSpec = ModelSpec()
     offload: OffloadConfig = OffloadConfig()
     benchmark: BenchmarkSpec = BenchmarkSpec()
+    parallel: ParallelSpec = ParallelSpec()
     sweep: tuple = ()
     description: str = ""
 
 
-SECTIONS = {"model": ModelSpec, "offload": OffloadConfig, "benchmark": BenchmarkSpec}
+SECTIONS = {"model": ModelSpec, "offload": OffloadConfig, "benchmark": BenchmarkSpec, "parallel": ParallelSpec}
 POSITIVE = {"tokens", "scored_tokens", "niah_length", "niah_needles", "answer_tokens", "batch", "context",
             "decode_tokens", "prefill_chunk", "prefill_repeats", "block_size", "window_tokens", "budget",
-            "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s"}
+            "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s", "tp"}
 NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib"}
 
 

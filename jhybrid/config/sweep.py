@@ -26,6 +26,7 @@ class Point:
     model: object
     offload: object
     benchmark: object
+    parallel: object
 
 
 def point_key(overrides: dict) -> str:

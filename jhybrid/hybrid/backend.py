@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,6 +38,7 @@ from jhybrid.hybrid.exchange import (CallbackExchange, FfiExchange, RuntimeHandl
 from jhybrid.hybrid.modes.base import DecodeStep
 from jhybrid.hybrid.registry import mode_class
 from jhybrid.hybrid.prefill import offloaded_attention
+from jhybrid.hybrid.rows import check_rows, reset_cache_rows
 from jhybrid.hybrid.runtime import HostRuntime
 from jhybrid.hybrid.sliding import LayerPlan, SlidingWindow, init_sliding, sliding_attention
 from jhybrid.hybrid.state import LayerState, StepMeta
@@ -51,6 +53,7 @@ class HybridAttention(AttentionBackend):
     """One backend for every offloading mode. `config` must be resolved (a concrete window)."""
 
     handles_long_context = True
+    reuses_rows = True
 
     def __init__(self, config: OffloadConfig, handle: RuntimeHandle | ShardedRuntimes | None = None):
         """handle: where the traced step's host calls find their runtime; a `ShardedRuntimes` makes
@@ -69,6 +72,7 @@ class HybridAttention(AttentionBackend):
         self._plan: LayerPlan | None = None  # the open model's global layers (set by open)
         self._mixed = False  # some of its layers are sliding-window layers
         self._ahead: tuple | None = None  # per model layer: query_ahead's answer (set by open)
+        self._empty: EmptyCache | None = None  # the open batch's empty device state (reset_rows)
         self._native = None  # host.exchange_worker.NativeExchange once made (`exchange`), or False: none
         self._exchange = None
         if config.host_exchange == "ffi":
@@ -140,6 +144,7 @@ class HybridAttention(AttentionBackend):
         self._handle.runtime = HostRuntime(self.config, self.mode, offloaded, batch_size, max_len,
                                            dtype or config.dtype, native=self.native, device=device)
         self._plan, self._mixed, self._ahead = plan, plan.mixed, self._layers_ahead(plan)
+        self._empty = EmptyCache(self, config, batch_size, max_len, np.dtype(jnp.dtype(dtype or config.dtype)).name)
         return self
 
     def close(self):
@@ -157,6 +162,23 @@ class HybridAttention(AttentionBackend):
             return self.runtime.before_step(cache, positions)
         stepped = self.runtime.before_step(self._plan.offloaded_layers(cache), positions)
         return self._plan.merge(cache, stepped)
+
+    def reset_rows(self, cache, rows):
+        """Empties rows `rows` for new sequences (continuous batching; `AttentionBackend.reset_rows`):
+        waits for the last step (its host calls read the store), then the host side forgets the
+        rows (`HostRuntime.reset_rows`: counts, eviction, the mode's host state, store blocks), then
+        one jitted call empties their device state (`jhybrid.hybrid.rows`). Call between steps."""
+        if self.runtime is None:
+            raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) before reset_rows")
+        rows = check_rows(rows, self.runtime.batch)
+        if rows.size == 0:
+            return cache
+        if len(cache.layers) != self._plan.num_layers or cache.lengths.shape[0] != self.runtime.batch:
+            raise ValueError(f"reset_rows: a cache of {len(cache.layers)} layers x {cache.lengths.shape[0]} rows; "
+                             f"the backend was opened for {self._plan.num_layers} x {self.runtime.batch}")
+        jax.block_until_ready(cache)  # the last step has run: its host calls are done with the rows
+        self.runtime.reset_rows(rows)
+        return reset_cache_rows(cache, rows, self._empty)
 
     @property
     def max_prefill_chunk(self) -> int:
@@ -262,6 +284,22 @@ class HybridAttention(AttentionBackend):
         return o.astype(q.dtype), state, carry
 
 
+@dataclasses.dataclass(frozen=True)
+class EmptyCache:
+    """The empty device state of an open batch, for `reset_cache_rows` (a jit static: hashable)."""
+
+    backend: HybridAttention
+    model_config: object
+    batch: int
+    max_len: int
+    dtype: str
+
+    def __call__(self, cache):
+        layers = tuple(self.backend.init_layer_cache(self.model_config, i, self.batch, self.max_len, self.dtype)
+                       for i in range(self.model_config.num_layers))
+        return layers, self.backend.init_meta(self.batch, self.max_len)
+
+
 def make_backend(config: OffloadConfig | str | None = None, context: int | None = None, *, model=None,
                  calibration_tokens=None, **fields) -> AttentionBackend:
     """The backend of a mode: an OffloadConfig, or a mode name plus OffloadConfig fields (neither:
@@ -283,4 +321,4 @@ def make_backend(config: OffloadConfig | str | None = None, context: int | None 
     return own if own is not None else HybridAttention(config)
 
 
-__all__ = ["HybridAttention", "make_backend"]
+__all__ = ["HybridAttention", "EmptyCache", "make_backend"]

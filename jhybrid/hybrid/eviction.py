@@ -88,6 +88,19 @@ class Evictor:
         self.published = blocks.astype(np.int64).copy()
         self.started = blocks.astype(np.int64).copy()
 
+    def reset_rows(self, rows: np.ndarray) -> None:
+        """Rows `rows` start new sequences: wait until every started copy and the queued background
+        work have landed in the store (the old sequences' blocks must be in before their rows are
+        freed), then forget the rows' blocks: their counts are 0 and the jobs not yet published
+        publish nothing for them (which jobs publish when, for the other rows, is unchanged)."""
+        for job in self.jobs:
+            job.future.exception()  # waits; a failed job's error is raised at its publication
+        self.wait_background()
+        for job in self.jobs:
+            job.started[rows] = 0
+        self.published[rows] = 0
+        self.started[rows] = 0
+
     # ---- the step start --------------------------------------------------------------------------
     def before_step(self, cache, after: np.ndarray, prefill: bool, device_prefill: bool, step: int):
         """Publish what is due, start the copies due at this step, and return (cache, owned [B]):

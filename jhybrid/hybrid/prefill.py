@@ -117,6 +117,10 @@ class PrefillCopies:
         self._previous: tuple | None = None  # the last chunk's copies, kept while chunks follow
         self._evicted: tuple | None = None  # (k, v, seq, blk, added [B]) evicted before this step
 
+    def reset(self) -> None:
+        """Forget the copies kept for extension (rows were reset: the next chunk copies from the store)."""
+        self._blocks = self._previous = self._evicted = None
+
     def take_previous(self, cache, next_is_prefill: bool):
         """At a step start: drop every layer's copies from the cache (kept aside when this step is a
         prefill chunk that may extend them). Returns the cache without copies."""

@@ -328,6 +328,36 @@ class HostRuntime:
         self.mode_host.adopted(store is not None)
         self.reset_counters()
 
+    def reset_rows(self, rows: np.ndarray) -> None:
+        """Rows `rows` ([n] int, checked) hold no sequence any more: a new one starts in each at
+        position 0 (continuous batching). Call between steps, once the last step has run (the
+        backend waits for it). In this order:
+          1. the exchange worker is idle (the last step's pages are released)
+          2. the eviction thread: every started copy and queued background work has landed (a copy
+             of an old sequence's blocks lands before its store rows are freed, never in the new
+             sequence's); the rows' block counts are 0 and the pending jobs publish none for them
+          3. the mode's host state of the rows (`ModeHost.reset_rows`: waits for its own background
+             work on them, e.g. scout's recalls)
+          4. the store: the rows' sequences are freed (their slots and context pages recycled, so
+             reusing a row does not grow host memory) and added again empty, in one critical section
+          5. token counts, slot tables, the prefill copies, the transports' last block ids
+        Counters are cumulative over the batch and stay."""
+        if self.worker is not None and not self.worker.wait_idle(self.config.exchange_timeout_s):
+            raise RuntimeError(f"reset_rows: the host exchange worker did not finish the last step within "
+                               f"{self.config.exchange_timeout_s} s")
+        self.evictor.reset_rows(rows)
+        self.mode_host.reset_rows(rows)
+        with self.store.lock:
+            for b in rows.tolist():
+                self.store.free_sequence(b)
+                self.store.add_sequence(b)
+            self.slot_tables[:, rows] = 0
+        self.n_tokens[rows] = 0
+        self.prefill.reset()
+        self.bridge.forget_rows(rows)
+        if self.worker is not None:
+            self.worker.forget_rows(rows)
+
     # ---- counters ---------------------------------------------------------------------------------
     def reset_counters(self) -> None:
         self._history, self._history_steps = None, 0

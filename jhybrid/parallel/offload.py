@@ -42,6 +42,7 @@ from jhybrid.hybrid.backend import HybridAttention
 from jhybrid.hybrid.config import OffloadConfig
 from jhybrid.hybrid.exchange import ShardedRuntimes
 from jhybrid.hybrid.registry import mode_class
+from jhybrid.hybrid.rows import check_rows
 from jhybrid.hybrid.sliding import SlidingWindow
 from jhybrid.hybrid.state import LayerAhead, LayerState, StepMeta
 from jhybrid.hybrid.transfer import device_ordinal
@@ -83,6 +84,7 @@ class ShardedOffload(AttentionBackend):
     positions of this process's devices)."""
 
     handles_long_context = True
+    reuses_rows = True
 
     def __init__(self, config: OffloadConfig, mesh):
         if not mode_class(config.mode).offloads:
@@ -151,6 +153,19 @@ class ShardedOffload(AttentionBackend):
             type(hosts[0]).coordinate(hosts)
         pieces = {i: self._slice(cache, device) for i, device in self.devices.items()}
         futures = {i: self._pool.submit(shard.before_step, pieces[i], positions) for i, shard in self.shards.items()}
+        return self._assemble({i: future.result() for i, future in futures.items()})
+
+    def reset_rows(self, cache, rows):
+        """Every shard empties the rows (`HybridAttention.reset_rows`: its host side, and its device's
+        slice of the cache) in parallel; the global arrays are reassembled from the slices (no copy)."""
+        if not self._opened:
+            raise RuntimeError("tensor-parallel hybrid backend: call backend.open(model_config, batch, max_len) "
+                               "before reset_rows")
+        rows = check_rows(rows, cache.lengths.shape[0])
+        if rows.size == 0:
+            return cache
+        pieces = {i: self._slice(cache, device) for i, device in self.devices.items()}
+        futures = {i: self._pool.submit(shard.reset_rows, pieces[i], rows) for i, shard in self.shards.items()}
         return self._assemble({i: future.result() for i, future in futures.items()})
 
     def _slice(self, cache, device):

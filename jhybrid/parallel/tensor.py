@@ -76,8 +76,7 @@ class TensorParallel:
     def _place(self, path, leaf):
         """One parameter on the mesh; each process puts only the shards of its own devices (the same
         values everywhere: every process loaded the same weights)."""
-        keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
-        spec = param_spec(keys, leaf.shape, self.tp) if getattr(leaf, "ndim", 0) else P()
+        spec = param_spec(_path_names(path), leaf.shape, self.tp) if getattr(leaf, "ndim", 0) else P()
         return place(leaf, NamedSharding(self.mesh, spec))
 
     def _cache_specs(self, cache):
@@ -108,4 +107,49 @@ class TensorParallel:
         return jax.jit(step, donate_argnums=(3,)), self.params
 
 
-__all__ = ["TensorParallel", "param_spec"]
+def _path_names(path) -> tuple:
+    """A parameter's path in the model's state as names and indices ('layers', 0, 'mlp', 'up_proj',
+    'kernel'). The attribute steps (flax's Variable `.value`) are left out: counted as names they made
+    every parameter's module 'kernel' and so replicated the whole model on every device."""
+    return tuple(k.key if isinstance(k, jax.tree_util.DictKey) else k.idx
+                 for k in path if isinstance(k, (jax.tree_util.DictKey, jax.tree_util.SequenceKey)))
+
+
+def random_sharded_model(config, seed: int, mesh):
+    """A random-weight model of `config` whose parameters are created on `mesh` already sharded in
+    the Megatron layout and in config.dtype: no device (nor the host) ever holds a whole copy, so a
+    shape larger than one device (the Llama-3.1-70B shape on two 80 GiB GPUs) can be built.
+
+    The values are not create_model's (that would need the whole model first): kernels and
+    embeddings ~ N(0, 1/fan_in) drawn per leaf on the mesh, norm scales 1, biases 0 — random weights
+    for throughput, not for comparing against another build of the same seed."""
+    import jax.numpy as jnp
+
+    from jhybrid.models import create_model
+
+    abstract = nnx.eval_shape(lambda: create_model(config, seed=seed))
+    graphdef, state = nnx.split(abstract)
+    tp, dtype = mesh.shape[TP], jnp.dtype(config.dtype)
+    key = jax.random.key(seed)
+    counter = iter(range(1 << 30))
+
+    def build(path, leaf):
+        names = [n for n in _path_names(path) if isinstance(n, str)]
+        sharding = NamedSharding(mesh, param_spec(_path_names(path), leaf.shape, tp))
+        kind = names[-1] if names else ""
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)()
+        if kind in ("scale", "bias") or len(leaf.shape) < 2:
+            fill = 1.0 if kind == "scale" else 0.0
+            return jax.jit(lambda: jnp.full(leaf.shape, fill, dtype), out_shardings=sharding)()
+        std = 1.0 / float(np.sqrt(leaf.shape[0] if kind == "kernel" else leaf.shape[1]))
+        leaf_key = jax.random.fold_in(key, next(counter))
+        draw = jax.jit(lambda k: (std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(dtype),
+                       out_shardings=sharding)
+        return draw(leaf_key)
+
+    params = jax.tree_util.tree_map_with_path(build, state)
+    return nnx.merge(graphdef, params)
+
+
+__all__ = ["TensorParallel", "param_spec", "random_sharded_model"]

@@ -14,7 +14,8 @@ Nothing outside `jhybrid/hybrid/modes/` tests a mode's name: callers ask the mod
                         attention as partial states), `wants_next_query`, `prefill_token`
   host side             `host_target` (what its decode steps attend on the CPU, host.targets), and
                         `host(context)`: a `ModeHost` whose hooks the runtime calls at fixed points
-                        of every step start (docs/design.md, "One decode step")
+                        of every step start (docs/design.md, "One decode step"), and whose
+                        `reset_rows` drops a row's per-sequence state (continuous batching)
   around the core       `host_bytes_per_sequence` (capacity), `balanced` (its part of the balanced
                         split), `restore_queries` / `restored_window` (HCache restore),
                         `for_model` (per-model calibration), `row_fields` (benchmark row columns)
@@ -270,6 +271,13 @@ class ModeHost:
     def adopted(self, store_replaced: bool) -> None:
         """The runtime adopted a history (`HostRuntime.adopt`): a filled store (store_replaced) or
         blocks appended to its own store (HCache restore)."""
+
+    def reset_rows(self, rows: np.ndarray) -> None:
+        """Rows `rows` ([n] int) start new sequences at position 0 (continuous batching,
+        `HostRuntime.reset_rows`): drop what this mode keeps for them, and wait for (or void) its
+        own background work on them. Called between steps, after the eviction thread has landed
+        every started copy and before the rows' store blocks are freed and their counts zeroed;
+        the other rows go on untouched. Nothing to do for a mode without per-sequence host state."""
 
     def restored(self, queries: dict[int, np.ndarray]) -> None:
         """A restored history's last queries {layer: [1, R, Hq, D]} (restore_queries > 0)."""

@@ -112,16 +112,21 @@ class HgcaCounters(Counters):
 
 
 class HgcaHost(ModeHost):
-    """Sparsification at eviction and re-evaluation after each new turn (both on the eviction thread)."""
+    """Sparsification at eviction and re-evaluation after each new turn (both on the eviction thread).
+
+    Per row (sequence): the last `reevaluate_queries` queries of its current turn and whether its
+    turn awaits re-evaluation. A row's turn is re-scored at the first decode step at which the row
+    has offloaded blocks (published): what the row would see alone, whichever rows share its batch."""
 
     def __init__(self, context):
         self.ctx = context
-        n_layers = context.shape.n_layers
-        self.turn_queries: list[np.ndarray | None] = [None] * n_layers  # [B, <= keep, Hq, D]
+        n_layers, batch = context.shape.n_layers, context.shape.batch
+        # [layer][row] -> the row's turn queries [<= keep, Hq, D] float32, or None
+        self.turn_queries: list[list[np.ndarray | None]] = [[None] * batch for _ in range(n_layers)]
         # (tail [B, keep, Hq, D], valid [B]) of the last prefill chunk, per layer (receive_queries)
         self.tails: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.chunk_pending = False  # a prefill chunk ran since its queries were collected
-        self.needs_reevaluate = False
+        self.new_turn = np.zeros(batch, bool)  # rows whose turn awaits its re-evaluation
         self.stats = HgcaCounters()
 
     def step_start(self, cache):
@@ -142,12 +147,22 @@ class HgcaHost(ModeHost):
     def before_prefill_chunk(self, positions):
         self._collect_turn_queries()
         self.chunk_pending = True
-        self.needs_reevaluate = True
+        self.new_turn |= (positions >= 0).any(axis=1)
 
     def before_decode(self, cache, offloaded_before):
-        if self.needs_reevaluate:
+        if self.new_turn.any():
             self._reevaluate()
         return cache
+
+    def reset_rows(self, rows):
+        """The rows' turn queries and pending re-evaluation are dropped (the last chunk's queries
+        are collected first, so the other rows keep theirs); their kept tokens go with the store's
+        sequences (the runtime frees them)."""
+        self._collect_turn_queries()
+        for layer_queries in self.turn_queries:
+            for b in rows.tolist():
+                layer_queries[b] = None
+        self.new_turn[rows] = False
 
     def exchange_pages(self, published):
         return ContextPages.of(self.ctx.store, self.ctx.shape.n_layers, self.ctx.shape.batch,
@@ -157,7 +172,7 @@ class HgcaHost(ModeHost):
         """A filled store: its kept tokens = the salient ones of every adopted block by the MAW it
         holds (what sparsification at eviction would have kept); a restored history re-scores
         instead (`restored`)."""
-        self.needs_reevaluate = False
+        self.new_turn[:] = False
         if not store_replaced:
             return
         cfg, store = self.ctx.config, self.ctx.store
@@ -193,7 +208,7 @@ class HgcaHost(ModeHost):
         return {"kept_share": round(kept / stored / shape.hkv, 4)} if stored else {}
 
     def _collect_turn_queries(self) -> None:
-        """Keep the last `reevaluate_queries` queries of each row seen by the last prefill chunk."""
+        """Keep the last `reevaluate_queries` queries of each row the last prefill chunk wrote."""
         if not self.chunk_pending:
             return
         keep = self.ctx.config.reevaluate_queries
@@ -201,29 +216,41 @@ class HgcaHost(ModeHost):
             tail = self.tails.pop(layer, None)
             if tail is None:
                 continue
-            old = self.turn_queries[layer]
-            rows = []
+            queries, valid = tail
             for b in range(self.ctx.shape.batch):
-                mine = tail[0][b, keep - min(keep, int(tail[1][b])):]
-                if old is not None:
-                    mine = np.concatenate([old[b], mine])[-keep:] if mine.shape[0] < keep else mine
-                rows.append(mine)
-            tq = min(r.shape[0] for r in rows)
-            if tq > 0:
-                self.turn_queries[layer] = np.stack([r[-tq:] for r in rows])
+                n = min(keep, int(valid[b]))
+                if n == 0:
+                    continue
+                mine = np.array(queries[b, keep - n:], np.float32)
+                old = self.turn_queries[layer][b]
+                if n < keep and old is not None:  # a short chunk: the turn's earlier queries too
+                    mine = np.concatenate([old, mine])[-keep:]
+                self.turn_queries[layer][b] = mine
         self.chunk_pending = False
 
     def _reevaluate(self) -> None:
+        """Re-score the offloaded tokens of the rows whose new turn awaits it and that have offloaded
+        blocks (the others wait for their first published block), rows of equal query counts in one
+        call per layer."""
         self._collect_turn_queries()
-        if not self.ctx.published().any():
-            return  # nothing on the host yet: re-score at the first decode step that publishes blocks
-        self.needs_reevaluate = False
+        due = np.flatnonzero(self.new_turn & (self.ctx.published() > 0))
+        if due.size == 0:
+            return
+        queued = False
         for layer in range(self.ctx.shape.n_layers):
-            q = self.turn_queries[layer]
-            if q is not None:
-                self._reevaluate_layer(layer, range(self.ctx.shape.batch), q)
-        self.turn_queries = [None] * self.ctx.shape.n_layers
-        self.ctx.wait_background()  # the step's CPU attention reads the re-evaluated context
+            groups: dict[int, list[int]] = {}
+            for b in due.tolist():
+                q = self.turn_queries[layer][b]
+                if q is not None and q.shape[0]:
+                    groups.setdefault(q.shape[0], []).append(b)
+            for seqs in groups.values():
+                self._reevaluate_layer(layer, seqs, np.stack([self.turn_queries[layer][b] for b in seqs]))
+                queued = True
+            for b in due.tolist():
+                self.turn_queries[layer][b] = None
+        self.new_turn[due] = False
+        if queued:
+            self.ctx.wait_background()  # the step's CPU attention reads the re-evaluated context
 
     def _reevaluate_layer(self, layer: int, seqs, queries: np.ndarray) -> None:
         """Queue one layer's re-evaluation on the eviction thread: serialised with the sparsification

@@ -25,6 +25,7 @@ from flax import struct
 from jhybrid.attention.base import AttentionBackend, LayerContext
 from jhybrid.attention.full import masked_attention
 from jhybrid.hybrid.modes.base import OffloadMode
+from jhybrid.hybrid.rows import check_rows, reset_cache_rows
 from pallas_kernels.block_digest import block_scores, update_digests
 from pallas_kernels.block_sparse_attention import block_sparse_attention
 
@@ -63,6 +64,8 @@ class Quest(OffloadMode):
 class QuestAttention(AttentionBackend):
     """The `quest` backend (module docstring). `config`: an OffloadConfig of mode quest."""
 
+    reuses_rows = True
+
     def __init__(self, config):
         if config.window_tokens is None:
             raise ValueError("quest needs a concrete window: make_backend(config, context=...) resolves gpu_ratio")
@@ -86,6 +89,15 @@ class QuestAttention(AttentionBackend):
         return QuestState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                           kmin=jnp.zeros(digest, dtype), kmax=jnp.zeros(digest, dtype),
                           selected=jnp.full((batch_size, config.num_kv_heads, k), -1, jnp.int32))
+
+    def reset_rows(self, cache, rows):
+        """Empties rows `rows` for new sequences (continuous batching): lengths 0, their blocks,
+        digests and selections as a fresh cache's (one jitted call, `jhybrid.hybrid.rows`). Nothing
+        on the host."""
+        rows = check_rows(rows, cache.lengths.shape[0])
+        if rows.size == 0:
+            return cache
+        return reset_cache_rows(cache, rows, _empty_quest)
 
     def selections(self, cache):
         import numpy as np
@@ -150,6 +162,14 @@ class QuestAttention(AttentionBackend):
         ids = jnp.where(listed >= 0, jnp.arange(b, dtype=jnp.int32)[:, None, None] * nb + listed, 0)
         lens = jnp.clip(n[:, None] - jnp.arange(nb)[None, :] * bs, 0, bs).reshape(b * nb).astype(jnp.int32)
         return ids.astype(jnp.int32), counts, lens, selected
+
+
+def _empty_quest(cache):
+    """An empty quest cache of the shapes of `cache` (`reset_cache_rows`): zeros, no selection."""
+    layers = tuple(QuestState(k=jnp.zeros_like(s.k), v=jnp.zeros_like(s.v), kmin=jnp.zeros_like(s.kmin),
+                              kmax=jnp.zeros_like(s.kmax), selected=jnp.full_like(s.selected, -1))
+                   for s in cache.layers)
+    return layers, None
 
 
 __all__ = ["Quest", "QuestAttention", "QuestState"]

@@ -19,8 +19,11 @@ steps passed, and none of its recalls is in flight), a background thread plans, 
 uploads the recall; the first step start at which it has finished applies it with one jitted,
 buffer-donating scatter; no step waits for it (recall_lag_steps None; an int N applies each one
 exactly N steps after its trigger, for replayable runs). Warm start, as the paper's GPU keeps the
-blocks selected after prefill: at the second decode step after a prefill (or an adopted store) every
-layer recalls what its first decode step selected (like every recall, never waited for).
+blocks selected after prefill: at the second decode step after a row's prefill (or an adopted store)
+every layer recalls what its first decode step selected (like every recall, never waited for).
+The share and the plans count only rows whose last step was a decode step of their own sequence
+(not one just prefilled or reset: `ScoutHost.stale`), so a row's new prompt never delays the
+others' recalls, and no recall moves a block of a row's previous sequence (continuous batching).
 """
 
 from __future__ import annotations
@@ -225,6 +228,7 @@ class RecallPlan:
     warm: bool = False
     future: Future | None = None
     bg_s: float = 0.0  # background seconds (gather + conversion + upload)
+    void: np.ndarray | None = None  # rows reset since the trigger: their part is dropped when applied
 
     @property
     def n(self) -> int:
@@ -387,12 +391,14 @@ class ScoutHost(ModeHost):
         self.pool_ids = np.full((shape.n_layers, shape.batch, shape.hkv, cfg.recall_blocks), -1, np.int32)
         self.pending: dict[int, RecallPlan] = {}  # layer -> its in-flight recall
         self.last_recall = np.full(shape.n_layers, -10**9)
-        self.since_prefill = 0  # decode steps since the last prefill chunk (or adopted store)
-        self.warm = np.zeros(shape.n_layers, bool)  # layers whose warm-start recall is still due
+        # rows whose last CPU block ids are not their sequence's last decode step's (a prefill chunk
+        # or a reset since): left out of the recall trigger and plans until their next decode step
+        self.stale = np.ones(shape.batch, bool)
+        self.warm = np.zeros((shape.n_layers, shape.batch), bool)  # (layer, row) warm-start recall still due
         self.epoch = 0  # bumped when the store is replaced: older recalls are void
         self.recall_hook = None  # tests: called at the start of each background recall job
-        # tensor parallelism: {layer: CPU blocks of the last step over every shard} and the shards' KV heads
-        self.shared_counts: dict[int, int | None] | None = None
+        # tensor parallelism: {layer: CPU blocks [B] of the last step over every shard} and the shards' KV heads
+        self.shared_counts: dict[int, np.ndarray | None] | None = None
         self.shared_heads = shape.hkv
         self.recall_log: collections.deque[dict] = collections.deque(maxlen=self.HISTORY)
         self.since_reset = 0  # decode step of the last counter reset (row_stats counts from there)
@@ -434,7 +440,7 @@ class ScoutHost(ModeHost):
         counts = {}
         for layer in range(hosts[0].ctx.shape.n_layers):
             parts = [host.cpu_blocks(layer) for host in hosts]
-            counts[layer] = None if None in parts else sum(parts)
+            counts[layer] = None if any(p is None for p in parts) else sum(parts)
         heads = sum(host.ctx.shape.hkv for host in hosts)
         for host in hosts:
             host.shared_counts, host.shared_heads = counts, heads
@@ -448,8 +454,20 @@ class ScoutHost(ModeHost):
         self.epoch += 1
         self.pending.clear()
         self.pool_ids[:] = -1  # the cache handed in with the store has an empty pool
-        self.since_prefill = 0
+        self.stale[:] = True
         self.warm[:] = True
+
+    def reset_rows(self, rows):
+        """The rows' pool tables are empty (the device side empties their pools), their last CPU
+        ids stale, no warm start due; an in-flight recall (its gather reads the rows' store blocks:
+        waited for here, before the runtime frees them) drops its rows of them when applied, the
+        other rows' part lands on schedule."""
+        self.wait(self.ctx.config.exchange_timeout_s)
+        for plan in self.pending.values():
+            plan.void = rows.copy() if plan.void is None else np.union1d(plan.void, rows)
+        self.pool_ids[:, rows] = -1
+        self.stale[rows] = True
+        self.warm[:, rows] = False
 
     def wait(self, timeout: float | None = 60.0) -> None:
         """Block until every in-flight recall is staged (tests); the next step start applies them."""
@@ -463,21 +481,26 @@ class ScoutHost(ModeHost):
         return self._apply_ready(cache) if self.pending else cache
 
     def before_prefill_chunk(self, positions):
-        self.since_prefill = 0
-        self.warm[:] = True
+        rows = (positions >= 0).any(axis=1)
+        self.stale |= rows
+        self.warm[:, rows] = True
 
     def before_decode(self, cache, offloaded_before):
-        if self.since_prefill > 0 and self.ctx.config.recall_blocks:
+        if self.ctx.config.recall_blocks and not self.stale.all():
             self._trigger(cache, offloaded_before)
-        self.since_prefill += 1
+        self.stale[:] = False  # this step's ids are every row's own
         return cache
 
     # ---- recalls --------------------------------------------------------------------------------
-    def cpu_blocks(self, layer: int) -> int | None:
-        """(sequence, KV head, block) entries of `layer`'s selection the CPU attended at the last
-        decode step, over this runtime's KV heads (None: no decode step yet)."""
+    def cpu_blocks(self, layer: int) -> np.ndarray | None:
+        """[B] (KV head, block) entries of `layer`'s selection the CPU attended at the last decode
+        step per sequence, over this runtime's KV heads; 0 for stale rows (None: no decode step yet)."""
         ids = self.ctx.last_block_ids(layer)
-        return None if ids is None else int((ids >= 0).sum())
+        if ids is None:
+            return None
+        counts = (ids >= 0).sum(axis=(1, 2))
+        counts[self.stale] = 0
+        return counts
 
     def cpu_share(self, layer: int, n_blocks: np.ndarray) -> float | None:
         """CPU-attended blocks / selected blocks of `layer` at the last decode step over every KV
@@ -488,10 +511,11 @@ class ScoutHost(ModeHost):
             cpu, heads = self.shared_counts.get(layer), self.shared_heads
         else:
             cpu, heads = self.cpu_blocks(layer), self.ctx.shape.hkv
-        budget = int(np.minimum(self.ctx.config.topk_blocks or self.ctx.shape.nb_max, n_blocks).sum()) * heads
+        live = np.where(self.stale, 0, n_blocks)  # stale rows count neither way
+        budget = int(np.minimum(self.ctx.config.topk_blocks or self.ctx.shape.nb_max, live).sum()) * heads
         if cpu is None or budget == 0:
             return None
-        return cpu / budget
+        return int(cpu.sum()) / budget
 
     def _trigger(self, cache, n_blocks: np.ndarray) -> None:
         """Start the recalls due at this step start; never blocks on one."""
@@ -503,8 +527,9 @@ class ScoutHost(ModeHost):
             share = self.cpu_share(layer, n_blocks)
             if share is None or share == 0.0:
                 continue
-            warm = bool(self.warm[layer])  # the first selection with CPU blocks since the prefill
-            self.warm[layer] = False
+            live = ~self.stale
+            warm = bool((self.warm[layer] & live).any())  # a row's first selection with CPU blocks since its prefill
+            self.warm[layer, live] = False
             if not warm and (share <= cfg.recall_threshold
                              or ctx.decode_steps - self.last_recall[layer] < cfg.recall_min_interval):
                 continue
@@ -515,6 +540,7 @@ class ScoutHost(ModeHost):
             # Snapshots the job may use after this step has donated the cache: the CPU's ids, the
             # host pool table, the slots' last use.
             cpu_ids = ctx.last_block_ids(layer)
+            cpu_ids[self.stale] = -1  # (a copy) nothing recalled for a row whose ids are stale
             pool_ids = self.pool_ids[layer].copy()
             pool_used = np.asarray(state.pool.used)
             device = next(iter(state.pool.k.devices()))
@@ -563,6 +589,8 @@ class ScoutHost(ModeHost):
             self.stats.add(recall_bg_s=plan.bg_s)
             if result is not None and plan.epoch == self.epoch:
                 staged, apply = result
+                if plan.void is not None:
+                    staged = self._void_rows(plan, staged)
                 state = layers[layer]
                 prev = layers[layer - 1] if layer > 0 and layers[layer - 1].next_pool_blocks is not None else None
                 now = jax.device_put(np.asarray(ctx.tokens() - 1, np.int32), staged[0].sharding)
@@ -578,6 +606,15 @@ class ScoutHost(ModeHost):
 
             self.stats.add(recall_s=time.perf_counter() - start)
         return cache.replace(layers=tuple(layers))
+
+    def _void_rows(self, plan: RecallPlan, staged: tuple) -> tuple:
+        """A staged recall without the rows reset since its trigger (`plan.void`): their entries
+        scatter nowhere (b = B, dropped) and leave the host pool table alone."""
+        keep = ~np.isin(plan.b, plan.void)
+        plan.b, plan.h, plan.r, plan.block = (x[keep] for x in (plan.b, plan.h, plan.r, plan.block))
+        b = np.array(staged[0])
+        b[np.isin(b, plan.void)] = self.ctx.shape.batch
+        return (jax.device_put(b, staged[0].sharding),) + tuple(staged[1:])
 
 
 def _commit(cache):

@@ -1,0 +1,668 @@
+"""The continuous-batching engine: `ServingEngine`, the `jhybrid.serving.api.Engine` of jhybrid.
+
+One KV cache of `slots` rows of `max_len` tokens is opened once (`backend.open` + `init_cache`);
+each request runs in one row (slot) from admission to its end, then the row is emptied with
+`backend.reset_rows` and the next waiting request (FIFO) takes it. One engine step:
+
+  1. requests cancelled since the last step end (CANCELLED); their rows are reset;
+  2. waiting requests take the free slots, in arrival order; with the prefix cache, a request
+     whose prompt starts with cached blocks gets their KV copied into its row and starts its
+     prefill after them (at least its last prompt token is always prefilled: it gives the logits);
+  3. prefill: up to `step_token_budget` prompt tokens of the prefilling requests (oldest first),
+     in calls of [slots, prefill_chunk] tokens (positions -1 for the rows not taking part); a
+     request whose prompt is done samples its first token and stores its prompt's blocks in the
+     prefix cache;
+  4. decode: one [slots, 1] call for every request past its prefill (each row sampled with its own
+     request's parameters: `jhybrid.serving.sampling`);
+  5. finished requests (stop token, max_tokens) leave; their rows are reset.
+
+A long prompt is thus prefilled over several steps, each followed by a decode step of the running
+requests: it never stalls them for more than one budget of prefill. Shapes are fixed (prefill
+[slots, chunk], decode [slots, 1]; the prefix copies pad their block counts to powers of two), each
+compiled once ahead of time (like `Generator._run`): the steady state never recompiles.
+
+Memory: the backend is opened for `slots` rows of `max_len` tokens at construction, so the device
+cache (and an offloading backend's host side) is allocated, and checked by the backend, before the
+first request; a request is admitted when prompt + max_tokens fits `max_len`, so whatever is
+admitted fits memory. The prefix cache's device tier is one more preallocated array (its bytes).
+
+Threading: `submit`, `cancel`, `stats` from any thread; the steps run on the engine's thread
+(`start`) or the caller's (`step`), one at a time. Callbacks run on the stepping thread. A step that
+raises ends every request with FinishReason.ERROR and the message; the engine then refuses new
+requests (EngineClosed with that message).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jhybrid.attention.base import AttentionBackend
+from jhybrid.attention.full import FullAttention
+from jhybrid.generation import SamplingParams
+from jhybrid.models.decoder import CausalLM, KVCache
+from jhybrid.serving.api import (AdmissionError, Engine, EngineClosed, EngineStats, FinishCallback,
+                                 FinishReason, Request, RequestHandle, RequestOutput, TokenCallback)
+from jhybrid.serving.kv_blocks import KVBlockPool, has_full_layout
+from jhybrid.serving.prefix_cache import PrefixCache, PrefixCacheConfig
+from jhybrid.serving.sampling import RowSampling, sample_rows
+
+log = logging.getLogger("jhybrid.serving")
+
+# The prefix cache's device tier when its config leaves device_bytes None: the KV of one slot's
+# max_len tokens (one full-length shared prefix), at most this much.
+DEFAULT_PREFIX_DEVICE_BYTES = 1 << 30
+# close() waits this long for the engine thread's last step before giving up on it.
+JOIN_SECONDS = 60.0
+# Compiled steps shared by engines of one model structure and one backend object (a server restarting
+# its engine, tests, benchmarks): the latest this many, keyed by everything the compiled code depends on.
+SHARED_EXECUTABLES = 32
+_executables: collections.OrderedDict = collections.OrderedDict()
+_executables_lock = threading.Lock()
+# The backend of engines given none (full attention has no state of its own: one object serves all).
+_FULL = FullAttention()
+_DEFAULT_PREFIX_CACHE = PrefixCacheConfig()
+
+
+class _State(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one engine step ran: prefill ((request_id, prompt tokens prefilled), ...) in admission
+    order and decode (request_ids that got a decode step) in slot order."""
+
+    step: int
+    prefill: tuple[tuple[str, int], ...]
+    decode: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class _Counters:
+    """The engine's cumulative counts (guarded by its lock); `EngineStats` fields of the same names.
+    prefix_unusable: requests admitted while the backend's KV could not use the prefix cache (misses)."""
+
+    finished: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    rejected: int = 0
+    steps: int = 0
+    decode_steps: int = 0
+    prefill_calls: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    compiles: int = 0
+    prefix_unusable: int = 0
+
+
+class _Run(RequestHandle):
+    """A submitted request: its handle and its engine-side state (touched by the stepping thread;
+    `cancel_requested` and the output by any thread under the engine's lock)."""
+
+    def __init__(self, engine: "ServingEngine", request: Request, prompt: np.ndarray, request_id: str,
+                 on_token: TokenCallback | None, on_finish: FinishCallback | None):
+        self.request_id = request_id
+        self.request = request
+        self.prompt = prompt  # [P] int32
+        self.stop = frozenset(int(t) for t in request.stop_tokens)
+        self.on_token, self.on_finish = on_token, on_finish
+        self.submitted = time.perf_counter()
+        self.state = _State.WAITING
+        self.slot = -1
+        self.order = -1  # admission order: prefill goes oldest first
+        self.prefilled = 0  # prompt tokens in the row (cached ones included)
+        self.cached_tokens = 0
+        self.tokens: list[int] = []
+        self.token_times: list[float] = []
+        self.cancel_requested = False
+        self._engine = engine
+        self._event = threading.Event()
+        self._output: RequestOutput | None = None
+
+    def cancel(self) -> None:
+        self._engine._request_cancel(self)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
+        return self._output
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+
+class ServingEngine(Engine):
+    """Continuous batching over one model and one attention backend (module docstring).
+
+    model: a CausalLM. backend: any AttentionBackend with `reuses_rows` (default: FullAttention);
+        the engine opens it for `slots` x `max_len` and closes it at close().
+    slots: requests decoded together (rows of the batch).
+    max_len: tokens per slot, prompt + max_tokens of a request at most (default: the model's
+        context; more only for a backend that handles long context).
+    prefill_chunk: tokens per row of one prefill call (bounded by the backend's max_prefill_chunk).
+    step_token_budget: prompt tokens prefilled per engine step over all rows (default: prefill_chunk).
+    prefix_cache: a PrefixCacheConfig, or None for no prefix cache. Used with the full layout of
+        KV (FullAttention's {k, v} per layer); with any other backend (the offloading modes) it is
+        not used: logged once, and every request counts a miss. device_bytes None = the KV of
+        max_len tokens (one slot's), at most DEFAULT_PREFIX_DEVICE_BYTES.
+    prefix_cache_bytes: shorthand for the device tier's bytes (`jhybrid serve --prefix-cache-mb`):
+        replaces prefix_cache's device_bytes; 0 turns the prefix cache off.
+    step_log: how many StepRecords `step_log()` keeps (the latest).
+    """
+
+    def __init__(self, model: CausalLM, backend: AttentionBackend | None = None, slots: int = 4,
+                 max_len: int | None = None, prefill_chunk: int = 256, step_token_budget: int | None = None,
+                 prefix_cache: PrefixCacheConfig | None = _DEFAULT_PREFIX_CACHE,
+                 prefix_cache_bytes: int | None = None, step_log: int = 1024):
+        backend = _FULL if backend is None else backend
+        asked_for_prefix_cache = prefix_cache is not _DEFAULT_PREFIX_CACHE or prefix_cache_bytes is not None
+        config = model.config
+        context = config.max_position_embeddings
+        max_len = context if max_len is None else max_len
+        step_token_budget = prefill_chunk if step_token_budget is None else step_token_budget
+        for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
+                            ("step_token_budget", step_token_budget)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServingEngine {name}={value!r}; expected an integer >= 1")
+        if not backend.reuses_rows:
+            raise ValueError(f"mode {backend.name!r} cannot serve: its backend cannot reset single rows "
+                             "(reuses_rows is False), which continuous batching needs")
+        if max_len > context and not backend.handles_long_context:
+            raise ValueError(f"max_len {max_len} is longer than the model's context of {context} tokens "
+                             f"(backend {backend.name!r} keeps all KV on the device)")
+        if prefix_cache_bytes is not None:
+            if prefix_cache_bytes < 0:
+                raise ValueError(f"prefix_cache_bytes={prefix_cache_bytes}; expected >= 0")
+            prefix_cache = (None if prefix_cache_bytes == 0 else
+                            dataclasses.replace(prefix_cache or PrefixCacheConfig(), device_bytes=prefix_cache_bytes))
+        if prefix_cache is not None and prefix_cache.device_bytes == 0:
+            prefix_cache = None
+
+        self.config = config
+        self.backend = backend
+        self.slots = slots
+        self.max_len = max_len
+        self.prefill_chunk = min(prefill_chunk, backend.max_prefill_chunk or prefill_chunk)
+        self.step_token_budget = step_token_budget
+        self.graphdef, self.params = nnx.split(model)
+        self._params_signature = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
+                                       for x in jax.tree_util.tree_leaves(self.params))
+        self.compile_seconds = 0.0
+
+        backend.open(config, slots, max_len)
+        try:
+            self._cache: KVCache = model.init_cache(slots, max_len, backend)
+            self._prefix, self._pool = self._open_prefix_cache(prefix_cache, asked_for_prefix_cache)
+        except BaseException:
+            backend.close()
+            raise
+        self._prefix_unusable = prefix_cache is not None and self._prefix is None
+        self._prefix_stats = self._prefix.stats() if self._prefix else None
+
+        self._sampling = RowSampling.empty(slots)
+        self._cond = threading.Condition()  # guards the queue, the slots' occupants and the counters
+        self._step_lock = threading.Lock()  # one step at a time
+        self._waiting: collections.deque[_Run] = collections.deque()
+        self._rows: list[_Run | None] = [None] * slots
+        self._to_reset: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._closing = False
+        self._closed = False
+        self._error: str | None = None
+        self._ids = itertools.count()
+        self._admissions = itertools.count()
+        self._log: collections.deque[StepRecord] = collections.deque(maxlen=step_log)
+        self._counts = _Counters()
+
+    def _open_prefix_cache(self, config: PrefixCacheConfig | None, asked_for: bool):
+        """(PrefixCache, KVBlockPool), or (None, None) when off or the backend's layout is not full KV
+        (logged: a warning when the caller asked for a prefix cache, else the default's note)."""
+        if config is None:
+            return None, None
+        if not has_full_layout(self._cache):
+            log.log(logging.WARNING if asked_for else logging.INFO,
+                    "prefix cache not used with backend %r: its KV cache is not the full {k, v} layout "
+                    "(every request counts a prefix-cache miss)", self.backend.name)
+            return None, None
+        block_bytes = KVBlockPool.block_bytes_of(self._cache, config.block_size)
+        device_bytes = config.device_bytes
+        if device_bytes is None:
+            slot_bytes = block_bytes * -(-self.max_len // config.block_size)
+            device_bytes = min(slot_bytes, DEFAULT_PREFIX_DEVICE_BYTES)
+        if device_bytes < block_bytes:
+            raise ValueError(f"prefix cache device_bytes {device_bytes} holds no block of {block_bytes} bytes "
+                             f"({config.block_size} tokens of every layer's K and V); expected >= {block_bytes}")
+        pool = KVBlockPool.for_cache(self._cache, device_bytes // block_bytes, config.block_size)
+        return PrefixCache(config, pool), pool
+
+    # ---- the caller's side ---------------------------------------------------------------------------
+
+    def submit(self, request: Request, on_token: TokenCallback | None = None,
+               on_finish: FinishCallback | None = None) -> RequestHandle:
+        self._refuse_if_closed()
+        try:
+            prompt = self._admissible(request)
+        except AdmissionError:
+            with self._cond:
+                self._counts.rejected += 1
+            raise
+        with self._cond:
+            self._refuse_if_closed()
+            run = _Run(self, request, prompt, request.request_id or f"req-{next(self._ids)}", on_token, on_finish)
+            self._waiting.append(run)
+            self._cond.notify_all()
+        return run
+
+    def _refuse_if_closed(self) -> None:
+        if self._error is not None:
+            raise EngineClosed(f"the engine stopped after an error: {self._error}")
+        if self._closing:
+            raise EngineClosed("the engine is closed (or draining): it takes no new requests")
+
+    def _admissible(self, request: Request) -> np.ndarray:
+        """The prompt as int32 [P] if the request can ever run here; AdmissionError naming the value
+        and the limit otherwise."""
+        if not isinstance(request, Request):
+            raise AdmissionError(f"expected a jhybrid.serving.api.Request, got {type(request).__name__}")
+        if not isinstance(request.sampling, SamplingParams):
+            raise AdmissionError(f"sampling is a {type(request.sampling).__name__}; expected SamplingParams")
+        ids = np.asarray(request.prompt)
+        if ids.size == 0:
+            raise AdmissionError("the prompt is empty; a request needs at least one token")
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise AdmissionError(f"the prompt is {ids.dtype} of shape {ids.shape}; "
+                                 "expected a list of integer token ids")
+        vocab = self.config.vocab_size
+        bad = (ids < 0) | (ids >= vocab)
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise AdmissionError(f"prompt token {at} is id {int(ids[at])}; expected ids in [0, {vocab}) "
+                                 "(the model's vocabulary)")
+        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise AdmissionError(f"max_tokens={request.max_tokens!r}; expected an integer >= 1")
+        if not all(isinstance(t, (int, np.integer)) for t in request.stop_tokens):
+            raise AdmissionError(f"stop_tokens={request.stop_tokens!r}; expected integer token ids")
+        total = len(ids) + request.max_tokens
+        if total > self.max_len:
+            raise AdmissionError(f"prompt {len(ids)} + max_tokens {request.max_tokens} = {total} tokens; "
+                                 f"expected at most a slot's {self.max_len}")
+        return ids.astype(np.int32)
+
+    def _request_cancel(self, run: _Run) -> None:
+        with self._cond:
+            if run.state is not _State.DONE:
+                run.cancel_requested = True
+                self._cond.notify_all()
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            c = self._counts
+            prefix = self._prefix_stats
+            return EngineStats(
+                slots=self.slots, running=sum(r is not None for r in self._rows), waiting=len(self._waiting),
+                finished=c.finished, cancelled=c.cancelled, rejected=c.rejected, decode_steps=c.decode_steps,
+                prefill_tokens=c.prefill_tokens, generated_tokens=c.generated_tokens,
+                prefix_hits=prefix.hits if prefix else 0,
+                prefix_misses=(prefix.misses if prefix else 0) + c.prefix_unusable,
+                prefix_hit_tokens=prefix.hit_tokens if prefix else 0,
+                prefix_bytes_device=prefix.bytes_device if prefix else 0,
+                prefix_bytes_host=prefix.bytes_host if prefix else 0,
+                prefix_bytes_disk=prefix.bytes_disk if prefix else 0,
+                errors=c.errors, steps=c.steps, prefill_calls=c.prefill_calls, compiles=c.compiles)
+
+    def step_log(self) -> list[StepRecord]:
+        """The latest steps' records, oldest first."""
+        with self._cond:
+            return list(self._log)
+
+    def slot_lengths(self) -> np.ndarray:
+        """[slots] int: the tokens each row of the cache holds (0 once a row is reset: a leak check)."""
+        with self._step_lock:
+            return np.asarray(self._cache.lengths).copy()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            self._refuse_if_closed()
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._loop, name="jhybrid-serving-engine", daemon=True)
+            self._thread.start()
+
+    def _busy(self) -> bool:
+        """Work for a step (under the lock): a waiting request or an occupied slot."""
+        return bool(self._waiting) or any(r is not None for r in self._rows)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._busy():
+                    self._cond.wait()
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception:  # step() has ended every request with the error and logged it
+                return
+
+    def step(self) -> bool:
+        with self._step_lock:
+            if self._error is not None or self._closed:
+                return False
+            try:
+                return self._step()
+            except Exception as error:
+                self._fail(error)
+                raise
+
+    def _step(self) -> bool:
+        with self._cond:
+            cancelled = [r for r in self._waiting if r.cancel_requested]
+            cancelled += [r for r in self._rows if r is not None and r.cancel_requested]
+        for run in cancelled:
+            self._finish(run, FinishReason.CANCELLED)
+        self._reset_released_rows()
+        admitted = self._admit()
+        prefilled = self._prefill()
+        decoded = self._decode()
+        self._reset_released_rows()
+        with self._cond:
+            if prefilled or decoded:
+                self._counts.steps += 1
+                self._log.append(StepRecord(self._counts.steps, tuple(prefilled), tuple(decoded)))
+            if self._prefix is not None:
+                self._prefix_stats = self._prefix.stats()
+            self._cond.notify_all()
+        return bool(cancelled or admitted or prefilled or decoded)
+
+    def _admit(self) -> list[_Run]:
+        """Waiting requests into free slots (FIFO), each with its prefix-cache hit copied into its row."""
+        admitted = []
+        with self._cond:
+            free = [slot for slot, run in enumerate(self._rows) if run is None]
+            while free and self._waiting:
+                run = self._waiting.popleft()
+                run.slot, run.state, run.order = free.pop(0), _State.PREFILL, next(self._admissions)
+                self._rows[run.slot] = run
+                admitted.append(run)
+        for run in admitted:
+            self._sampling.set_row(run.slot, run.request.sampling)
+            self._use_prefix_cache(run)
+        return admitted
+
+    def _use_prefix_cache(self, run: _Run) -> None:
+        if self._prefix is None:
+            if self._prefix_unusable:
+                with self._cond:
+                    self._counts.prefix_unusable += 1
+            return
+        usable = (len(run.prompt) - 1) // self._prefix.block_size * self._prefix.block_size
+        slots = self._prefix.acquire(run.prompt[:usable])
+        if slots.size:
+            self._cache = self._pool.into_row(self._cache, run.slot, slots)
+            run.prefilled = run.cached_tokens = int(slots.size) * self._prefix.block_size
+
+    def _prefill(self) -> list[tuple[str, int]]:
+        """Up to step_token_budget prompt tokens of the prefilling requests, oldest first, in
+        [slots, prefill_chunk] calls. Returns (request_id, tokens) per request that took part."""
+        budget, done = self.step_token_budget, collections.Counter()
+        while budget > 0:
+            runs = sorted((r for r in self._rows if r is not None and r.state is _State.PREFILL
+                           and not r.cancel_requested), key=lambda r: r.order)
+            if not runs:
+                break
+            tokens = np.zeros((self.slots, self.prefill_chunk), np.int32)
+            positions = np.full((self.slots, self.prefill_chunk), -1, np.int32)
+            taken = []
+            for run in runs:
+                n = min(self.prefill_chunk, len(run.prompt) - run.prefilled, budget)
+                if n <= 0:
+                    break
+                tokens[run.slot, :n] = run.prompt[run.prefilled:run.prefilled + n]
+                positions[run.slot, :n] = np.arange(run.prefilled, run.prefilled + n)
+                budget -= n
+                taken.append((run, n))
+            self._cache = self.backend.before_step(self._cache, positions)
+            sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens, positions,
+                                             self._cache, self._row_sampling())
+            sampled = np.asarray(sampled)
+            with self._cond:
+                self._counts.prefill_calls += 1
+                self._counts.prefill_tokens += sum(n for _, n in taken)
+            for run, n in taken:
+                run.prefilled += n
+                done[run.request_id] += n
+                if run.prefilled == len(run.prompt):
+                    self._store_prefix(run)
+                    run.state = _State.DECODE
+                    self._accept(run, int(sampled[run.slot]))
+        return list(done.items())
+
+    def _decode(self) -> list[str]:
+        """One token for every request past its prefill (one [slots, 1] call). Returns their ids."""
+        runs = [r for r in self._rows if r is not None and r.state is _State.DECODE and not r.cancel_requested]
+        if not runs:
+            return []
+        tokens = np.zeros(self.slots, np.int32)
+        positions = np.full(self.slots, -1, np.int32)
+        for run in runs:
+            tokens[run.slot] = run.tokens[-1]
+            positions[run.slot] = len(run.prompt) + len(run.tokens) - 1
+        self._cache = self.backend.before_step(self._cache, positions[:, None])
+        sampled, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
+                                         self._cache, self._row_sampling())
+        sampled = np.asarray(sampled)
+        with self._cond:
+            self._counts.decode_steps += 1
+        for run in runs:
+            self._accept(run, int(sampled[run.slot]))
+        return [run.request_id for run in runs]
+
+    def _row_sampling(self) -> RowSampling:
+        """The rows' sampling parameters, each row at its request's next token index."""
+        index = np.array([len(r.tokens) if r is not None else 0 for r in self._rows], np.int32)
+        return self._sampling.replace(index=index)
+
+    def _store_prefix(self, run: _Run) -> None:
+        """A finished prefill's prompt blocks into the prefix cache (copied from its row)."""
+        if self._prefix is None:
+            return
+
+        def copy(block_numbers: np.ndarray, slots: np.ndarray) -> None:
+            self._pool.from_row(self._cache, run.slot, block_numbers, slots)
+
+        self._prefix.insert(run.prompt, copy)
+
+    def _accept(self, run: _Run, token: int) -> None:
+        """A sampled token of a request: stop, or emit (and end at max_tokens)."""
+        if token in run.stop:
+            self._finish(run, FinishReason.STOP)
+            return
+        run.tokens.append(token)
+        run.token_times.append(time.perf_counter() - run.submitted)
+        with self._cond:
+            self._counts.generated_tokens += 1
+        if run.on_token is not None:
+            try:
+                run.on_token(token, len(run.tokens) - 1)
+            except Exception:
+                log.exception("on_token of request %r raised (ignored)", run.request_id)
+        if len(run.tokens) >= run.request.max_tokens:
+            self._finish(run, FinishReason.LENGTH)
+
+    def _finish(self, run: _Run, reason: FinishReason, error: str | None = None) -> None:
+        """Ends a request: its slot is released (reset at the step's end), its output set, on_finish called."""
+        with self._cond:
+            if run.state is _State.DONE:
+                return
+            if run.state is _State.WAITING:
+                self._waiting.remove(run)
+            elif run.slot >= 0:
+                self._rows[run.slot] = None
+                self._to_reset.append(run.slot)
+            run.state = _State.DONE
+            if reason is FinishReason.CANCELLED:
+                self._counts.cancelled += 1
+            elif reason is FinishReason.ERROR:
+                self._counts.errors += 1
+            else:
+                self._counts.finished += 1
+            run._output = RequestOutput(
+                request_id=run.request_id, tokens=list(run.tokens), finish_reason=reason,
+                prompt_tokens=len(run.prompt), cached_tokens=run.cached_tokens,
+                ttft=run.token_times[0] if run.token_times else None, token_times=list(run.token_times),
+                error=error)
+            self._cond.notify_all()
+        try:
+            if run.on_finish is not None:
+                run.on_finish(run._output)
+        except Exception:
+            log.exception("on_finish of request %r raised (ignored)", run.request_id)
+        finally:
+            run._event.set()
+
+    def _reset_released_rows(self) -> None:
+        with self._cond:
+            rows, self._to_reset = sorted(self._to_reset), []
+        if rows:
+            self._cache = self.backend.reset_rows(self._cache, np.asarray(rows, np.int64))
+
+    def _fail(self, error: BaseException) -> None:
+        """A step raised: every request ends with ERROR and the message; no new requests."""
+        message = f"{type(error).__name__}: {error}"
+        log.error("serving engine step failed; ending every request: %s", message, exc_info=error)
+        with self._cond:
+            self._error = message
+            runs = [r for r in self._rows if r is not None] + list(self._waiting)
+        for run in runs:
+            self._finish(run, FinishReason.ERROR, message)
+
+    # ---- compiled pieces (pure functions of params, tokens and cache) -------------------------------
+
+    def _prefill_fn(self, params, tokens, positions, cache, sampling):
+        """[slots, C] prompt tokens -> (each row's token sampled from its last valid position [slots], cache)."""
+        model = nnx.merge(self.graphdef, params)
+        hidden, cache, _ = model.hidden_states(tokens, positions, cache, self.backend)
+        last = jnp.argmax(positions, axis=1)
+        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        return sample_rows(model.logits(last_hidden), sampling), cache
+
+    def _decode_fn(self, params, tokens, positions, cache, sampling):
+        """tokens, positions [slots] -> (next tokens [slots], cache)."""
+        model = nnx.merge(self.graphdef, params)
+        logits, cache = model(tokens[:, None], positions[:, None], cache, self.backend)
+        return sample_rows(logits[:, 0], sampling), cache
+
+    def _run(self, name: str, fn, donate: tuple, *args: Any):
+        """fn compiled ahead of time once per shapes (`Generator._run`), shared with other engines of
+        the same model structure and parameter shapes on the same backend object (the compiled
+        code's inputs besides the arguments: fn merges self.graphdef and calls self.backend). The
+        object, not an equal one: an offloading backend's compiled host calls reach its own runtime."""
+        varying = [a for a in args if a is not self.params]
+        leaves, treedef = jax.tree_util.tree_flatten(varying)
+        key = (name, self.graphdef, id(self.backend), self._params_signature, treedef) + tuple(
+            (a.shape, str(a.dtype)) for a in leaves)
+        with _executables_lock:
+            backend, executable = _executables.get(key, (None, None))
+            if backend is not self.backend:  # an id reused by a newer object
+                executable = None
+            else:
+                _executables.move_to_end(key)
+        if executable is None:
+            start = time.perf_counter()
+            executable = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - start
+            with self._cond:
+                self._counts.compiles += 1
+            with _executables_lock:
+                _executables[key] = (self.backend, executable)  # the backend kept alive: its id stays its own
+                while len(_executables) > SHARED_EXECUTABLES:
+                    _executables.popitem(last=False)
+        return executable(*args)
+
+    # ---- shutdown --------------------------------------------------------------------------------
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise RuntimeError("close() from the engine's own thread (a callback) would wait for itself; "
+                               "call it from another thread")
+        with self._cond:
+            if self._closed or self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if drain:
+            self._drain(deadline)
+        with self._cond:
+            self._stop = True
+            for run in [r for r in self._rows if r is not None] + list(self._waiting):
+                run.cancel_requested = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None:
+            thread.join(JOIN_SECONDS)
+            if thread.is_alive():
+                log.error("the serving engine's thread did not end within %.0f s of close()", JOIN_SECONDS)
+        locked = self._step_lock.acquire(timeout=JOIN_SECONDS)
+        try:
+            with self._cond:
+                left = [r for r in self._rows if r is not None] + list(self._waiting)
+            for run in left:
+                self._finish(run, FinishReason.CANCELLED)
+            self._closed = True
+            if self._prefix is not None:
+                self._prefix.close()
+                self._prefix_stats = self._prefix.stats()
+            self.backend.close()
+        finally:
+            if locked:
+                self._step_lock.release()
+
+    def _drain(self, deadline: float | None) -> None:
+        """Lets running and waiting requests finish (until the deadline): on the engine's thread
+        when started, else by stepping here."""
+        def remaining() -> float | None:
+            return None if deadline is None else deadline - time.monotonic()
+
+        if self._thread is not None:
+            with self._cond:
+                while self._busy() and self._error is None and self._thread.is_alive():
+                    left = remaining()
+                    if left is not None and left <= 0:
+                        return
+                    self._cond.wait(left)
+            return
+        while self._error is None and self._busy():
+            left = remaining()
+            if left is not None and left <= 0:
+                return
+            try:
+                self.step()
+            except Exception:
+                return
+
+
+__all__ = ["ServingEngine", "StepRecord"]

@@ -1,0 +1,141 @@
+"""The prefix cache's device tier for the `full` backend's cache layout: a pool of KV blocks.
+
+`KVBlockPool` holds `capacity` blocks in one preallocated device array and copies blocks between
+it and the rows of a `KVCache` whose layers are FullAttention's {"k", "v"} [B, max_len, Hkv, D]
+(`has_full_layout`). One block = `block_size` consecutive tokens of every layer's K and V:
+
+    pool  [capacity, num_layers, 2, block_size, Hkv, D]   the cache's dtype (index 0: K, 1: V)
+
+Block j of a row holds positions j*bs .. j*bs + bs - 1. Every copy is one jitted call whose block
+count is padded to a power of two (padding is dropped by the scatters), so the calls compile once
+per power of two up to the pool's size, never per request. The pool implements the
+`prefix_cache.BlockStore` protocol (host copies in and out for the host and disk tiers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def has_full_layout(cache) -> bool:
+    """True when every layer of `cache` (a KVCache) is {"k", "v"} arrays of one shape
+    [B, max_len, Hkv, D] and dtype: the layout the pool copies to and from."""
+    first = cache.layers[0]
+    if not isinstance(first, dict) or set(first) != {"k", "v"} or getattr(first["k"], "ndim", 0) != 4:
+        return False
+    shape, dtype = first["k"].shape, first["k"].dtype
+    return all(isinstance(layer, dict) and set(layer) == {"k", "v"}
+               and all(layer[n].shape == shape and layer[n].dtype == dtype for n in ("k", "v"))
+               for layer in cache.layers)
+
+
+def _bucket(n: int) -> int:
+    """n rounded up to a power of two (at least 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    out = np.full(size, fill, np.int32)
+    out[:len(values)] = values
+    return out
+
+
+@jax.jit
+def _gather(pool, slots):
+    return pool[slots]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter(pool, slots, blocks):
+    return pool.at[slots].set(blocks.astype(pool.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _into_row(cache, pool, row, slots, count):
+    """Writes pool[slots[:count]] to positions 0 .. count*bs - 1 of cache row `row`; length = count*bs."""
+    n, bs = slots.shape[0], pool.shape[3]
+    max_len = cache.layers[0]["k"].shape[1]
+    blocks = pool[slots]  # [n, L, 2, bs, Hkv, D]
+    positions = jnp.arange(n * bs, dtype=jnp.int32)
+    positions = jnp.where(positions < count * bs, positions, max_len)  # padding blocks: dropped
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        k, v = (blocks[:, i, j].reshape((n * bs,) + blocks.shape[4:]) for j in (0, 1))
+        layers.append({"k": layer["k"].at[row, positions].set(k, mode="drop"),
+                       "v": layer["v"].at[row, positions].set(v, mode="drop")})
+    return cache.replace(layers=tuple(layers), lengths=cache.lengths.at[row].set(count * bs))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _from_row(pool, cache, row, block_numbers, slots):
+    """pool[slots] = blocks `block_numbers` of cache row `row` (padding slots are out of range: dropped)."""
+    bs = pool.shape[3]
+    positions = (block_numbers[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)[None, :]).reshape(-1)
+    per_layer = [jnp.stack([layer["k"][row, positions], layer["v"][row, positions]])  # [2, n*bs, Hkv, D]
+                 for layer in cache.layers]
+    blocks = jnp.stack(per_layer)  # [L, 2, n*bs, Hkv, D]
+    blocks = blocks.reshape(blocks.shape[:2] + (slots.shape[0], bs) + blocks.shape[3:])
+    blocks = jnp.transpose(blocks, (2, 0, 1, 3, 4, 5))  # [n, L, 2, bs, Hkv, D]
+    return pool.at[slots].set(blocks.astype(pool.dtype), mode="drop")
+
+
+class KVBlockPool:
+    """`capacity` device slots of one KV block each (module doc); a `prefix_cache.BlockStore`."""
+
+    def __init__(self, capacity: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype):
+        if capacity < 1:
+            raise ValueError(f"a KV block pool of {capacity} blocks; expected at least 1")
+        self.capacity = capacity
+        self.block_size = block_size
+        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.pool = jnp.zeros((capacity,) + self.block_shape, dtype)
+        self.block_bytes = int(np.prod(self.block_shape)) * jnp.dtype(dtype).itemsize
+
+    @classmethod
+    def for_cache(cls, cache, capacity: int, block_size: int) -> "KVBlockPool":
+        """A pool of blocks shaped for `cache` (which must have the full layout)."""
+        k = cache.layers[0]["k"]
+        return cls(capacity, len(cache.layers), block_size, k.shape[2], k.shape[3], k.dtype)
+
+    @staticmethod
+    def block_bytes_of(cache, block_size: int) -> int:
+        """Bytes of one block of `cache`'s layout (every layer's K and V of block_size tokens)."""
+        k = cache.layers[0]["k"]
+        return len(cache.layers) * 2 * block_size * k.shape[2] * k.shape[3] * k.dtype.itemsize
+
+    # ---- BlockStore: host copies ------------------------------------------------------------------
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        """[n, L, 2, bs, Hkv, D] host copies of the blocks in slots [n]."""
+        n = len(slots)
+        return np.asarray(_gather(self.pool, _padded(slots, _bucket(n), 0)))[:n]
+
+    def write(self, slots: np.ndarray, blocks: np.ndarray) -> None:
+        """Stores host blocks [n, L, 2, bs, Hkv, D] into slots [n]."""
+        n = len(slots)
+        size = _bucket(n)
+        padded = np.zeros((size,) + self.block_shape, blocks.dtype)
+        padded[:n] = blocks
+        self.pool = _scatter(self.pool, _padded(slots, size, self.capacity), padded)
+
+    # ---- copies between the pool and a cache row ---------------------------------------------------
+
+    def into_row(self, cache, row: int, slots: np.ndarray):
+        """The cache (donated) with blocks `slots` [n] as positions 0 .. n*bs - 1 of row `row`, whose
+        length becomes n*bs (what it held beyond is masked by the length)."""
+        n = len(slots)
+        return _into_row(cache, self.pool, np.int32(row), _padded(slots, _bucket(n), 0), np.int32(n))
+
+    def from_row(self, cache, row: int, block_numbers: np.ndarray, slots: np.ndarray) -> None:
+        """Copies blocks `block_numbers` [n] of cache row `row` into slots [n] (the cache is read only)."""
+        size = _bucket(len(slots))
+        self.pool = _from_row(self.pool, cache, np.int32(row), _padded(block_numbers, size, 0),
+                              _padded(slots, size, self.capacity))
+
+
+__all__ = ["KVBlockPool", "has_full_layout"]

@@ -1,0 +1,377 @@
+"""The continuous-batching engine (jhybrid/serving/engine.py) on the tiny model (CPU):
+
+  * every request's greedy output equals the Generator's run of it alone (prompt lengths 1..100,
+    requests arriving while others decode, more requests than slots, stop tokens, max_tokens 1);
+  * cancel mid-run and while waiting; close with and without draining;
+  * seeded sampling per request: the same tokens whatever its batch mates and slot (and the
+    Generator's with that seed);
+  * 50 short requests through 2 slots: every row reset, nothing left, counters consistent, no
+    recompilation after warm-up;
+  * a long prompt is prefilled in budget-sized chunks, one per step, each step also decoding the
+    running request (the step log);
+  * admission errors (one line, value and limit), constructor errors, a failing step ends every
+    request with ERROR (no hang) and later submits raise EngineClosed;
+  * (slow) an offloading mode serves the same outputs; the prefix cache is skipped there (logged once).
+Waits are bounded by timeouts, never by wall-clock asserts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jhybrid.attention.full import FullAttention
+from jhybrid.generation import Generator, SamplingParams
+from jhybrid.models import create_model
+from jhybrid.serving.api import AdmissionError, EngineClosed, FinishReason, Request
+from jhybrid.serving.engine import ServingEngine
+from tests.hybrid_support import KEEP_ALL, TINY
+
+SLOTS, MAX_LEN, CHUNK = 2, 128, 16
+TIMEOUT = 120.0
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(TINY, seed=0)
+
+
+class Alone:
+    """A request's output generated on its own by the Generator (full attention, same max_len)."""
+
+    def __init__(self, model):
+        self.generator = Generator(model, prefill_chunk=CHUNK, max_len=MAX_LEN)
+        self.memo: dict = {}
+
+    def __call__(self, prompt, max_tokens, sampling=GREEDY, stop=()) -> tuple[list[int], FinishReason]:
+        key = (tuple(prompt), max_tokens, sampling, tuple(stop))
+        if key not in self.memo:
+            out = self.generator.generate([list(prompt)], max_new_tokens=max_tokens, sampling=sampling,
+                                          stop_tokens=stop)
+            self.memo[key] = (out.tokens[0], FinishReason(out.finish_reasons[0]))
+        return self.memo[key]
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    return Alone(model)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    """One started engine shared by the tests (each checks differences of its counters)."""
+    engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    engine.start()
+    yield engine
+    engine.close(drain=False)
+
+
+def prompts_of(rng, lengths):
+    return [rng.integers(0, TINY.vocab_size, n).tolist() for n in lengths]
+
+
+class Stream:
+    """on_token / on_finish callbacks that record what the engine emitted."""
+
+    def __init__(self):
+        self.tokens: list[tuple[int, int]] = []
+        self.finished = []
+
+    def on_token(self, token, index):
+        self.tokens.append((token, index))
+
+    def on_finish(self, output):
+        self.finished.append(output)
+
+
+def wait_idle(engine, timeout=TIMEOUT):
+    """Until nothing runs or waits (bounded)."""
+    deadline = time.monotonic() + timeout
+    while (engine.stats().running, engine.stats().waiting) != (0, 0):
+        assert time.monotonic() < deadline, f"the engine did not go idle within {timeout} s: {engine.stats()}"
+        time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- greedy = alone
+
+
+def test_greedy_outputs_equal_running_alone(engine, alone, rng):
+    """Ten requests with prompts of 1..100 tokens through 2 slots: the first wave is queued at once,
+    the second arrives (from the engine's own callback) while the first decodes."""
+    lengths = [1, 7, 16, 17, 33, 100, 5, 48, 64, 2]
+    max_tokens = [20, 1, 12, 25, 9, 28, 1, 30, 15, 24]
+    prompts = prompts_of(rng, lengths)
+    streams = [Stream() for _ in prompts]
+    handles = {}
+    second_wave = threading.Event()
+
+    def submit(i):
+        handles[i] = engine.submit(Request(prompts[i], max_tokens=max_tokens[i], request_id=f"r{i}"),
+                                   streams[i].on_token, streams[i].on_finish)
+
+    def first_token(token, index):
+        streams[0].on_token(token, index)
+        if index == 3:  # request 0 is decoding: the rest arrive now
+            for i in range(5, len(prompts)):
+                submit(i)
+            second_wave.set()
+
+    handles[0] = engine.submit(Request(prompts[0], max_tokens=max_tokens[0], request_id="r0"), first_token,
+                               streams[0].on_finish)
+    for i in range(1, 5):
+        submit(i)
+    assert second_wave.wait(TIMEOUT)
+    for i, prompt in enumerate(prompts):
+        out = handles[i].result(TIMEOUT)
+        tokens, reason = alone(prompt, max_tokens[i])
+        assert (out.tokens, out.finish_reason) == (tokens, reason), f"request {i}"
+        assert out.request_id == f"r{i}" and out.prompt_tokens == len(prompt) and out.error is None
+        assert streams[i].tokens == [(t, k) for k, t in enumerate(tokens)]
+        assert streams[i].finished == [out] and handles[i].done
+        assert len(out.token_times) == len(tokens) and out.ttft == out.token_times[0]
+        assert out.token_times == sorted(out.token_times)
+    wait_idle(engine)
+
+
+def test_stop_tokens(engine, alone, rng):
+    prompt = prompts_of(rng, [9])[0]
+    free, _ = alone(prompt, 30)
+    late = next((t for i, t in enumerate(free) if i >= 2 and t not in free[:i]), None)
+    if late is None:
+        pytest.skip("the free run repeats one token")
+    stopped = engine.submit(Request(prompt, max_tokens=30, stop_tokens=(late,))).result(TIMEOUT)
+    assert stopped.finish_reason == FinishReason.STOP and stopped.tokens == free[:free.index(late)]
+    assert (stopped.tokens, stopped.finish_reason) == alone(prompt, 30, stop=(late,))
+    at_once = engine.submit(Request(prompt, max_tokens=30, stop_tokens=(free[0],))).result(TIMEOUT)
+    assert at_once.finish_reason == FinishReason.STOP and at_once.tokens == [] and at_once.ttft is None
+
+
+# ----------------------------------------------------------------------------- cancel
+
+
+def test_cancel_mid_run_and_while_waiting(engine, alone, rng):
+    wait_idle(engine)
+    before = engine.stats()
+    prompts = prompts_of(rng, [10, 12, 14])
+    holder, queued_cancelled = {}, threading.Event()
+
+    def cancel_at_5(token, index):
+        if index == 5:  # the engine thread waits here until the queued request's cancel is in
+            assert queued_cancelled.wait(TIMEOUT)
+            holder["running"].cancel()  # from the engine's own thread: ends at the next step
+
+    holder["running"] = engine.submit(Request(prompts[0], max_tokens=100), cancel_at_5)
+    other = engine.submit(Request(prompts[1], max_tokens=100))
+    queued = engine.submit(Request(prompts[2], max_tokens=100))  # both slots are taken: it waits
+    queued.cancel()
+    queued_cancelled.set()
+    out = holder["running"].result(TIMEOUT)
+    assert out.finish_reason == FinishReason.CANCELLED and out.tokens == alone(prompts[0], 100)[0][:6]
+    waited = queued.result(TIMEOUT)
+    assert waited.finish_reason == FinishReason.CANCELLED and waited.tokens == []
+    other.cancel()
+    assert other.result(TIMEOUT).finish_reason == FinishReason.CANCELLED
+    other.cancel()  # no-op once finished
+    wait_idle(engine)
+    after = engine.stats()
+    assert after.cancelled - before.cancelled == 3 and after.finished == before.finished
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_seeded_sampling_is_independent_of_batch_mates(engine, alone, rng):
+    prompt = prompts_of(rng, [11])[0]
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7)
+    by_itself = engine.submit(Request(prompt, max_tokens=16, sampling=params)).result(TIMEOUT).tokens
+    mates = [engine.submit(Request(p, max_tokens=24, sampling=SamplingParams(temperature=0.8, seed=s)))
+             for s, p in enumerate(prompts_of(rng, [30, 5]))]
+    greedy_mate = engine.submit(Request(prompts_of(rng, [3])[0], max_tokens=10))
+    with_mates = engine.submit(Request(prompt, max_tokens=16, sampling=params)).result(TIMEOUT).tokens
+    for handle in mates + [greedy_mate]:
+        handle.result(TIMEOUT)
+    assert by_itself == with_mates == alone(prompt, 16, sampling=params)[0]
+    other_seed = engine.submit(Request(prompt, max_tokens=16, sampling=dataclasses.replace(params, seed=8)))
+    assert other_seed.result(TIMEOUT).tokens != by_itself
+
+
+# ----------------------------------------------------------------------------- slots are reused
+
+
+def test_slots_reused_by_50_requests_leak_nothing(engine, alone, rng):
+    engine.submit(Request([1, 2, 3], max_tokens=2)).result(TIMEOUT)  # prefill and decode compiled
+    wait_idle(engine)
+    before = engine.stats()
+    requests = [Request(prompts_of(rng, [int(rng.integers(1, 9))])[0], max_tokens=int(rng.integers(1, 5)))
+                for _ in range(50)]
+    handles = [engine.submit(r) for r in requests]
+    outputs = [h.result(TIMEOUT) for h in handles]
+    for request, out in zip(requests, outputs):
+        assert (out.tokens, out.finish_reason) == alone(request.prompt, request.max_tokens)
+    wait_idle(engine)
+    after = engine.stats()
+    assert (after.running, after.waiting) == (0, 0)
+    assert after.finished - before.finished == 50
+    assert after.generated_tokens - before.generated_tokens == sum(len(o.tokens) for o in outputs)
+    assert after.prefill_tokens - before.prefill_tokens == sum(len(r.prompt) for r in requests)
+    assert after.compiles == before.compiles  # prefill and decode were compiled before: nothing since
+    assert (engine.slot_lengths() == 0).all()  # every row was reset when its request left
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(engine, alone, rng):
+    """While a 100-token prompt is prefilled (7 chunks of at most the 16-token budget), the running
+    request gets a decode step in every one of those steps."""
+    wait_idle(engine)
+    short, long = prompts_of(rng, [6, 100])
+    handles = {}
+
+    def submit_long(token, index):
+        if index == 0:  # the short request decodes from now on
+            handles["long"] = engine.submit(Request(long, max_tokens=5, request_id="long"))
+
+    handles["short"] = engine.submit(Request(short, max_tokens=40, request_id="short"), submit_long)
+    assert handles["short"].result(TIMEOUT).tokens == alone(short, 40)[0]
+    assert handles["long"].result(TIMEOUT).tokens == alone(long, 5)[0]
+    log = engine.step_log()
+    chunks = [(record.step, dict(record.prefill)["long"], record.decode) for record in log
+              if "long" in dict(record.prefill)]
+    assert [n for _, n, _ in chunks] == [16] * 6 + [4]
+    steps = [step for step, _, _ in chunks]
+    assert steps == list(range(steps[0], steps[0] + 7))  # one chunk per step, no step without one
+    assert all("short" in decode for _, _, decode in chunks)  # and a decode step of the other in each
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_admission_errors_name_the_value_and_the_limit(engine):
+    before = engine.stats().rejected
+    cases = [
+        (Request([1] * 100, max_tokens=29), "prompt 100 + max_tokens 29 = 129 tokens; expected at most a slot's 128"),
+        (Request([1, 2, 97], max_tokens=3), "prompt token 2 is id 97; expected ids in [0, 97)"),
+        (Request([-1], max_tokens=3), "prompt token 0 is id -1; expected ids in [0, 97)"),
+        (Request([], max_tokens=3), "the prompt is empty"),
+        (Request([1.5, 2.0], max_tokens=3),
+         "the prompt is float64 of shape (2,); expected a list of integer token ids"),
+        (Request([1], max_tokens=0), "max_tokens=0; expected an integer >= 1"),
+    ]
+    for request, message in cases:
+        with pytest.raises(AdmissionError, match="^" + re.escape(message)) as info:
+            engine.submit(request)
+        assert "\n" not in str(info.value)
+    assert engine.stats().rejected - before == len(cases)
+    assert engine.submit(Request([1] * 100, max_tokens=28)).result(TIMEOUT).finish_reason == FinishReason.LENGTH
+
+
+def test_constructor_errors(model):
+    class NoRows(FullAttention):
+        name = "rowless"
+        reuses_rows = False
+
+    with pytest.raises(ValueError, match="^mode 'rowless' cannot serve: its backend cannot reset single rows"):
+        ServingEngine(model, NoRows(), slots=2, max_len=64)
+    with pytest.raises(ValueError, match="max_len 300 is longer than the model's context of 256 tokens"):
+        ServingEngine(model, slots=2, max_len=300)
+    with pytest.raises(ValueError, match="slots=0; expected an integer >= 1"):
+        ServingEngine(model, slots=0)
+
+
+class FailingAttention(FullAttention):
+    """Full attention whose host hook raises at its `fail_at`-th call (an injected step failure)."""
+
+    def __init__(self, fail_at: int):
+        self.fail_at, self.calls = fail_at, 0
+
+    def before_step(self, cache, positions):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        return cache
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_failing_step_ends_every_request_with_error(model, rng):
+    """The second model call raises (after a prefill, at the first decode): both running requests and
+    the waiting one end ERROR with the message; the engine refuses new requests; close returns."""
+    backend = FailingAttention(fail_at=2)
+    engine = ServingEngine(model, backend, slots=2, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    engine.start()
+    streams = [Stream() for _ in range(3)]
+    handles = [engine.submit(Request(p, max_tokens=10), s.on_token, s.on_finish)
+               for p, s in zip(prompts_of(rng, [5, 9, 3]), streams)]
+    outputs = [h.result(TIMEOUT) for h in handles]
+    assert [o.finish_reason for o in outputs] == [FinishReason.ERROR] * 3
+    assert all(o.error == "RuntimeError: injected failure" for o in outputs)
+    assert [len(o.tokens) for o in outputs] == [1, 1, 0]  # the first tokens came from the prefill
+    assert all(s.finished == [o] for s, o in zip(streams, outputs))
+    with pytest.raises(EngineClosed, match="stopped after an error: RuntimeError: injected failure"):
+        engine.submit(Request([1, 2], max_tokens=2))
+    stats = engine.stats()
+    assert (stats.errors, stats.running, stats.waiting) == (3, 0, 0)
+    engine.close()
+    assert backend.closed and engine.closed
+
+
+def test_close_without_draining_cancels_and_with_draining_finishes(model, alone, rng):
+    """Stepped on the caller's thread (no start()): close(drain=False) cancels what runs and waits,
+    a closed engine refuses requests and steps no more; close(drain=True) steps until all is done."""
+    first, second, third = prompts_of(rng, [20, 4, 6])
+    engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    running = [engine.submit(Request(p, max_tokens=50)) for p in (first, second)]
+    waiting = engine.submit(Request(third, max_tokens=50))
+    assert engine.step() and engine.step()  # 16 + 4 prompt tokens of the first, then two decode steps
+    engine.close(drain=False)
+    outputs = [h.result(0) for h in running + [waiting]]
+    assert [o.finish_reason for o in outputs] == [FinishReason.CANCELLED] * 3
+    assert [o.tokens for o in outputs] == [alone(first, 50)[0][:2], alone(second, 50)[0][:2], []]
+    assert engine.stats().cancelled == 3 and not engine.step()
+    with pytest.raises(EngineClosed, match="closed"):
+        engine.submit(Request(second, max_tokens=2))
+
+    engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    handles = [engine.submit(Request(p, max_tokens=8)) for p in (first, second, third)]
+    engine.close(drain=True, timeout=TIMEOUT)
+    assert [(h.result(0).tokens, h.result(0).finish_reason) for h in handles] == [
+        alone(p, 8) for p in (first, second, third)]
+
+
+# ----------------------------------------------------------------------------- an offloading mode
+
+
+@pytest.mark.slow
+def test_an_offloading_mode_serves_the_same_outputs(model, alone, rng, caplog):
+    """hgca keeping every token (exact) through 2 slots with rows reset and reused: every output
+    equals full attention's alone; its cache is not the full layout, so the prefix cache is skipped
+    (logged once) and every request counts a miss."""
+    from jhybrid.hybrid import make_backend
+
+    lengths, max_tokens = [5, 60, 17, 90, 3, 41], [30, 20, 25, 30, 12, 40]
+    prompts = prompts_of(rng, lengths)
+    with caplog.at_level(logging.INFO, logger="jhybrid.serving"):
+        engine = ServingEngine(model, make_backend("hgca", **KEEP_ALL), slots=2, max_len=MAX_LEN,
+                               prefill_chunk=CHUNK)
+    assert [r.message for r in caplog.records if "prefix cache not used" in r.message] == [
+        "prefix cache not used with backend 'hgca': its KV cache is not the full {k, v} layout "
+        "(every request counts a prefix-cache miss)"]
+    with engine:
+        engine.start()
+        handles = [engine.submit(Request(p, max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+        for handle, prompt, m in zip(handles, prompts, max_tokens):
+            out = handle.result(TIMEOUT * 2)
+            assert (out.tokens, out.finish_reason) == alone(prompt, m)
+        stats = engine.stats()
+        assert (stats.prefix_hits, stats.prefix_misses, stats.running) == (0, len(prompts), 0)
+        assert (engine.slot_lengths() == 0).all()
+    assert engine.closed

@@ -1,0 +1,302 @@
+"""The prefix cache (jhybrid/serving/prefix_cache.py, kv_blocks.py) alone and in the engine:
+
+  * longest-prefix matching over whole blocks; a hit is token-exact: forced hash collisions (a
+    constant hash, a hash that ignores the parent) miss instead of returning another prefix's KV;
+  * LRU order at the device, host and disk tiers equals an independent OrderedDict model over
+    random inserts and lookups, the blocks' data surviving device -> host -> disk and back;
+  * random shared prefixes under tiny capacities keep the index consistent (no orphan block, slots
+    and bytes accounted, every hit's data the prompt's own);
+  * in the engine (tiny model): a hit's output equals the miss's and the Generator's alone, with the
+    right cached_tokens (whole blocks, the last prompt token always prefilled) and counters; KV
+    spilled to host and disk comes back for a hit with the same output.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import pytest
+
+from jhybrid.generation import Generator
+from jhybrid.models import create_model
+from jhybrid.serving.api import Request
+from jhybrid.serving.engine import ServingEngine
+from jhybrid.serving.kv_blocks import has_full_layout
+from jhybrid.serving.prefix_cache import PrefixCache, PrefixCacheConfig, Tier, chain_hash
+from tests.hybrid_support import TINY
+
+BS = 4  # tokens per block in the unit tests
+TIMEOUT = 120.0
+
+
+class NumpyStore:
+    """A device tier of NumPy rows: block j of a prompt is stored as its BS token ids (so a hit's
+    data can be checked against the prompt)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.data = np.full((capacity, BS), -1, np.int64)
+        self.block_bytes = self.data[0].nbytes
+
+    def read(self, slots):
+        return self.data[slots].copy()
+
+    def write(self, slots, blocks):
+        self.data[slots] = blocks
+
+
+def make_cache(device, host=0, disk=0, disk_dir=None, hash_fn=chain_hash):
+    """A PrefixCache over a NumpyStore; capacities in blocks."""
+    store = NumpyStore(device)
+    config = PrefixCacheConfig(block_size=BS, device_bytes=device * store.block_bytes,
+                               host_bytes=host * store.block_bytes, disk_bytes=disk * store.block_bytes,
+                               disk_dir=disk_dir)
+    return PrefixCache(config, store, hash_fn), store
+
+
+def insert(cache, store, tokens) -> int:
+    ids = np.asarray(tokens)
+
+    def copy(block_numbers, slots):
+        for j, slot in zip(block_numbers, slots):
+            store.data[slot] = ids[j * BS:(j + 1) * BS]
+
+    return cache.insert(tokens, copy)
+
+
+def acquire(cache, store, tokens) -> int:
+    """Acquires `tokens`' cached prefix, checks its data is the prompt's own, returns its blocks."""
+    slots = cache.acquire(tokens)
+    want = np.asarray(tokens)[:len(slots) * BS].reshape(-1, BS)
+    assert np.array_equal(store.data[slots], want), "a hit returned another prefix's KV"
+    return len(slots)
+
+
+def key_of(tokens) -> int:
+    return chain_hash(0, np.asarray(tokens, np.int32).tobytes())
+
+
+# ----------------------------------------------------------------------------- matching
+
+
+def test_longest_prefix_whole_blocks(rng):
+    cache, store = make_cache(device=16)
+    a = rng.integers(0, 1000, 20).tolist()
+    assert insert(cache, store, a) == 5 and insert(cache, store, a) == 0
+    assert acquire(cache, store, a) == 5
+    assert acquire(cache, store, a[:13]) == 3  # whole blocks only
+    b = a[:8] + rng.integers(1000, 2000, 12).tolist()
+    assert acquire(cache, store, b) == 2
+    assert insert(cache, store, b) == 3  # its first two blocks are a's
+    assert acquire(cache, store, b) == 5
+    assert acquire(cache, store, rng.integers(2000, 3000, 9).tolist()) == 0
+    assert acquire(cache, store, a[:3]) == 0
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.hit_tokens, stats.inserted) == (4, 2, (5 + 3 + 2 + 5) * BS, 8)
+    assert (stats.blocks_device, stats.bytes_device) == (8, 8 * store.block_bytes)
+
+
+def test_forced_collisions_miss():
+    # Every block has the same key: the second block of a prompt collides with its first.
+    cache, store = make_cache(device=8, hash_fn=lambda parent, block: 1)
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]
+    assert insert(cache, store, a) == 1
+    assert acquire(cache, store, b) == 0  # the same key, other tokens
+    assert insert(cache, store, b) == 0
+    assert acquire(cache, store, a) == 1
+
+    # A hash that ignores the parent: a block with equal tokens under another prefix has the same key.
+    cache, store = make_cache(device=8, hash_fn=lambda parent, block: chain_hash(0, block))
+    x, y, z = [1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]
+    assert insert(cache, store, x + y) == 2
+    assert insert(cache, store, z + y) == 1  # y's key is held by (x, y): the insertion stops there
+    assert acquire(cache, store, z + y) == 1  # y's key and tokens match, its parent is x, not z
+    assert acquire(cache, store, x + y) == 2
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="block_size=0; expected an integer >= 1"):
+        PrefixCacheConfig(block_size=0)
+    with pytest.raises(ValueError, match="host_bytes=-1; expected an integer >= 0"):
+        PrefixCacheConfig(host_bytes=-1)
+
+
+# ----------------------------------------------------------------------------- tiers
+
+
+class TierModel:
+    """The tiers as three plain LRU OrderedDicts of single-block prompts (least recent first)."""
+
+    def __init__(self, capacities):
+        self.capacities = capacities
+        self.tiers = [collections.OrderedDict() for _ in capacities]
+
+    def where(self, prompt):
+        return next((i for i, tier in enumerate(self.tiers) if prompt in tier), None)
+
+    def enter(self, level, prompt):
+        """prompt enters tier `level` as its most recent; the least recent moves one tier down."""
+        if level == len(self.tiers):
+            return  # dropped
+        if self.capacities[level] == 0:
+            return self.enter(level + 1, prompt)
+        tier = self.tiers[level]
+        if len(tier) == self.capacities[level]:
+            self.enter(level + 1, tier.popitem(last=False)[0])
+        tier[prompt] = True
+
+    def insert(self, prompt):
+        level = self.where(prompt)
+        if level is None:
+            self.enter(0, prompt)
+        else:
+            self.tiers[level].move_to_end(prompt)
+
+    def acquire(self, prompt) -> bool:
+        level = self.where(prompt)
+        if level is None:
+            return False
+        if level == 0:
+            self.tiers[0].move_to_end(prompt)
+        else:
+            del self.tiers[level][prompt]
+            self.enter(0, prompt)
+        return True
+
+
+@pytest.mark.parametrize("capacities", [(3, 2, 2), (2, 0, 3), (1, 3, 0), (4, 0, 0)])
+def test_lru_order_at_each_tier_equals_a_plain_model(capacities, tmp_path, rng):
+    cache, store = make_cache(*capacities, disk_dir=str(tmp_path / "spill"))
+    model = TierModel(capacities)
+    prompts = [tuple(int(t) for t in rng.integers(0, 1000, BS)) for _ in range(9)]
+    for _ in range(300):
+        prompt = prompts[int(rng.integers(len(prompts)))]
+        if rng.random() < 0.5:
+            insert(cache, store, list(prompt))
+            model.insert(prompt)
+        else:
+            assert acquire(cache, store, list(prompt)) == int(model.acquire(prompt))
+        for tier, modelled in zip(Tier, model.tiers):
+            assert cache.tier_keys(tier) == [key_of(p) for p in modelled], tier
+        stats = cache.stats()
+        assert (stats.blocks_device, stats.blocks_host, stats.blocks_disk) == tuple(len(t) for t in model.tiers)
+        assert stats.bytes_disk == len(model.tiers[2]) * store.block_bytes
+        files = os.listdir(tmp_path / "spill") if (tmp_path / "spill").exists() else []
+        assert len(files) == len(model.tiers[2])
+    cache.close()
+    assert not (tmp_path / "spill").exists() or os.listdir(tmp_path / "spill") == []
+
+
+def test_spill_to_disk_and_back():
+    """device 1, host 1, disk 2 blocks (a temporary folder): p0..p3 fill disk, host, device; a hit on
+    p0 brings it back from disk and pushes the others one tier down; close removes the folder."""
+    cache, store = make_cache(device=1, host=1, disk=2)
+    folder = cache.disk_dir
+    prompts = [[i] * BS for i in range(5)]
+    for p in prompts[:4]:
+        insert(cache, store, p)
+    def tiers():
+        return [cache.tier_keys(tier) for tier in Tier]
+
+    assert tiers() == [[key_of(prompts[3])], [key_of(prompts[2])], [key_of(prompts[0]), key_of(prompts[1])]]
+    assert len(os.listdir(folder)) == 2
+    assert acquire(cache, store, prompts[0]) == 1
+    assert tiers() == [[key_of(prompts[0])], [key_of(prompts[3])], [key_of(prompts[1]), key_of(prompts[2])]]
+    insert(cache, store, prompts[4])  # p0 -> host, p3 -> disk, p1 (least recent on disk) dropped
+    assert tiers() == [[key_of(prompts[4])], [key_of(prompts[0])], [key_of(prompts[2]), key_of(prompts[3])]]
+    assert acquire(cache, store, prompts[1]) == 0 and acquire(cache, store, prompts[3]) == 1
+    assert cache.stats().dropped == 1
+    cache.close()
+    assert not os.path.exists(folder)
+
+
+def test_shared_prefixes_under_pressure_keep_the_index_consistent(tmp_path, rng):
+    """Prompts built from 4 block patterns (so prefixes are shared), tiny tiers, random inserts and
+    hits: every hit's data is the prompt's, no cached block outlives its parent, slots and bytes add up."""
+    cache, store = make_cache(device=4, host=3, disk=2, disk_dir=str(tmp_path))
+    patterns = [[p * 10 + i for i in range(BS)] for p in range(4)]
+    for _ in range(400):
+        blocks = rng.integers(0, 4, int(rng.integers(1, 6)))
+        prompt = [t for b in blocks for t in patterns[b]] + [99] * int(rng.integers(0, BS))
+        if rng.random() < 0.5:
+            insert(cache, store, prompt)
+        else:
+            acquire(cache, store, prompt)
+        held = [b for tier in Tier for b in cache._tiers[tier].values()]
+        assert len(held) == len(cache._index) and all(cache._index[b.key] is b for b in held)
+        assert all(b.parent is None or b.parent.tier is not None for b in held)  # no orphan
+        slots = [b.slot for b in cache._tiers[Tier.DEVICE].values()]
+        assert len(set(slots)) == len(slots) and len(slots) + len(cache._free_slots) == store.capacity
+        stats = cache.stats()
+        assert stats.bytes_host == stats.blocks_host * store.block_bytes <= 3 * store.block_bytes
+        assert stats.bytes_disk == stats.blocks_disk * store.block_bytes
+        assert stats.blocks_disk == len(os.listdir(tmp_path))
+
+
+# ----------------------------------------------------------------------------- in the engine
+
+
+SLOTS, MAX_LEN, CHUNK, BLOCK = 2, 128, 16, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    generator = Generator(model, prefill_chunk=CHUNK, max_len=MAX_LEN)
+    return lambda prompt, max_tokens: generator.generate([list(prompt)], max_new_tokens=max_tokens).tokens[0]
+
+
+def test_a_hit_equals_the_miss_and_running_alone(model, alone, rng):
+    shared = rng.integers(0, TINY.vocab_size, 40).tolist()
+    first = shared + rng.integers(0, TINY.vocab_size, 5).tolist()   # 45 tokens: 2 whole blocks cached
+    other = shared + rng.integers(0, TINY.vocab_size, 7).tolist()   # 47: the same 2 blocks
+    exact = shared[:32]  # 32 tokens = 2 blocks, but its last token must be prefilled: 1 block used
+    engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=1 << 20))
+    assert has_full_layout(engine._cache)
+    with engine:
+        engine.start()
+        runs = [(p, engine.submit(Request(p, max_tokens=20)).result(TIMEOUT)) for p in (first, first, other, exact)]
+        stats = engine.stats()
+    assert [out.cached_tokens for _, out in runs] == [0, 32, 32, 16]
+    for prompt, out in runs:
+        assert out.tokens == alone(prompt, 20)
+    assert runs[0][1].tokens == runs[1][1].tokens
+    block_bytes = TINY.num_layers * 2 * BLOCK * TINY.num_kv_heads * TINY.head_dim * 4
+    assert (stats.prefix_hits, stats.prefix_misses, stats.prefix_hit_tokens) == (3, 1, 80)
+    assert (stats.prefix_bytes_device, stats.prefix_bytes_host, stats.prefix_bytes_disk) == (2 * block_bytes, 0, 0)
+    assert stats.prefill_tokens == sum(len(p) - out.cached_tokens for p, out in runs)
+
+
+def test_kv_spilled_to_host_and_disk_comes_back_for_a_hit(model, alone, rng, tmp_path):
+    """Tiers of 2 blocks (device), 2 (host), 4 (disk): four 33-token prompts push the first two to
+    disk; a prompt extending the first hits its blocks from disk with the output of running alone."""
+    block_bytes = TINY.num_layers * 2 * BLOCK * TINY.num_kv_heads * TINY.head_dim * 4
+    config = PrefixCacheConfig(block_size=BLOCK, device_bytes=2 * block_bytes, host_bytes=2 * block_bytes,
+                               disk_bytes=4 * block_bytes, disk_dir=str(tmp_path))
+    prompts = [rng.integers(0, TINY.vocab_size, 33).tolist() for _ in range(4)]
+    extended = prompts[0] + rng.integers(0, TINY.vocab_size, 10).tolist()
+    engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=config)
+    with engine:
+        engine.start()
+        for prompt in prompts:
+            assert engine.submit(Request(prompt, max_tokens=4)).result(TIMEOUT).cached_tokens == 0
+        stats = engine.stats()
+        assert (stats.prefix_bytes_device, stats.prefix_bytes_host, stats.prefix_bytes_disk) == (
+            2 * block_bytes, 2 * block_bytes, 4 * block_bytes)
+        assert len(os.listdir(tmp_path)) == 4
+        out = engine.submit(Request(extended, max_tokens=12)).result(TIMEOUT)
+        assert out.cached_tokens == 32 and out.tokens == alone(extended, 12)
+        # prompts[0]'s blocks: disk -> device; prompts[3]'s: device -> host; prompts[2]'s: host -> disk
+        stats = engine.stats()
+        assert (stats.prefix_bytes_device, stats.prefix_bytes_host, stats.prefix_bytes_disk) == (
+            2 * block_bytes, 2 * block_bytes, 4 * block_bytes)
+        again = engine.submit(Request(prompts[2] + [5], max_tokens=12)).result(TIMEOUT)
+        assert again.cached_tokens == 32 and again.tokens == alone(prompts[2] + [5], 12)
+    assert os.listdir(tmp_path) == []  # close() removed the spilled blocks
