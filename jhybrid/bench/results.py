@@ -107,6 +107,12 @@ SUMMARY_KEYS = {
                    ("fill", "fill"), ("context", "ctx"), ("batch", "batch"), ("window", "window"),
                    ("decode_tok_s", "tok/s"), ("tbt_p50_ms", "p50 ms"), ("tbt_p99_ms", "p99 ms"),
                    ("ttft_s", "ttft s"), ("gpu_idle_frac", "GPU idle")],
+    "serving": [("model", "model"), ("layers", "L"), ("mode", "mode"), ("slots", "slots"), ("requests", "reqs"),
+                ("completed", "done"), ("rate", "rate"), ("ttft_p50_s", "ttft p50 s"), ("ttft_p99_s", "ttft p99 s"),
+                ("tbt_p50_ms", "tbt p50 ms"), ("tbt_p99_ms", "tbt p99 ms"), ("request_throughput", "req/s"),
+                ("decode_tok_s", "tok/s"), ("goodput", "goodput"), ("prefix_hits", "hits"),
+                ("prefix_misses", "misses"), ("ttft_hit_over_miss", "hit/miss"),
+                ("tbt_p99_over_p50", "prefill p99/p50"), ("served_over_fixed", "vs fixed")],
 }
 
 

@@ -44,6 +44,7 @@ from jhybrid.bench.progress import PointProgress
 from jhybrid.bench.plots import render_plots
 from jhybrid.bench.results import (capacity_table, command_line, print_summary, read_results, read_rows,
                                    write_csv, write_json)
+from jhybrid.bench.serving import run_serving
 from jhybrid.bench.shapes import check_model_spec, load_model, uses_real_weights
 from jhybrid.bench.texts import TextError, load_text, text_tokens
 from jhybrid.bench.throughput import predict_throughput, run_throughput
@@ -51,7 +52,7 @@ from jhybrid.config import RunConfig, config_to_dict, expand_sweep
 
 log = logging.getLogger(__name__)
 
-TASKS = {"perplexity": run_perplexity, "niah": run_niah, "throughput": run_throughput}
+TASKS = {"perplexity": run_perplexity, "niah": run_niah, "throughput": run_throughput, "serving": run_serving}
 
 
 @dataclasses.dataclass

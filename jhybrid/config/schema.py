@@ -23,7 +23,7 @@ import typing
 
 from jhybrid.hybrid.config import InvalidOffloadConfig, OffloadConfig
 
-TASKS = ("perplexity", "niah", "throughput")
+TASKS = ("perplexity", "niah", "throughput", "serving")
 FILLS = ("prefill", "synthetic", "calibrated")
 NIAH_STYLES = ("single", "multikey", "multivalue")
 BATCH_WORDS = ("max", "max+1")
@@ -121,7 +121,24 @@ class BenchmarkSpec:
       predict_only: record the point's memory prediction (and 'max' batch) without loading the model
           or running anything (e.g. the 32-layer Llama-3-8B beside a measured 4-layer one).
       time_budget_s: wall-clock budget of the whole sweep (None: unlimited). Points left when it
-          is spent get rows "skipped: time budget ..."; a rerun runs them (resume)."""
+          is spent get rows "skipped: time budget ..."; a rerun runs them (resume).
+
+    Serving only (task serving, jhybrid.bench.serving: requests arriving over time through the
+    continuous-batching engine, then the same requests as fixed batches; decode_tokens = each
+    request's max_tokens, prefill_chunk = the engine's and the fixed batches' chunk):
+      serving_requests: requests of the load (random token prompts, fixed seed).
+      serving_rate: arrival rate, requests/s (a Poisson process, fixed seed).
+      serving_contexts: the prompt lengths each request draws from (uniformly); null: [context].
+      serving_shared_prefix: tokens of the prefix common to the requests that share one (0: none);
+          shorter than the longest prompt length (those requests draw from the longer lengths).
+      serving_shared_share: share of the requests (0..1) that start with that prefix.
+      serving_slots: the engine's slots (requests decoded together), also the fixed batches' size.
+      serving_step_tokens: prompt tokens prefilled per engine step (null: prefill_chunk).
+      serving_prefix_cache_mb: the prefix cache's device tier in MiB (null: the engine's default, one
+          slot's KV up to 1 GiB; 0: no prefix cache).
+      serving_slo_ttft_s / serving_slo_tbt_ms: the SLO of `goodput` (a request meets it when its time
+          to first token and the p99 of its token gaps are within them); null: 2 x the run's median
+          TTFT / 2 x its TBT p50."""
 
     task: str = dataclasses.field(default="perplexity", metadata=_choices(*TASKS))
     text: str = "paul_graham"  # a built-in text (TEXTS) or the path of a UTF-8 text file
@@ -152,6 +169,16 @@ class BenchmarkSpec:
     host_reserve_gib: float = 8.0
     predict_only: bool = False
     time_budget_s: float | None = None
+    serving_requests: int = 16
+    serving_rate: float = 1.0
+    serving_contexts: list[int] | None = None
+    serving_shared_prefix: int = 0
+    serving_shared_share: float = 0.0
+    serving_slots: int = 4
+    serving_step_tokens: int | None = None
+    serving_prefix_cache_mb: float | None = None
+    serving_slo_ttft_s: float | None = None
+    serving_slo_tbt_ms: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +207,11 @@ class RunConfig:
 SECTIONS = {"model": ModelSpec, "offload": OffloadConfig, "benchmark": BenchmarkSpec, "parallel": ParallelSpec}
 POSITIVE = {"tokens", "scored_tokens", "niah_length", "niah_needles", "answer_tokens", "batch", "context",
             "decode_tokens", "prefill_chunk", "prefill_repeats", "block_size", "window_tokens", "budget",
-            "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s", "tp"}
-NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib"}
+            "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s", "tp",
+            "serving_requests", "serving_rate", "serving_slots", "serving_step_tokens", "serving_slo_ttft_s",
+            "serving_slo_tbt_ms"}
+NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib", "serving_shared_prefix",
+                "serving_prefix_cache_mb"}
 
 
 def allowed_keys() -> list[str]:
@@ -203,6 +233,9 @@ def _type_ok(value, annotation) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if base == "str":
         return isinstance(value, str)
+    if base == "list[int]":
+        return isinstance(value, (list, tuple)) and len(value) > 0 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
     if base == "int | str":
         return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
     return True
@@ -222,7 +255,8 @@ def build_section(section: str, values) -> typing.Any:
                               f"{', '.join(fields)}")
         field = fields[key]
         if not _type_ok(value, field.type):
-            raise ConfigError(f"'{section}.{key}' = {value!r}: expected {field.type}")
+            expected = "a non-empty list of positive ints" if "list[int]" in field.type else field.type
+            raise ConfigError(f"'{section}.{key}' = {value!r}: expected {expected}")
         choices = field.metadata.get("choices")
         if choices is not None and value not in choices:
             raise ConfigError(f"'{section}.{key}' = {value!r}: allowed values are "
@@ -241,8 +275,8 @@ def build_section(section: str, values) -> typing.Any:
             raise ConfigError(f"'{section}.{key}' = {value!r}: expected a positive int or one of "
                               f"{', '.join(repr(w) for w in BATCH_WORDS)}")
     try:
-        spec = cls(**{k: float(v) if fields[k].type.startswith("float") and v is not None else v
-                      for k, v in values.items()})
+        spec = cls(**{k: float(v) if fields[k].type.startswith("float") and v is not None else
+                      tuple(v) if isinstance(v, list) else v for k, v in values.items()})
     except InvalidOffloadConfig as error:  # OffloadConfig validates itself and names the field
         raise ConfigError("; ".join(f"'{section}.{field}' = {value!r}: {expected}"
                                     for field, value, expected in error.problems)) from None
@@ -261,3 +295,18 @@ def _check_ranges(section: str, spec) -> None:
         raise ConfigError(f"'benchmark.split_host_gbps' = {spec.split_host_gbps}: expected a rate > 0 (GB/s)")
     if section == "benchmark" and not 0.0 <= spec.hgca_keep <= 1.0:
         raise ConfigError(f"'benchmark.hgca_keep' = {spec.hgca_keep}: expected a fraction in [0, 1]")
+    if section == "benchmark":
+        _check_serving(spec)
+
+
+def _check_serving(spec) -> None:
+    if not 0.0 <= spec.serving_shared_share <= 1.0:
+        raise ConfigError(f"'benchmark.serving_shared_share' = {spec.serving_shared_share}: expected a fraction "
+                          "in [0, 1]")
+    if spec.serving_shared_share > 0 and spec.serving_shared_prefix == 0:
+        raise ConfigError(f"'benchmark.serving_shared_share' = {spec.serving_shared_share} with "
+                          "'benchmark.serving_shared_prefix' = 0: expected a prefix length > 0 for requests to share")
+    longest = max(spec.serving_contexts or (spec.context,))
+    if spec.serving_shared_prefix and spec.serving_shared_prefix >= longest:
+        raise ConfigError(f"'benchmark.serving_shared_prefix' = {spec.serving_shared_prefix}: expected fewer tokens "
+                          f"than the longest prompt ({longest}, serving_contexts / context)")

@@ -1,0 +1,318 @@
+"""Serving task: a load of requests arriving over time through the continuous-batching engine
+(`jhybrid.serving.ServingEngine`), against the same requests run as fixed batches (`Generator`).
+
+The load (benchmark settings, jhybrid.config.schema.BenchmarkSpec): `serving_requests` requests of
+random token prompts (random-weight shapes have no tokenizer), each prompt's length drawn uniformly
+from `serving_contexts` (default: [context]); a share `serving_shared_share` of them starts with one
+common prefix of `serving_shared_prefix` tokens (their lengths drawn from the contexts longer than
+the prefix; the rest of the prompt random, to its drawn length);
+arrivals are a Poisson process of `serving_rate` requests/s. Each request decodes `decode_tokens`
+greedy tokens (no stop token). Draws come from a fixed seed: the same config gives the same load.
+
+The run, per point (its mode: the offload section, through `backend_for` like the throughput task):
+  1. a ServingEngine of `serving_slots` slots, `max_len` = longest prompt + decode_tokens + 1 (rounded
+     up to 64), `prefill_chunk`, `serving_step_tokens` prefill tokens per step (default: prefill_chunk),
+     the prefix cache's device tier `serving_prefix_cache_mb` (default: the engine's);
+  2. warm-up (untimed, its own random tokens): one request per prompt length, and, with a shared
+     prefix, two per length carrying another prefix of the same length (compiles the prefill, decode
+     and prefix-copy steps of every shape the load uses);
+  3. the load: each request submitted at its arrival time to the started engine; per request its
+     TTFT (submit -> first token), its token times, whether it hit the prefix cache (cached_tokens > 0);
+  4. the engine closed and freed, then THE SAME prompts as fixed batches of `serving_slots` (in arrival
+     order, all arriving at once) through `Generator` with the same max_len and chunk (one untimed
+     warm-up batch first; Generator excludes compile time from its prefill and decode seconds).
+
+Row fields: task, model, layers, mode, window, slots, requests, rate, contexts, shared_prefix,
+shared_share, decode_tokens, max_len, prefill_chunk, step_tokens,
+  completed (requests that ended with max_tokens tokens; every one should), lost (the others),
+  ttft_p50_s, ttft_p99_s, tbt_p50_ms, tbt_p99_ms (gaps between consecutive tokens of a request,
+  pooled over requests), span_s (first submit -> last token), request_throughput (requests / span_s),
+  decode_tok_s (served decode throughput: tokens after each request's first / seconds from the first
+  request's first token to the last token; bounded by the arrivals below saturation),
+  served_tok_s (every token / span_s),
+  fixed_decode_tok_s (decode tokens / decode seconds summed over the fixed batches, as Generator
+  reports), fixed_tok_s (every token / prefill + decode seconds of the fixed batches),
+  served_over_fixed (decode_tok_s / fixed_decode_tok_s), served_over_fixed_e2e (served_tok_s /
+  fixed_tok_s),
+  slo_ttft_s, slo_tbt_ms (the SLO used), slo_met (requests meeting it), goodput (slo_met / span_s,
+  requests/s). SLO: a request meets it when its TTFT <= slo_ttft_s and the p99 of its own token gaps
+  <= slo_tbt_ms; `serving_slo_ttft_s` / `serving_slo_tbt_ms` set them, else they are relative to the
+  run: 2 x the median TTFT and 2 x the pooled TBT p50 (a request that waited or stalled twice the
+  typical time misses it),
+  prefix_hits / prefix_misses / prefix_hit_tokens (the engine's counts over the load, warm-up
+  excluded; the offloading modes do not use the prefix cache: every request is a miss),
+  ttft_hit_over_miss (median TTFT of the requests that hit / of those that missed; None if either
+  group is empty; queueing included, and the misses are of every drawn length),
+  tbt_prefill_p99_ms (p99 of the token gaps that ended in an engine step that also prefilled another
+  request's chunk: what a running request sees while a long prompt is prefilled, from the engine's
+  step log), tbt_p99_over_p50 (tbt_prefill_p99_ms / tbt_p50_ms; None without such gaps),
+  compiles_timed (executables compiled during the load: 0 when the warm-up covered every shape),
+  warmup_s, served_s, fixed_s (wall seconds of each phase), host_rss_bytes (after the load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import math
+import time
+
+import numpy as np
+
+from jhybrid.bench.offload import PointSkipped, backend_for
+from jhybrid.bench.progress import PointProgress, report_phase
+from jhybrid.bench.throughput import host_rss_bytes
+from jhybrid.hybrid.registry import mode_class
+
+log = logging.getLogger(__name__)
+
+SEED = 0
+RESULT_TIMEOUT_S = 3600.0  # waiting for one request of the load (an engine that stopped raises sooner)
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """The requests of a point: prompts (int32 arrays), arrival offsets (s), shared flags."""
+
+    prompts: list
+    arrivals: np.ndarray
+    shared: np.ndarray
+
+
+def contexts_of(bench) -> list[int]:
+    return list(bench.serving_contexts) if bench.serving_contexts else [bench.context]
+
+
+def serving_max_len(bench) -> int:
+    """Tokens per slot: the longest prompt, the decode tokens and one spare, rounded up to 64."""
+    return -(-(max(contexts_of(bench)) + bench.decode_tokens + 1) // 64) * 64
+
+
+def _random(rng, vocab: int, n: int) -> np.ndarray:
+    return rng.integers(0, vocab, n).astype(np.int32)
+
+
+def make_load(bench, vocab: int, seed: int = SEED) -> Load:
+    """The point's requests (module docstring), the same for the same settings."""
+    rng = np.random.default_rng(seed)
+    n, contexts = bench.serving_requests, contexts_of(bench)
+    lengths = rng.choice(np.asarray(contexts), n)
+    shared = rng.random(n) < bench.serving_shared_share if bench.serving_shared_prefix else np.zeros(n, bool)
+    longer = np.asarray(_carrying_lengths(bench))  # a request with the prefix draws a longer length
+    lengths = np.where(shared, rng.choice(longer, n) if len(longer) else lengths, lengths)
+    prefix = _random(rng, vocab, bench.serving_shared_prefix)
+    prompts = []
+    for length, share in zip(lengths, shared):
+        head = prefix if share else np.zeros(0, np.int32)
+        prompts.append(np.concatenate([head, _random(rng, vocab, int(length) - len(head))]))
+    gaps = rng.exponential(1.0 / bench.serving_rate, n)
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps)[:-1]])
+    return Load(prompts, arrivals, shared)
+
+
+def _carrying_lengths(bench) -> list[int]:
+    """The prompt lengths a request starting with the shared prefix draws from: those longer than it."""
+    return [c for c in contexts_of(bench) if c > bench.serving_shared_prefix]
+
+
+def warmup_waves(bench, vocab: int) -> list[list[np.ndarray]]:
+    """Warm-up prompts in waves (each wave submitted once the previous one finished): one prompt per
+    length; with a shared prefix, one per length carrying another prefix of the same length, then a
+    second wave of those (prefix-cache hits: compiles the copies into and out of the rows)."""
+    rng = np.random.default_rng(SEED + 1)
+    waves = [[_random(rng, vocab, c) for c in contexts_of(bench)]]
+    if bench.serving_shared_prefix and bench.serving_shared_share > 0:
+        prefix = _random(rng, vocab, bench.serving_shared_prefix)
+        carrying = lambda: [np.concatenate([prefix, _random(rng, vocab, c - len(prefix))])  # noqa: E731
+                            for c in _carrying_lengths(bench)]
+        waves[0] += carrying()
+        waves.append(carrying())
+    return waves
+
+
+def _pct(values, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def _round(value, digits: int):
+    return None if value is None else round(value, digits)
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def run_serving(model, pretrained, point, on_step: PointProgress | None = None, deadline=None) -> list[dict]:
+    from jhybrid.serving import PrefixCacheConfig, Request, ServingEngine
+
+    bench, offload = point.benchmark, point.offload
+    if not mode_class(offload.mode).offloads and max(contexts_of(bench)) + bench.decode_tokens >= \
+            model.config.max_position_embeddings:
+        raise PointSkipped(f"prompts of up to {max(contexts_of(bench))} + {bench.decode_tokens} tokens exceed the "
+                           f"model's context of {model.config.max_position_embeddings} (mode {offload.mode})")
+    max_len = serving_max_len(bench)
+    backend, window = backend_for(offload, max(contexts_of(bench)))
+    slots = bench.serving_slots
+    step_tokens = bench.serving_step_tokens or bench.prefill_chunk
+    vocab = model.config.vocab_size
+    load = make_load(bench, vocab)
+    n = len(load.prompts)
+    base = {"task": "serving", "model": point.model.name, "layers": model.config.num_layers, "mode": offload.mode,
+            "window": window, "slots": slots, "requests": n, "rate": bench.serving_rate,
+            "contexts": contexts_of(bench), "shared_prefix": bench.serving_shared_prefix,
+            "shared_share": bench.serving_shared_share, "decode_tokens": bench.decode_tokens, "max_len": max_len,
+            "prefill_chunk": bench.prefill_chunk, "step_tokens": step_tokens, "host_kv_dtype": offload.host_kv_dtype or "model"}
+    prefix_cache = PrefixCacheConfig()
+    if bench.serving_prefix_cache_mb is not None:
+        prefix_cache = PrefixCacheConfig(device_bytes=int(bench.serving_prefix_cache_mb * 2**20))
+    # Steps over the whole run: warm-up and load, each request's prefill chunks and decode steps.
+    steps = sum(math.ceil(len(p) / min(step_tokens, bench.prefill_chunk)) for p in load.prompts)
+    step_log = 4 * (steps + n * bench.decode_tokens) + 1024
+
+    report_phase(on_step, f"serving engine: {slots} slots of {max_len} tokens")
+    engine = ServingEngine(model, backend, slots=slots, max_len=max_len, prefill_chunk=bench.prefill_chunk,
+                           step_token_budget=step_tokens, prefix_cache=prefix_cache, step_log=step_log)
+    try:
+        engine.start()
+        t0 = time.perf_counter()
+        report_phase(on_step, "warm-up requests: compiling the engine's steps")
+        for w, wave in enumerate(warmup_waves(bench, vocab)):
+            warm = [engine.submit(Request(prompt=p.tolist(), max_tokens=min(4, bench.decode_tokens),
+                                          request_id=f"warm-{w}-{i}")) for i, p in enumerate(wave)]
+            for handle in warm:
+                handle.result(RESULT_TIMEOUT_S)
+        del warm
+        warmup_s = time.perf_counter() - t0
+        before = engine.stats()
+        report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
+        handles, submitted = [], []
+        start = time.perf_counter()
+        for i, (prompt, at) in enumerate(zip(load.prompts, load.arrivals)):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            submitted.append(time.perf_counter())
+            handles.append(engine.submit(Request(prompt=prompt.tolist(), max_tokens=bench.decode_tokens,
+                                                 request_id=f"r-{i}")))
+        outputs = []
+        for i, handle in enumerate(handles):
+            outputs.append(handle.result(RESULT_TIMEOUT_S))
+            if on_step:
+                on_step(i + 1, n)
+        served_s = time.perf_counter() - start
+        after = engine.stats()
+        records = engine.step_log()
+        rss = host_rss_bytes()
+    finally:
+        engine.close(drain=False)
+    del engine, handles  # the engine holds its cache and prefix pool until it is freed
+    gc.collect()
+
+    row = {**base, **_served_fields(outputs, submitted, records, bench),
+           "prefix_hits": after.prefix_hits - before.prefix_hits,
+           "prefix_misses": after.prefix_misses - before.prefix_misses,
+           "prefix_hit_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens,
+           "compiles_timed": after.compiles - before.compiles, "warmup_s": round(warmup_s, 2),
+           "served_s": round(served_s, 2), "host_rss_bytes": rss}
+    if deadline is not None and time.perf_counter() >= deadline:
+        row.update(fixed_decode_tok_s=None, fixed_tok_s=None, served_over_fixed=None, served_over_fixed_e2e=None,
+                   fixed_note="time budget: the fixed batches were not run")
+        return [row]
+    report_phase(on_step, f"the same {n} requests as fixed batches of {slots}")
+    fixed_backend, _ = backend_for(offload, max(contexts_of(bench)))
+    fixed = _run_fixed(model, fixed_backend, load, bench, slots, max_len)
+    row.update(fixed)
+    row["served_over_fixed"] = _round(_ratio(row["decode_tok_s"], fixed["fixed_decode_tok_s"]), 4)
+    row["served_over_fixed_e2e"] = _round(_ratio(row["served_tok_s"], fixed["fixed_tok_s"]), 4)
+    return [row]
+
+
+def _served_fields(outputs, submitted, records, bench) -> dict:
+    """The load's latency and throughput fields from the finished requests and the step log."""
+    n = len(outputs)
+    completed = sum(o.finish_reason.value == "length" and len(o.tokens) == bench.decode_tokens for o in outputs)
+    ttft = np.array([o.ttft for o in outputs if o.ttft is not None])
+    gaps = {o.request_id: np.diff(o.token_times) for o in outputs}
+    pooled = np.concatenate([g for g in gaps.values()]) if gaps else np.zeros(0)
+    first = min(s + o.token_times[0] for s, o in zip(submitted, outputs) if o.token_times)
+    last = max(s + o.token_times[-1] for s, o in zip(submitted, outputs) if o.token_times)
+    span = last - submitted[0]
+    tokens = sum(len(o.tokens) for o in outputs)
+    decode_tokens = sum(max(len(o.tokens) - 1, 0) for o in outputs)
+    tbt_p50 = _pct(pooled, 50)
+
+    slo_ttft = bench.serving_slo_ttft_s if bench.serving_slo_ttft_s is not None else 2 * float(np.median(ttft))
+    slo_tbt_s = bench.serving_slo_tbt_ms / 1e3 if bench.serving_slo_tbt_ms is not None else 2 * (tbt_p50 or 0.0)
+    met = sum(o.ttft is not None and o.ttft <= slo_ttft and
+              (len(gaps[o.request_id]) == 0 or _pct(gaps[o.request_id], 99) <= slo_tbt_s) for o in outputs)
+
+    hits = [o.ttft for o in outputs if o.cached_tokens > 0 and o.ttft is not None]
+    misses = [o.ttft for o in outputs if o.cached_tokens == 0 and o.ttft is not None]
+    hit_over_miss = _ratio(float(np.median(hits)), float(np.median(misses))) if hits and misses else None
+
+    prefill_gaps = _gaps_during_prefill(outputs, records)
+    prefill_p99 = _pct(prefill_gaps, 99)
+    decode_span = last - first
+    return {"completed": int(completed), "lost": n - int(completed),
+            "ttft_p50_s": _round(_pct(ttft, 50), 4), "ttft_p99_s": _round(_pct(ttft, 99), 4),
+            "tbt_p50_ms": _round(None if tbt_p50 is None else tbt_p50 * 1e3, 3),
+            "tbt_p99_ms": _round(None if len(pooled) == 0 else _pct(pooled, 99) * 1e3, 3),
+            "span_s": round(span, 3), "request_throughput": round(n / span, 4) if span > 0 else None,
+            "decode_tok_s": round(decode_tokens / decode_span, 2) if decode_span > 0 else None,
+            "served_tok_s": round(tokens / span, 2) if span > 0 else None,
+            "slo_ttft_s": round(slo_ttft, 4), "slo_tbt_ms": round(slo_tbt_s * 1e3, 3), "slo_met": int(met),
+            "goodput": round(met / span, 4) if span > 0 else None,
+            "ttft_hit_over_miss": _round(hit_over_miss, 4),
+            "tbt_prefill_p99_ms": _round(None if prefill_p99 is None else prefill_p99 * 1e3, 3),
+            "tbt_p99_over_p50": _round(_ratio(prefill_p99, tbt_p50), 3)}
+
+
+def _gaps_during_prefill(outputs, records) -> list[float]:
+    """Token gaps of requests whose token came from an engine step that also prefilled another
+    request. A request's k-th decode step (k >= 1) emits its token k (token 0 comes from its
+    prefill), so the step log maps each gap token[k-1] -> token[k] to the step that ended it."""
+    by_id = {o.request_id: o for o in outputs}
+    seen: dict[str, int] = {}
+    gaps = []
+    for record in records:
+        prefilling = {rid for rid, _ in record.prefill}
+        for rid in record.decode:
+            if rid not in by_id:
+                continue
+            k = seen[rid] = seen.get(rid, 0) + 1
+            times = by_id[rid].token_times
+            if k < len(times) and prefilling - {rid}:
+                gaps.append(times[k] - times[k - 1])
+    return gaps
+
+
+def _run_fixed(model, backend, load: Load, bench, slots: int, max_len: int) -> dict:
+    """The load's prompts as fixed batches of `slots` through Generator (after an untimed batch)."""
+    from jhybrid.generation import Generator
+
+    generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk, max_len=max_len)
+    start = time.perf_counter()
+    try:
+        rng = np.random.default_rng(SEED + 2)
+        warm = [_random(rng, model.config.vocab_size, len(p)).tolist() for p in load.prompts[:slots]]
+        generator.generate(warm, max_new_tokens=min(4, bench.decode_tokens))
+        prefill_s = decode_s = 0.0
+        tokens = decode_tokens = 0
+        for begin in range(0, len(load.prompts), slots):
+            batch = [p.tolist() for p in load.prompts[begin:begin + slots]]
+            result = generator.generate(batch, max_new_tokens=bench.decode_tokens)
+            prefill_s += result.prefill_seconds
+            decode_s += result.decode_seconds
+            tokens += sum(len(t) for t in result.tokens)
+            decode_tokens += sum(max(len(t) - 1, 0) for t in result.tokens)  # as decode_tokens_per_second
+    finally:
+        generator.close()
+        gc.collect()
+    return {"fixed_decode_tok_s": round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
+            "fixed_tok_s": round(tokens / (prefill_s + decode_s), 2) if prefill_s + decode_s > 0 else None,
+            "fixed_prefill_s": round(prefill_s, 3), "fixed_decode_s": round(decode_s, 3),
+            "fixed_s": round(time.perf_counter() - start, 2)}
+
+
+__all__ = ["run_serving", "make_load", "serving_max_len", "contexts_of"]

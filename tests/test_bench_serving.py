@@ -1,0 +1,107 @@
+"""The serving benchmark (`benchmark.task: serving`, jhybrid.bench.serving) end to end on the tiny
+random model through run_sweep: its rows' fields, every request completed, the shared-prefix load's
+prefix hits, the fixed-batch comparison; bad serving settings are one-line ConfigErrors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jhybrid.bench import runner
+from jhybrid.bench.serving import make_load
+from jhybrid.config import load_config
+from jhybrid.config.schema import ConfigError
+
+CONFIG = """
+name: tiny-serving
+model: {name: tiny}
+benchmark: {task: serving, decode_tokens: 4, prefill_chunk: 32, serving_requests: 6, serving_rate: 1000.0,
+            serving_contexts: [64, 96], serving_shared_prefix: 48, serving_shared_share: 1.0, serving_slots: 2}
+sweep:
+  - {offload.mode: full}
+"""
+
+FIELDS = {"mode", "slots", "requests", "rate", "ttft_p50_s", "ttft_p99_s", "tbt_p50_ms", "tbt_p99_ms",
+          "request_throughput", "decode_tok_s", "goodput", "slo_met", "prefix_hits", "prefix_misses",
+          "ttft_hit_over_miss", "served_over_fixed", "served_over_fixed_e2e", "fixed_decode_tok_s",
+          "tbt_p99_over_p50", "completed", "lost", "compiles_timed"}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serving")
+    path = folder / "serving.yaml"
+    path.write_text(CONFIG)
+    outcome = runner.run_sweep(load_config(str(path)), output_dir=str(folder / "results"), argv=[],
+                               show_progress=False)
+    assert outcome.errors == 0 and outcome.ran == 1
+    return outcome.rows
+
+
+def test_serving_rows_have_every_field_and_every_request_completes(rows):
+    (row,) = rows
+    assert "error" not in row and "skipped" not in row, row
+    assert FIELDS <= set(row), FIELDS - set(row)
+    assert row["task"] == "serving" and row["mode"] == "full" and row["slots"] == 2
+    assert row["requests"] == 6 and row["completed"] == 6 and row["lost"] == 0
+    assert row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
+    assert row["tbt_p99_ms"] >= row["tbt_p50_ms"] > 0
+    assert row["request_throughput"] > 0 and row["decode_tok_s"] > 0
+    assert row["served_over_fixed"] > 0 and row["fixed_decode_tok_s"] > 0
+    assert 0 <= row["slo_met"] <= 6
+    assert row["compiles_timed"] == 0  # the warm-up compiled every shape of the load
+
+
+def test_shared_prefix_load_hits_the_prefix_cache(rows):
+    (row,) = rows
+    # every request carries the prefix; two slots: the first two miss, the later ones are admitted
+    # after a prefill stored it and hit
+    assert row["prefix_hits"] >= 1 and row["prefix_misses"] >= 1
+    assert row["prefix_hits"] + row["prefix_misses"] == 6
+    assert row["ttft_hit_over_miss"] is not None and row["ttft_hit_over_miss"] > 0
+
+
+def test_load_is_deterministic_and_shares_the_prefix():
+    bench = load_config_text(CONFIG).benchmark
+    a, b = make_load(bench, 97), make_load(bench, 97)
+    assert all((x == y).all() for x, y in zip(a.prompts, b.prompts)) and (a.arrivals == b.arrivals).all()
+    assert a.shared.all() and all((p[:48] == a.prompts[0][:48]).all() for p in a.prompts)
+    mixed = make_load(dataclasses.replace(bench, serving_contexts=(32, 64, 96), serving_shared_share=0.5,
+                                          serving_requests=40), 97)
+    assert 0 < mixed.shared.sum() < 40 and all(len(p) > 48 for p, s in zip(mixed.prompts, mixed.shared) if s)
+    assert {len(p) for p in a.prompts} <= {64, 96} and (a.arrivals[1:] >= a.arrivals[:-1]).all()
+
+
+def load_config_text(text: str):
+    import os
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    try:
+        return load_config(f.name)
+    finally:
+        os.remove(f.name)
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("serving_shared_share: 1.5", ["serving_shared_share", "[0, 1]"]),
+    ("serving_shared_share: 0.5, serving_shared_prefix: 0", ["serving_shared_prefix", "> 0"]),
+    ("serving_shared_prefix: 128, serving_contexts: [64, 128]", ["serving_shared_prefix", "longest prompt (128"]),
+    ("serving_contexts: []", ["serving_contexts", "non-empty list of positive ints"]),
+    ("serving_contexts: [64, 0]", ["serving_contexts", "non-empty list of positive ints"]),
+    ("serving_rate: 0", ["serving_rate", "positive"]),
+    ("serving_slots: 0", ["serving_slots", "positive"]),
+    ("serving_requests: -1", ["serving_requests", "positive"]),
+    ("serving_prefix_cache_mb: -1", ["serving_prefix_cache_mb", ">= 0"]),
+    ("serving_rate: fast", ["serving_rate", "float"]),
+])
+def test_bad_serving_settings_are_one_line_config_errors(setting, words):
+    text = f"name: x\nmodel: {{name: tiny}}\nbenchmark: {{task: serving, {setting}}}\n"
+    with pytest.raises(ConfigError) as error:
+        load_config_text(text)
+    message = str(error.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
