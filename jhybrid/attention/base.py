@@ -61,8 +61,10 @@ class LayerContext:
 
 
 class AttentionBackend(abc.ABC):
-    """Interface every attention mode implements. Instances are jit statics (hashable); the
-    traced computation depends only on their configuration."""
+    """Interface every attention mode implements. Instances are jit statics (hashable). The traced
+    computation of `full` depends only on its configuration; an offloading backend's host calls reach
+    its own open host side, so a compiled step belongs to that backend object (cache executables per
+    object, not per equal configuration)."""
 
     name: str = "abstract"
     # True for offloading modes that can hold more context than the device cache: generation then
