@@ -45,7 +45,7 @@ def sweep(tmp_path, monkeypatch):
     path = tmp_path / "rerun.yaml"
     path.write_text(CONFIG)
     calls: list = []
-    monkeypatch.setattr(runner, "load_model", lambda spec: (None, None))
+    monkeypatch.setattr(runner, "load_model", lambda spec, tp=1: (None, None))
     monkeypatch.setitem(runner.TASKS, "perplexity", fake_task(calls))
     return str(path), str(tmp_path / "out"), calls
 
@@ -164,14 +164,14 @@ def test_bad_config_json_model_is_found_before_any_point(tmp_path, monkeypatch, 
     model.write_text(content)
     path = tmp_path / "shape.yaml"
     path.write_text(CONFIG.replace("model: {name: tiny}", f"model: {{name: {model}}}"))
-    monkeypatch.setattr(runner, "load_model", lambda spec: pytest.fail("loaded before checking"))
+    monkeypatch.setattr(runner, "load_model", lambda spec, tp=1: pytest.fail("loaded before checking"))
     assert cli.main(["bench", str(path), "--output-dir", str(tmp_path / "out")]) == 2
     assert f"error: {model}: {message}" in capsys.readouterr().err
 
 
 def test_unusable_own_text_is_found_before_the_model_loads(tmp_path, monkeypatch, capsys):
     pytest.importorskip("gguf")
-    monkeypatch.setattr(runner, "load_model", lambda spec: pytest.fail("loaded before checking"))
+    monkeypatch.setattr(runner, "load_model", lambda spec, tp=1: pytest.fail("loaded before checking"))
     short = tmp_path / "short.txt"
     short.write_text("Only a few words.")
     binary = tmp_path / "latin1.txt"

@@ -126,7 +126,7 @@ def test_bench_exits_non_zero_when_a_point_fails_and_checks_models_first(tmp_pat
     bad = tmp_path / "bad-model.yaml"
     bad.write_text(CONFIG.replace("model: {name: tiny}", "model: {name: no-such-model}"))
     calls = []
-    monkeypatch.setattr(runner, "load_model", lambda spec: calls.append(spec))
+    monkeypatch.setattr(runner, "load_model", lambda spec, tp=1: calls.append(spec))
     assert cli.main(["bench", str(bad), "--output-dir", str(tmp_path / "out2")]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err and not calls
     blocked = tmp_path / "file-not-folder"
@@ -269,7 +269,7 @@ def test_a_run_killed_during_a_point_leaves_a_trace_the_next_run_reports(tmp_pat
         import os, signal
         from jhybrid.bench import runner
         from jhybrid.config import load_config
-        runner.load_model = lambda spec: (None, None)
+        runner.load_model = lambda spec, tp=1: (None, None)
         def die(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
         runner.TASKS["perplexity"] = die
@@ -291,7 +291,7 @@ def test_a_run_killed_during_a_point_leaves_a_trace_the_next_run_reports(tmp_pat
     try:
         runner.TASKS["perplexity"] = lambda model, pretrained, point, **k: seen.append(point.key) or [
             {"task": "perplexity", "mode": point.offload.mode, "text": "random", "tokens": 96, "ppl": 1.0}]
-        runner.load_model, old_load = (lambda spec: (None, None)), runner.load_model
+        runner.load_model, old_load = (lambda spec, tp=1: (None, None)), runner.load_model
         outcome = runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path), argv=[], show_progress=False,
                                    only=["offload.mode=hgca,offload.beta"], console=Console(file=out, width=200))
     finally:

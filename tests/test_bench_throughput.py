@@ -143,7 +143,7 @@ def test_time_budget_skips_the_rest_and_a_rerun_resumes_them(tmp_path, monkeypat
         return [{"task": "throughput", "mode": "full", "batch": p.benchmark.batch, "decode_tok_s": 1.0}]
 
     monkeypatch.setitem(runner.TASKS, "throughput", slow)
-    monkeypatch.setattr(runner, "load_model", lambda spec: (None, None))
+    monkeypatch.setattr(runner, "load_model", lambda spec, tp=1: (None, None))
     out = runner.run_sweep(_stub_sweep(tmp_path, 0.2), output_dir=str(tmp_path), argv=[], show_progress=False)
     assert calls == [1]
     skipped = [r for r in out.rows if r.get("skipped")]
@@ -189,7 +189,7 @@ def test_random_weights_only_when_asked(monkeypatch):
 
 
 def test_predict_only_rows_need_no_model(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "load_model", lambda spec: pytest.fail("predict_only loaded a model"))
+    monkeypatch.setattr(runner, "load_model", lambda spec, tp=1: pytest.fail("predict_only loaded a model"))
     run = config_from_dict({
         "name": "pred", "model": {"name": "llama3-8b", "dtype": "bfloat16"},
         "offload": {"gpu_ratio": 0.25},
@@ -216,7 +216,7 @@ def test_a_failing_point_is_recorded_and_retried(tmp_path, monkeypatch):
         return [{"task": "throughput", "mode": "full", "batch": p.benchmark.batch, "decode_tok_s": 1.0}]
 
     monkeypatch.setitem(runner.TASKS, "throughput", flaky)
-    monkeypatch.setattr(runner, "load_model", lambda spec: (None, None))
+    monkeypatch.setattr(runner, "load_model", lambda spec, tp=1: (None, None))
     out = runner.run_sweep(_stub_sweep(tmp_path, None), output_dir=str(tmp_path), argv=[], show_progress=False)
     assert calls == [1, 2, 3] and out.errors == 1
     assert [r.get("error") for r in out.rows] == [None, "RuntimeError: Triton kernel failed to compile", None]

@@ -361,7 +361,7 @@ def run_sweep(run: RunConfig, output_dir: str | None = None, argv: list[str] | N
                     if held not in models:
                         if held[1] > 1:  # a model over several devices (a 70B shape) leaves no room for another
                             models.clear()
-                        models[held] = load_model(point.model, tp=held[1]) if held[1] > 1 else load_model(point.model)
+                        models[held] = load_model(point.model, tp=held[1])
                     model, pretrained = models[held]
                     task = TASKS[point.benchmark.task]
                     new = task(model, pretrained, point, deadline=deadline,

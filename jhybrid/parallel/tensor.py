@@ -131,7 +131,7 @@ def random_sharded_model(config, seed: int, mesh):
     graphdef, state = nnx.split(abstract)
     tp, dtype = mesh.shape[TP], jnp.dtype(config.dtype)
     key = jax.random.key(seed)
-    counter = iter(range(1 << 30))
+    drawn = 0  # leaves drawn so far: each draws from its own key
 
     def build(path, leaf):
         names = [n for n in _path_names(path) if isinstance(n, str)]
@@ -142,8 +142,9 @@ def random_sharded_model(config, seed: int, mesh):
         if kind in ("scale", "bias") or len(leaf.shape) < 2:
             fill = 1.0 if kind == "scale" else 0.0
             return jax.jit(lambda: jnp.full(leaf.shape, fill, dtype), out_shardings=sharding)()
+        nonlocal drawn
         std = 1.0 / float(np.sqrt(leaf.shape[0] if kind == "kernel" else leaf.shape[1]))
-        leaf_key = jax.random.fold_in(key, next(counter))
+        leaf_key, drawn = jax.random.fold_in(key, drawn), drawn + 1
         draw = jax.jit(lambda k: (std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(dtype),
                        out_shardings=sharding)
         return draw(leaf_key)
