@@ -10,5 +10,5 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. PYTHONUNBUFFERED=1
 [ -n "${RESUME:-}" ] && cp "$RESUME" "$OUT"/
 bash scripts/build_native.sh python3 2>&1 | tail -1
 timeout -s INT -k 15 "$seconds" python3 -m jhybrid.cli bench "$config" --output-dir "$OUT" 2>&1 \
-  | grep -E "^done|^skipped|rror|resumed" | head -30
+  | tee -a "$OUT/bench.log" | grep -E "^done|^skipped|rror|resumed" | head -30
 rm -f "$OUT"/*.lock

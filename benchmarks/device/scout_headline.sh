@@ -10,4 +10,4 @@ set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. PYTHONUNBUFFERED=1
 python3 benchmarks/bench_host_attention.py --pattern scout --batch 8 --arena-gib 0.25 --layers 16 --repeats 1 \
   --min-seconds 0 --block-sizes 16 --shares 0.1 --kv-formats int8 bf16 --json /tmp/warm.json > /dev/null 2>&1 &
-bash benchmarks/device/bench_resumable.sh configs/throughput-h100-l32-scout.yaml ${BENCH_S:-540}
+bash benchmarks/device/bench_resumable.sh ${BENCH_CONFIG:-configs/throughput-h100-l32-scout.yaml} ${BENCH_S:-540}
