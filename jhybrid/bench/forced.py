@@ -30,7 +30,8 @@ def forced_nll(model, backend, tokens: np.ndarray, context: int, chunk: int = 25
     """Negative log-likelihoods (nats) of tokens[context + 1:], each predicted by a decode step.
 
     tokens: [N] int32 token ids, N > context + 1. Returns float64 [N - context - 1].
-    on_step(done, total) is called after each decode step (for progress bars); observe(cache)
+    on_step(done, total) is called after each prefill chunk (done 0) and each decode step (for
+    progress bars, and the bench's interrupt check); observe(cache)
     after each decode step with the new cache (statistics of the backend's state).
     """
     tokens = np.asarray(tokens, np.int32)
@@ -50,6 +51,8 @@ def forced_nll(model, backend, tokens: np.ndarray, context: int, chunk: int = 25
                      constant_values=-1)[None]
         cache = backend.before_step(cache, pos)
         _, cache = step(params, jnp.asarray(ids), jnp.asarray(pos), cache)
+        if on_step is not None:  # also where a Ctrl-C is honoured: a long prefill is many chunks
+            on_step(0, n - context - 1)
 
     nll = np.empty(n - context - 1)
     for i, position in enumerate(range(context, n - 1)):
