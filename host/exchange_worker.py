@@ -103,6 +103,10 @@ class NativeExchange:
             raise RuntimeError("native exchange: no free exchange id")
         weakref.finalize(self, self.lib.jh_exchange_release, self.id)
         self.mailboxes: Mailboxes | None = None
+        # timing()'s output, made once: `ctypes.c_double * 3` per call would build a new array type
+        # whenever the collector has freed the last one (ctypes caches them weakly), leaving a
+        # trail of cyclic garbage (type objects) every step
+        self._timing = (ctypes.c_double * 3)()
 
     def open(self, n_layers: int, batch: int, hq: int, hkv: int, head_dim: int, max_ids: int, gpu: bool,
              device_ordinal: int = 0, timeout_s: float = 300.0, timing: bool = False) -> "Mailboxes":
@@ -126,7 +130,7 @@ class NativeExchange:
     def timing(self) -> tuple[float, float, int] | None:
         """(ms the stream waited for the host, ms of the exchange's own GPU work, layer exchanges)
         since the last call, over the steps that have completed; None when timing is off."""
-        out = (ctypes.c_double * 3)()
+        out = self._timing
         if self.lib.jh_exchange_timing(self.id, out) != 0:
             return None
         return out[0], out[1], int(out[2])
@@ -355,7 +359,7 @@ class ContextPages:
         views = [clip_to_published(store.context.snapshot_locked(layer, range(batch)),
                                    store.context.layers[layer].arrays["token_index"], published_tokens)
                  for layer in range(n_layers)]
-        return cls(fmt=views[0].fmt, k_pages=tuple(v.k_pages for v in views), v_pages=tuple(v.v_pages for v in views),
+        return cls(fmt=views[0].fmt, k_pages=tuple([v.k_pages for v in views]), v_pages=tuple([v.v_pages for v in views]),
                    page_ptr=np.concatenate([v.page_ptr for v in views]),
                    ptr_off=np.cumsum([0] + [v.page_ptr.shape[0] for v in views]).astype(np.int64),
                    page_ids=np.concatenate([v.page_ids for v in views]),
@@ -397,8 +401,8 @@ class BlockPages:
         c = store.config
         arenas = [store.layers[layer].arrays for layer in range(c.n_layers)]
         return cls(k=k, fmt=FORMAT_CODE[c.kv_dtype], block_size=c.block_size,
-                   k_pages=tuple(a["k"].reshape(-1, c.block_size, c.row_width) for a in arenas),
-                   v_pages=tuple(a["v"].reshape(-1, c.block_size, c.row_width) for a in arenas),
+                   k_pages=tuple([a["k"].reshape(-1, c.block_size, c.row_width) for a in arenas]),
+                   v_pages=tuple([a["v"].reshape(-1, c.block_size, c.row_width) for a in arenas]),
                    slot_tables=slot_tables.copy(),
                    n_blocks=np.broadcast_to(published, (c.n_layers, slot_tables.shape[1])).copy())
 

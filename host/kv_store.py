@@ -281,6 +281,27 @@ class KVStore:
                 used += arrays_nbytes(arena.pool.n_in_use(), arena.arrays)
             return used + self.context.bytes_used()
 
+    def bytes_resident_bound(self) -> int:
+        """The most bytes the arenas (KV store and context cache) can hold resident: every row ever
+        written or touched (up to each arena's high-water mark) rounded up to whole pages. Past
+        the first 4 MiB of an array the pages may be 2 MiB huge pages (`host.memory`), so the
+        store's resident memory grows in steps of up to 2 MiB per array, ahead of `bytes_used`."""
+        with self.lock:
+            arenas = self.layers + self.context.layers
+            return sum(a.slots.resident_bound(max(a.pool.high_water, a.slots.touched)) for a in arenas)
+
+    def bytes_resident(self) -> int | None:
+        """Bytes of the arenas (KV store and context cache) resident now, page by page (mincore);
+        None where that cannot be read. At most `bytes_resident_bound()`."""
+        with self.lock:
+            total = 0
+            for arena in self.layers + self.context.layers:
+                got = arena.slots.resident_bytes()
+                if got is None:
+                    return None
+                total += got
+            return total
+
     # ---- reader bracketing -----------------------------------------------------------------
     def begin_read(self) -> None:
         """Call with `self.lock` held, in the same critical section as the snapshot taken."""

@@ -9,6 +9,9 @@ Used by host.kv_store (the offloaded blocks) and host.context_cache (hgca's kept
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -68,6 +71,83 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswit
                          platform.machine() in ("x86_64", "aarch64", "arm64", "armv7l", "i686") else 0)
 _HUGE_FROM = 4 << 20
 # First touch of 512 MiB measured on the 2-core EPYC VM: ~320 ms with 4 KiB pages, ~80 ms with THP.
+
+
+_PAGE = mmap.PAGESIZE
+
+
+@functools.lru_cache(maxsize=None)
+def _huge_page_bytes() -> int:
+    """The transparent huge page size (2 MiB on x86-64; the kernel's hpage_pmd_size)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _thp_mode() -> str:
+    """'always', 'madvise' or 'never' (the kernel's transparent_hugepage/enabled); 'never' off Linux."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "never"
+    for mode in ("always", "madvise", "never"):
+        if f"[{mode}]" in text:
+            return mode
+    return "never"
+
+
+@functools.lru_cache(maxsize=None)
+def _mincore():
+    """libc's mincore(addr, length, vec), or None (not Linux / no libc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def resident_bytes(address: int, nbytes: int) -> int | None:
+    """Bytes of the pages overlapping [address, address + nbytes) that are resident now (mincore;
+    None where unavailable)."""
+    fn = _mincore()
+    if fn is None or nbytes <= 0:
+        return None if fn is None else 0
+    lo = address - address % _PAGE
+    n_pages = -(-(address + nbytes - lo) // _PAGE)
+    vec = np.zeros(n_pages, np.uint8)
+    if fn(lo, n_pages * _PAGE, vec.ctypes.data) != 0:
+        return None
+    return int(np.count_nonzero(vec & 1)) * _PAGE
+
+
+def _round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit
+
+
+def resident_bound(address: int, nbytes: int, huge_from: int | None) -> int:
+    """The most bytes that writing [address, address + nbytes) of an anonymous mapping starting at
+    `address` (page aligned) can make resident: its 4 KiB pages, except where transparent huge
+    pages may back it (past offset `huge_from` of a region advised MADV_HUGEPAGE; everywhere with
+    THP 'always'; None: not advised), which come in whole huge pages, 2 MiB aligned in the address
+    space. The bytes beyond nbytes that this rounding adds are at most one huge page."""
+    if nbytes <= 0:
+        return 0
+    end = address + nbytes
+    mode = _thp_mode()
+    start_huge = {"always": 0, "madvise": huge_from}.get(mode)
+    if start_huge is None:
+        return _round_up(end, _PAGE) - address
+    huge = _huge_page_bytes()
+    first_huge = _round_up(address + start_huge, huge)  # the first huge page that fits the region
+    return (_round_up(end, huge) if end > first_huge else _round_up(end, _PAGE)) - address
 
 
 def _reserve_address_space(nbytes: int) -> np.ndarray | None:
@@ -139,6 +219,38 @@ class SlotArrays:
     @property
     def capacity(self) -> int:
         return self.arrays[next(iter(self.arrays))].shape[0]
+
+    def _extents(self, rows: int):
+        """Per array: (first page's address, bytes from there to the end of rows [0, rows), offset
+        past which huge pages may back it or None, bytes of address space it owns from there)."""
+        for a in self.arrays.values():
+            start = a.__array_interface__["data"][0]
+            row = a[0:1].nbytes
+            if self._bases is not None:  # a reservation (page aligned), advised MADV_HUGEPAGE past _HUGE_FROM
+                huge_from = _HUGE_FROM if self.max_slots * row > _HUGE_FROM else None
+                yield start, min(rows, self.capacity) * row, huge_from, self.max_slots * row
+            else:  # NumPy's own allocation (NumPy advises huge pages for large ones): the pages it overlaps
+                lo = start - start % _PAGE
+                owned = start + a.nbytes - lo
+                yield lo, start - lo + min(rows, self.capacity) * row, 0 if a.nbytes >= _HUGE_FROM else None, owned
+
+    def resident_bound(self, rows: int) -> int:
+        """The most bytes the arrays can hold resident when only rows [0, rows) were ever written:
+        those rows rounded up to whole pages (`resident_bound`), at most one page (4 KiB, or a
+        2 MiB huge page past the first 4 MiB) per array beyond the rows themselves."""
+        return sum(min(resident_bound(start, nbytes, huge_from), owned)
+                   for start, nbytes, huge_from, owned in self._extents(rows))
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of the arrays' memory resident now, counted page by page (mincore) over the
+        capacity's rows and the pages that round them up; None where that cannot be read."""
+        total = 0
+        for start, nbytes, huge_from, owned in self._extents(self.capacity):
+            got = resident_bytes(start, min(resident_bound(start, nbytes, huge_from), owned))
+            if got is None:
+                return None
+            total += got
+        return total
 
     def grow(self, new_cap: int) -> None:
         """Capacity `new_cap` (>= the current one): a view of the reservation when it fits, else a

@@ -184,7 +184,9 @@ class Generator:
         # self.params never changes shape: skip flattening its hundreds of leaves every step.
         varying = [a for a in args if a is not self.params]
         leaves, treedef = jax.tree_util.tree_flatten(varying)  # the structure too: a hybrid cache
-        key = (name, treedef) + tuple((a.shape, str(a.dtype)) for a in leaves)  # gains prefill copies
+        # (a tuple of a list, not of a generator: CPython parks each generator-built tuple's resized
+        # copy in its free list, a creep of a few hundred KiB over thousands of steps)
+        key = (name, treedef) + tuple([(a.shape, str(a.dtype)) for a in leaves])  # gains prefill copies
         if key not in self._executables:
             start = time.perf_counter()
             self._executables[key] = jax.jit(fn, donate_argnums=donate).lower(*args).compile()

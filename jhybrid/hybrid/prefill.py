@@ -126,8 +126,8 @@ class PrefillCopies:
         prefill chunk that may extend them). Returns the cache without copies."""
         self._previous = self._evicted = None
         if next_is_prefill:
-            self._previous = tuple((s.offloaded.k, s.offloaded.v) for s in cache.layers)
-        return cache.replace(layers=tuple(s.replace(offloaded=None) for s in cache.layers))
+            self._previous = tuple([(s.offloaded.k, s.offloaded.v) for s in cache.layers])
+        return cache.replace(layers=tuple([s.replace(offloaded=None) for s in cache.layers]))
 
     def note_evicted(self, k, v, seq, blk, added: np.ndarray) -> None:
         """This step start's evicted blocks, still on the device: k, v [L, N, bs, Hkv, D], seq, blk [N]."""

@@ -83,9 +83,20 @@ class Counters:
         self._lock = threading.Lock()
         self.reset()
 
+    @classmethod
+    def _fields(cls) -> tuple:
+        """dataclasses.fields of the class, looked up once: `as_dict` runs every step, and each
+        dataclasses.fields call builds its tuple from a generator (CPython then parks a resized
+        tuple in its free list, a slow creep of interpreter memory over thousands of steps)."""
+        fields = cls.__dict__.get("_fields_once")
+        if fields is None:
+            fields = dataclasses.fields(cls)
+            cls._fields_once = fields
+        return fields
+
     def reset(self) -> None:
         with self._lock:
-            for field in dataclasses.fields(self):
+            for field in self._fields():
                 setattr(self, field.name, 0 if field.type in ("int", int) else 0.0)
 
     def add(self, **amounts) -> None:
@@ -96,7 +107,7 @@ class Counters:
 
     def as_dict(self) -> dict:
         with self._lock:
-            return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+            return {field.name: getattr(self, field.name) for field in self._fields()}
 
 
 @dataclasses.dataclass(eq=False)
@@ -327,6 +338,25 @@ class HostRuntime:
                 self.slot_tables[layer, b, :slots.shape[0]] = slots
         self.mode_host.adopted(store is not None)
         self.reset_counters()
+
+    def adopt_row(self, row: int, n_tokens: int) -> None:
+        """Declare that row `row`, empty (never used, or emptied by `reset_rows`), holds a history of
+        n_tokens tokens placed as the eviction policy places it: its offloaded blocks appended to the
+        store with `append_blocks` (published), the rest on the device (`jhybrid.hybrid.ingest`). The
+        other rows, their pending copies and the mode's state of them are untouched; the row's mode
+        state stays an empty row's (a prefill of the rest follows: it gives the mode what it needs).
+        Counters stay."""
+        expected = int(evicted_blocks(np.int64(n_tokens), self.config))
+        if not 0 <= n_tokens <= self.max_len or self.n_tokens[row] != 0:
+            raise ValueError(f"adopt_row: row {row} holds {int(self.n_tokens[row])} tokens; expected an empty "
+                             f"row and a history of at most max_len={self.max_len} tokens, got {n_tokens}")
+        stored = [self.store.n_blocks(layer, row) for layer in range(self.n_layers)]
+        if stored != [expected] * self.n_layers:
+            raise ValueError(f"adopt_row: the host store holds {stored} blocks per layer for row {row}; a "
+                             f"history of {n_tokens} tokens offloads {expected}")
+        self.n_tokens[row] = n_tokens
+        self.evictor.published[row] = self.evictor.started[row] = expected  # pending jobs hold 0 for it
+        self.prefill.reset()  # the next chunk's copies come from the store
 
     def reset_rows(self, rows: np.ndarray) -> None:
         """Rows `rows` ([n] int, checked) hold no sequence any more: a new one starts in each at

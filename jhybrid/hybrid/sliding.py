@@ -78,7 +78,7 @@ class LayerPlan:
         """The KVCache with only the offloaded layers' states (what `HostRuntime` steps)."""
         if not self.mixed:
             return cache
-        return cache.replace(layers=tuple(cache.layers[i] for i in self.global_layers))
+        return cache.replace(layers=tuple([cache.layers[i] for i in self.global_layers]))
 
     def merge(self, cache, offloaded):
         """`cache` with its offloaded layers' states, lengths and meta taken from `offloaded`."""

@@ -21,10 +21,27 @@ requests: it never stalls them for more than one budget of prefill. Shapes are f
 [slots, chunk], decode [slots, 1]; the prefix copies pad their block counts to powers of two), each
 compiled once ahead of time (like `Generator._run`): the steady state never recompiles.
 
+The prefix cache holds every layer's true K, V of whole prompt blocks, with either backend:
+  * full attention (`kv_blocks.has_full_layout`): its first tier is a device array
+    (`kv_blocks.KVBlockPool`); a hit is copied into the row's KV, a finished prefill's blocks are
+    copied out of it;
+  * an offloading backend (`HybridAttention`, any mode): its first tier is a host array
+    (`kv_blocks.HostKVBlockPool`, reported as the "device" tier); a hit is placed into the row
+    where a plain chunked prefill would have left it (GPU window, host store, digests, counts:
+    `jhybrid.hybrid.ingest.place_history`), and `ingest.reusable_prefix` bounds it so that the
+    result is exactly a plain prefill's (hgca: the prompt's own prefill evicts every placed ring
+    token, covers its last reevaluate_queries tokens and starts on a chunk boundary). The K, V of
+    the prompt blocks a request may add to the cache are read from the device window after each
+    prefill call that wrote them (`ingest.read_tokens`: the window holds a call's tokens until the
+    next step evicts) into a host staging copy of the row, inserted when its prefill is done.
+Other backends (quest, tensor-parallel ones) run without it (logged once, every request a miss).
+
 Memory: the backend is opened for `slots` rows of `max_len` tokens at construction, so the device
 cache (and an offloading backend's host side) is allocated, and checked by the backend, before the
 first request; a request is admitted when prompt + max_tokens fits `max_len`, so whatever is
-admitted fits memory. The prefix cache's device tier is one more preallocated array (its bytes).
+admitted fits memory. The prefix cache's first tier is one more preallocated array (its bytes; on
+the host for an offloading backend, whose prefilling rows also stage the K, V of their prompt's
+new blocks on the host until their prefill ends: at most the prompt's whole blocks, every layer).
 
 Threading: `submit`, `cancel`, `stats` from any thread; the steps run on the engine's thread
 (`start`) or the caller's (`step`), one at a time. Callbacks run on the stepping thread. A step that
@@ -54,7 +71,7 @@ from jhybrid.generation import SamplingParams
 from jhybrid.models.decoder import CausalLM, KVCache
 from jhybrid.serving.api import (AdmissionError, Engine, EngineClosed, EngineStats, FinishCallback,
                                  FinishReason, Request, RequestHandle, RequestOutput, TokenCallback)
-from jhybrid.serving.kv_blocks import KVBlockPool, has_full_layout
+from jhybrid.serving.kv_blocks import HostKVBlockPool, KVBlockPool, has_full_layout
 from jhybrid.serving.prefix_cache import PrefixCache, PrefixCacheConfig
 from jhybrid.serving.sampling import RowSampling, sample_rows
 
@@ -127,6 +144,10 @@ class _Run(RequestHandle):
         self.order = -1  # admission order: prefill goes oldest first
         self.prefilled = 0  # prompt tokens in the row (cached ones included)
         self.cached_tokens = 0
+        # offloading backend + prefix cache: prompt tokens [capture_from, capture_to) are read from the
+        # window as they are prefilled (staged: [L, 2, T, Hkv, D] host arrays), for the prefix cache
+        self.capture_from = self.capture_to = 0
+        self.staged: list[np.ndarray] = []
         self.tokens: list[int] = []
         self.token_times: list[float] = []
         self.cancel_requested = False
@@ -158,9 +179,10 @@ class ServingEngine(Engine):
     prefill_chunk: tokens per row of one prefill call (bounded by the backend's max_prefill_chunk).
     step_token_budget: prompt tokens prefilled per engine step over all rows (default: prefill_chunk).
     prefix_cache: a PrefixCacheConfig, or None for no prefix cache. Used with the full layout of
-        KV (FullAttention's {k, v} per layer); with any other backend (the offloading modes) it is
-        not used: logged once, and every request counts a miss. device_bytes None = the KV of
-        max_len tokens (one slot's), at most DEFAULT_PREFIX_DEVICE_BYTES.
+        KV (FullAttention's {k, v} per layer) and with a single-device offloading backend
+        (HybridAttention: its first tier lives on the host, module docstring); with any other
+        backend it is not used: logged once, and every request counts a miss. device_bytes None =
+        the KV of max_len tokens (one slot's), at most DEFAULT_PREFIX_DEVICE_BYTES.
     prefix_cache_bytes: shorthand for the device tier's bytes (`jhybrid serve --prefix-cache-mb`):
         replaces prefix_cache's device_bytes; 0 turns the prefix cache off.
     step_log: how many StepRecords `step_log()` keeps (the latest).
@@ -206,6 +228,7 @@ class ServingEngine(Engine):
         self.compile_seconds = 0.0
 
         backend.open(config, slots, max_len)
+        self._hybrid = False  # the prefix cache places hits with jhybrid.hybrid.ingest
         try:
             self._cache: KVCache = model.init_cache(slots, max_len, backend)
             self._prefix, self._pool = self._open_prefix_cache(prefix_cache, asked_for_prefix_cache)
@@ -232,16 +255,22 @@ class ServingEngine(Engine):
         self._counts = _Counters()
 
     def _open_prefix_cache(self, config: PrefixCacheConfig | None, asked_for: bool):
-        """(PrefixCache, KVBlockPool), or (None, None) when off or the backend's layout is not full KV
-        (logged: a warning when the caller asked for a prefix cache, else the default's note)."""
+        """(PrefixCache, its first tier's pool), or (None, None) when off or the backend keeps KV the
+        prefix cache cannot place (logged: a warning when the caller asked for a prefix cache, else
+        the default's note)."""
         if config is None:
             return None, None
-        if not has_full_layout(self._cache):
+        full = has_full_layout(self._cache)
+        problem = None if full else self._hybrid_problem()
+        if problem is not None:
             log.log(logging.WARNING if asked_for else logging.INFO,
-                    "prefix cache not used with backend %r: its KV cache is not the full {k, v} layout "
-                    "(every request counts a prefix-cache miss)", self.backend.name)
+                    "prefix cache not used with backend %r: %s (every request counts a prefix-cache miss)",
+                    self.backend.name, problem)
             return None, None
-        block_bytes = KVBlockPool.block_bytes_of(self._cache, config.block_size)
+        if full:
+            block_bytes = KVBlockPool.block_bytes_of(self._cache, config.block_size)
+        else:
+            block_bytes = HostKVBlockPool.block_bytes_of(self.config, config.block_size)
         device_bytes = config.device_bytes
         if device_bytes is None:
             slot_bytes = block_bytes * -(-self.max_len // config.block_size)
@@ -249,8 +278,36 @@ class ServingEngine(Engine):
         if device_bytes < block_bytes:
             raise ValueError(f"prefix cache device_bytes {device_bytes} holds no block of {block_bytes} bytes "
                              f"({config.block_size} tokens of every layer's K and V); expected >= {block_bytes}")
-        pool = KVBlockPool.for_cache(self._cache, device_bytes // block_bytes, config.block_size)
+        if full:
+            pool = KVBlockPool.for_cache(self._cache, device_bytes // block_bytes, config.block_size)
+        else:
+            c = self.config
+            pool = HostKVBlockPool(device_bytes // block_bytes, c.num_layers, config.block_size, c.num_kv_heads,
+                                   c.head_dim, c.dtype)
+            from jhybrid.hybrid import ingest  # imported when used: full attention needs none of it
+
+            self._hybrid, self._ingest = True, ingest
         return PrefixCache(config, pool), pool
+
+    def _hybrid_problem(self) -> str | None:
+        """Why the prefix cache cannot place hits into this backend's rows (None: it can)."""
+        from jhybrid.hybrid.backend import HybridAttention
+
+        if not isinstance(self.backend, HybridAttention) or self.backend.runtime is None:
+            return ("its KV cache is neither the full {k, v} layout nor a single-device offloading "
+                    "backend's (GPU window + host store)")
+        c = self.config
+        if len(c.global_layers) < c.num_layers and self.prefill_chunk > min(c.sliding_window, self.max_len):
+            return (f"a prefill chunk of {self.prefill_chunk} tokens is longer than the sliding window of "
+                    f"{c.sliding_window}, whose ring then does not hold a chunk's K, V for the prefix cache to read")
+        return None
+
+    @property
+    def _chunk_period(self) -> int:
+        """A request prefilling alone has its prefill calls end at multiples of this many tokens
+        (chunks of prefill_chunk, as many as each step's budget takes, the last one cut by it)."""
+        chunk, budget = self.prefill_chunk, self.step_token_budget
+        return chunk if budget % chunk == 0 else budget
 
     # ---- the caller's side ---------------------------------------------------------------------------
 
@@ -418,11 +475,21 @@ class ServingEngine(Engine):
                 with self._cond:
                     self._counts.prefix_unusable += 1
             return
-        usable = (len(run.prompt) - 1) // self._prefix.block_size * self._prefix.block_size
+        bs = self._prefix.block_size
+        usable = (len(run.prompt) - 1) // bs * bs
+        if self._hybrid:  # only what a placement + the prefill of the rest reproduce exactly
+            usable = self._ingest.reusable_prefix(self.backend, len(run.prompt), usable, self._chunk_period, bs)
         slots = self._prefix.acquire(run.prompt[:usable])
         if slots.size:
-            self._cache = self._pool.into_row(self._cache, run.slot, slots)
-            run.prefilled = run.cached_tokens = int(slots.size) * self._prefix.block_size
+            if self._hybrid:
+                self._cache = self._ingest.place_history(self.backend, self.config, self._cache, run.slot,
+                                                         self._pool.history(slots))
+            else:
+                self._cache = self._pool.into_row(self._cache, run.slot, slots)
+            run.prefilled = run.cached_tokens = int(slots.size) * bs
+        if self._hybrid:  # the whole blocks the cache could take: read as they are prefilled
+            run.capture_from = run.prefilled
+            run.capture_to = min(len(run.prompt) // bs, self._pool.capacity) * bs
 
     def _prefill(self) -> list[tuple[str, int]]:
         """Up to step_token_budget prompt tokens of the prefilling requests, oldest first, in
@@ -452,6 +519,8 @@ class ServingEngine(Engine):
                 self._counts.prefill_calls += 1
                 self._counts.prefill_tokens += sum(n for _, n in taken)
             for run, n in taken:
+                if self._hybrid:
+                    self._capture(run, n)
                 run.prefilled += n
                 done[run.request_id] += n
                 if run.prefilled == len(run.prompt):
@@ -485,9 +554,28 @@ class ServingEngine(Engine):
         index = np.array([len(r.tokens) if r is not None else 0 for r in self._rows], np.int32)
         return self._sampling.replace(index=index)
 
+    def _capture(self, run: _Run, n: int) -> None:
+        """Stages the K, V of the prompt tokens the last prefill call wrote into the row (n from
+        run.prefilled) that the prefix cache may take, read from the device window."""
+        lo, hi = max(run.prefilled, run.capture_from), min(run.prefilled + n, run.capture_to)
+        if hi > lo:
+            run.staged.append(self._ingest.read_tokens(self.backend, self._cache, run.slot, lo, hi - lo,
+                                                       self.prefill_chunk))
+
     def _store_prefix(self, run: _Run) -> None:
-        """A finished prefill's prompt blocks into the prefix cache (copied from its row)."""
+        """A finished prefill's prompt blocks into the prefix cache (copied from its row, or from
+        what was staged as it was prefilled)."""
         if self._prefix is None:
+            return
+        if self._hybrid:
+            staged, run.staged = run.staged, []
+            bs, first = self._prefix.block_size, run.capture_from // self._prefix.block_size
+            # the blocks before the staged ones must still be cached (insert copies only new ones)
+            if not staged or len(self._prefix.match(run.prompt)) < first:
+                return
+            kv = np.concatenate(staged, axis=2)  # tokens capture_from ..
+            self._prefix.insert(run.prompt[:run.capture_from + kv.shape[2] // bs * bs],
+                                lambda numbers, slots: self._pool.write_history(slots, kv, numbers - first))
             return
 
         def copy(block_numbers: np.ndarray, slots: np.ndarray) -> None:

@@ -1,4 +1,9 @@
-"""The prefix cache's device tier for the `full` backend's cache layout: a pool of KV blocks.
+"""The prefix cache's first tier ("device" in its stats): a pool of KV blocks.
+
+For the `full` backend's cache layout the pool lives on the device (`KVBlockPool`); for an
+offloading (hybrid) backend, whose KV mostly lives in the host store, on the host
+(`HostKVBlockPool`: a hit's offloaded part is appended to the host store from there, only its
+window part is uploaded). Both keep one block as every layer's K and V of block_size tokens.
 
 `KVBlockPool` holds `capacity` blocks in one preallocated device array and copies blocks between
 it and the rows of a `KVCache` whose layers are FullAttention's {"k", "v"} [B, max_len, Hkv, D]
@@ -83,8 +88,9 @@ def _from_row(pool, cache, row, block_numbers, slots):
     return pool.at[slots].set(blocks.astype(pool.dtype), mode="drop")
 
 
-class KVBlockPool:
-    """`capacity` device slots of one KV block each (module doc); a `prefix_cache.BlockStore`."""
+class _BlockSlots:
+    """`capacity` slots of one KV block each, a block = [num_layers, 2, block_size, Hkv, D]: the shape
+    both pools share (each allocates its own storage)."""
 
     def __init__(self, capacity: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype):
@@ -93,8 +99,16 @@ class KVBlockPool:
         self.capacity = capacity
         self.block_size = block_size
         self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
-        self.pool = jnp.zeros((capacity,) + self.block_shape, dtype)
         self.block_bytes = int(np.prod(self.block_shape)) * jnp.dtype(dtype).itemsize
+
+
+class KVBlockPool(_BlockSlots):
+    """`capacity` device slots of one KV block each (module doc); a `prefix_cache.BlockStore`."""
+
+    def __init__(self, capacity: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype):
+        super().__init__(capacity, num_layers, block_size, num_kv_heads, head_dim, dtype)
+        self.pool = jnp.zeros((capacity,) + self.block_shape, dtype)
 
     @classmethod
     def for_cache(cls, cache, capacity: int, block_size: int) -> "KVBlockPool":
@@ -138,4 +152,44 @@ class KVBlockPool:
                               _padded(slots, size, self.capacity))
 
 
-__all__ = ["KVBlockPool", "has_full_layout"]
+class HostKVBlockPool(_BlockSlots):
+    """`capacity` host slots of one KV block each, [capacity, num_layers, 2, block_size, Hkv, D] in
+    the model dtype (NumPy; pages are touched only when written): the prefix cache's first tier
+    for an offloading backend (`jhybrid.hybrid.ingest` places a hit from it); a
+    `prefix_cache.BlockStore`."""
+
+    def __init__(self, capacity: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype):
+        super().__init__(capacity, num_layers, block_size, num_kv_heads, head_dim, dtype)
+        self.data = np.zeros((capacity,) + self.block_shape, np.dtype(jnp.dtype(dtype)))
+
+    @staticmethod
+    def block_bytes_of(config, block_size: int) -> int:
+        """Bytes of one block for a model config (every layer's K and V of block_size tokens)."""
+        return (config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
+                * jnp.dtype(config.dtype).itemsize)
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        """[n, L, 2, bs, Hkv, D] copies of the blocks in slots [n]."""
+        return self.data[np.asarray(slots, np.int64)]
+
+    def write(self, slots: np.ndarray, blocks: np.ndarray) -> None:
+        """Stores blocks [n, L, 2, bs, Hkv, D] into slots [n]."""
+        self.data[np.asarray(slots, np.int64)] = blocks
+
+    def history(self, slots: np.ndarray) -> np.ndarray:
+        """The blocks in slots [n] as one history: [L, 2, n * bs, Hkv, D] (block i = tokens i*bs ..)."""
+        blocks = self.read(slots)
+        n, (layers, _, bs, hkv, d) = len(slots), self.block_shape
+        return blocks.transpose(1, 2, 0, 3, 4, 5).reshape(layers, 2, n * bs, hkv, d)
+
+    def write_history(self, slots: np.ndarray, kv: np.ndarray, block_numbers: np.ndarray) -> None:
+        """Stores blocks `block_numbers` [n] of a history kv [L, 2, T, Hkv, D] (block j = tokens
+        j*bs .. j*bs + bs - 1) into slots [n]."""
+        layers, _, bs, hkv, d = self.block_shape
+        count = kv.shape[2] // bs
+        blocks = kv[:, :, :count * bs].reshape(layers, 2, count, bs, hkv, d)[:, :, np.asarray(block_numbers)]
+        self.write(slots, blocks.transpose(2, 0, 1, 3, 4, 5))
+
+
+__all__ = ["KVBlockPool", "HostKVBlockPool", "has_full_layout"]

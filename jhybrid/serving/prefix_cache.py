@@ -25,10 +25,15 @@ lives in exactly one. Every access touches a prefix's blocks from the last to th
 is always more recent than its children in its tier: the LRU order evicts the leaves of a prefix
 first and a shared prefix (a system prompt) stays while its many continuations come and go.
 
-The engine (`jhybrid.serving.engine`) uses it with the `full` backend's KV layout only (the device
-tier is `kv_blocks.KVBlockPool`); an offloading mode's cache keeps its KV in a window, host blocks
-and pools that a block copy cannot restore, so there the engine runs without it (logged once, every
-request counted as a miss).
+The engine (`jhybrid.serving.engine`) uses it with two layouts of a block (every layer's K and V of
+its tokens): the `full` backend's, whose device tier is `kv_blocks.KVBlockPool` (a device array, a
+hit copied into the row's KV), and an offloading backend's (`HybridAttention`, any mode), whose
+"device" tier is `kv_blocks.HostKVBlockPool`, an array in host memory: a hit is placed into the
+row's GPU window, host store and digests as a plain prefill would have left them
+(`jhybrid.hybrid.ingest.place_history`), bounded by `ingest.reusable_prefix` so that the prefill of
+the rest gives exactly a plain prefill's state (hgca: its ring MAW is attention history no block
+holds). Other backends (quest, tensor-parallel ones) run without it (logged once, every request
+counted as a miss).
 
 Not thread-safe: the engine calls it from its step loop only.
 """
@@ -58,7 +63,8 @@ def chain_hash(parent: int, block: bytes) -> int:
 @dataclasses.dataclass(frozen=True)
 class PrefixCacheConfig:
     """block_size: tokens per cached block (a hit covers whole blocks).
-    device_bytes: the device tier's bytes (None: the engine's default; 0 turns the cache off).
+    device_bytes: the device tier's bytes (None: the engine's default; 0 turns the cache off); with
+        an offloading backend the engine keeps this first tier in host memory (module doc).
     host_bytes, disk_bytes: the host and disk tiers' bytes (0: tier off).
     disk_dir: the disk tier's folder (None: a temporary folder, removed at close)."""
 

@@ -129,6 +129,11 @@ class OffloadMode:
     # What every layer of a decode step attends on the CPU through the exchange (host.targets), or
     # None: decode steps make no host call.
     host_target: ClassVar["HostTarget | None"] = None
+    # Its decisions read the window's moving-average attention weights (hgca's salience): attention
+    # history, which a history placed without running attention (a prefix-cache hit) does not carry,
+    # so such a placement must leave every placed ring token to be evicted and re-scored by the
+    # prefill that follows (`jhybrid.hybrid.ingest.reusable_prefix`).
+    reads_maw: ClassVar[bool] = False
 
     def __init__(self, config: "OffloadConfig"):
         self.config = config

@@ -38,6 +38,7 @@ class Hgca(OffloadMode):
     name = "hgca"
     settings = frozenset({"alpha", "beta", "keep_after", "max_keep_share", "reevaluate_queries", "host_overlap"})
     host_target = KEPT_TOKENS
+    reads_maw = True
 
     def decode(self, step: DecodeStep, state: LayerState):
         cfg, exchange = self.config, step.exchange

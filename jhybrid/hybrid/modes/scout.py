@@ -28,7 +28,6 @@ others' recalls, and no recall moves a block of a row's previous sequence (conti
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -305,11 +304,11 @@ def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, 
     pad = size - n
     idx = [np.concatenate([x, np.full(pad, fill, np.int32)]) for x, fill in
            ((plan.b, batch), (plan.h, 0), (plan.r, 0), (plan.block, -1))]
-    out = tuple(jax.device_put(x, device) for x in idx) + (to_device(k_host, device), to_device(v_host, device))
+    out = tuple([jax.device_put(x, device) for x in idx]) + (to_device(k_host, device), to_device(v_host, device))
     apply = None
     if pool_specs is not None:
         now = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
-        apply = compiled_apply(tuple(pool_specs) + tuple(_spec(x) for x in out) + (now,))
+        apply = compiled_apply(tuple(pool_specs) + tuple([_spec(x) for x in out]) + (now,))
     jax.block_until_ready(out)
     plan.bg_s = time.perf_counter() - start
     return out, apply
@@ -330,8 +329,10 @@ _compiled_lock = threading.Lock()
 
 def compiled_apply(specs: tuple):
     """`apply_recall` lowered and compiled for these argument specs (cached per shapes/shardings)."""
-    key = tuple(None if s is None else (s.shape, str(s.dtype), s.sharding)
-                for s in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: x is None))
+    # (tuples from lists, not generators, here and in the per-step paths: CPython keeps a tuple built
+    # from a generator, resized, in the free list of its final size: slow growth over a long decode)
+    key = tuple([None if s is None else (s.shape, str(s.dtype), s.sharding)
+                 for s in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: x is None)])
     with _compiled_lock:
         exe = _compiled.get(key)
     if exe is None:
@@ -383,6 +384,7 @@ class ScoutHost(ModeHost):
     """The asynchronous recall of important blocks into each layer's GPU pool (see module doc)."""
 
     HISTORY = 1024  # entries kept in recall_log
+    _LOG_FIELDS = ("layer", "trigger_step", "apply_step", "rows", "warm")
 
     def __init__(self, context, k: int):
         self.ctx, self.k = context, k
@@ -400,12 +402,23 @@ class ScoutHost(ModeHost):
         # tensor parallelism: {layer: CPU blocks [B] of the last step over every shard} and the shards' KV heads
         self.shared_counts: dict[int, np.ndarray | None] | None = None
         self.shared_heads = shape.hkv
-        self.recall_log: collections.deque[dict] = collections.deque(maxlen=self.HISTORY)
+        # the last HISTORY recalls applied, a preallocated ring (written now, so its memory does not
+        # grow with the steps): layer, trigger_step, apply_step, rows, warm; read through `recall_log`
+        self._log = np.full((self.HISTORY, len(self._LOG_FIELDS)), -1, np.int64)
+        self._log_n = 0
         self.since_reset = 0  # decode step of the last counter reset (row_stats counts from there)
         # a quarter of the host's threads gather the recalled rows (the rest keep attending)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="jhybrid-recall", initializer=numba.set_num_threads,
                                           initargs=(max(1, context.n_threads // 4),))
         self.stats = ScoutCounters()
+
+    @property
+    def recall_log(self) -> list[dict]:
+        """The last HISTORY recalls applied, oldest first: {"layer", "trigger_step", "apply_step",
+        "rows": (block, head) rows moved, "warm": a warm start}."""
+        n = min(self._log_n, self.HISTORY)
+        rows = self._log[(np.arange(n) + self._log_n - n) % self.HISTORY].tolist()
+        return [dict(zip(self._LOG_FIELDS[:4], r[:4]), warm=bool(r[4])) for r in rows]
 
     def exchange_pages(self, published):
         return BlockPages.of(self.ctx.store, self.k, self.ctx.slot_tables, published)
@@ -601,8 +614,8 @@ class ScoutHost(ModeHost):
                 self.pool_ids[layer][plan.b, plan.h, plan.r] = plan.block
                 self.stats.add(n_recalls=1, recall_rows=plan.n)
                 ctx.counters.add(bytes_to_device=staged[4].nbytes * 2)
-                self.recall_log.append(dict(layer=layer, trigger_step=plan.trigger_step,
-                                            apply_step=ctx.decode_steps, rows=plan.n, warm=plan.warm))
+                self._log[self._log_n % self.HISTORY] = (layer, plan.trigger_step, ctx.decode_steps, plan.n, plan.warm)
+                self._log_n += 1
 
             self.stats.add(recall_s=time.perf_counter() - start)
         return cache.replace(layers=tuple(layers))

@@ -1,0 +1,227 @@
+"""The serving engine's prefix cache with the offloading modes (jhybrid/serving/engine.py +
+jhybrid/hybrid/ingest.py) on the tiny model (CPU):
+
+  * `place_history` into one row of an open 2-row batch leaves that row as a plain chunked prefill
+    of the same tokens does (host store blocks, sinks + ring, digests and scout's layer-ahead copy,
+    recall's mirror, token and block counts), and the other row, mid-sequence, is untouched;
+  * through the engine (hgca with a real salience threshold, scout with the layer-ahead query and
+    recalls; slow: topk, and scout on a Gemma-3-like model with sliding-window layers): requests sharing a prefix give exactly the greedy tokens of each request run
+    alone without a prefix cache; a hit (cached_tokens > 0, placed while another row decodes, whose
+    output also equals its run alone), a partial match and misses; hgca's hit is bounded so that it
+    stays exact (`ingest.reusable_prefix`: its prompt's own prefill must evict every placed ring
+    token and prefill its last reevaluate_queries tokens).
+
+The policy is the one of tests/test_hybrid_reset_rows.py (eviction_spread off, eviction lag 0;
+scout recalls on a batch-independent schedule): a row then runs as it would alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jhybrid.generation import make_step
+from jhybrid.hybrid import make_backend
+from jhybrid.hybrid.ingest import place_history, read_tokens, reusable_prefix
+from jhybrid.models import create_model
+from jhybrid.serving.api import Request
+from jhybrid.serving.engine import ServingEngine
+from jhybrid.serving.prefix_cache import PrefixCacheConfig
+from tests.hybrid_support import TINY
+
+SLOTS, MAX_LEN, CHUNK, BLOCK = 2, 160, 16, 16
+BLOCK_BYTES = TINY.num_layers * 2 * BLOCK * TINY.num_kv_heads * TINY.head_dim * 4  # float32
+POLICY = dict(window_tokens=40, block_size=16, sink=8, host_threads=1, eviction_spread=False, eviction_lag_steps=0)
+MODES = {
+    "hgca": dict(mode="hgca", beta=1.0, alpha=0.3),  # a real salience threshold
+    "scout": dict(mode="scout", budget=32, recall_blocks=2, recall_threshold=0.0, recall_min_interval=1,
+                  recall_lag_steps=1, scout_exact_layers=1),  # layer 1 selects with the predicted query
+    "topk": dict(mode="topk", budget=32),  # 2 of the offloaded blocks
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(TINY, seed=0)
+
+
+def backend_of(name, **extra):
+    options = {**POLICY, **MODES.get(name, {"mode": name}), **extra}
+    return make_backend(options.pop("mode"), **options)
+
+
+# ----------------------------------------------------------------------------- placement into a row
+
+
+def prefill_row(backend, step, cache, row, tokens, start=0):
+    """Prefills tokens into `row` from position `start`, in chunks of CHUNK (the other row padded)."""
+    for begin in range(0, len(tokens), CHUNK):
+        part = tokens[begin:begin + CHUNK]
+        toks = np.zeros((SLOTS, CHUNK), np.int32)
+        pos = np.full((SLOTS, CHUNK), -1, np.int32)
+        toks[row, :len(part)] = part
+        pos[row, :len(part)] = start + begin + np.arange(len(part))
+        cache = backend.before_step(cache, pos)
+        _, cache = step[0](step[1], toks, pos, cache)
+    return cache
+
+
+def row_arrays(cache, row):
+    """Every batch-major array of the cache's row `row` (state arrays, lengths) as NumPy."""
+    out = []
+    for state in cache.layers:
+        for x in jax.tree_util.tree_leaves(state.replace(offloaded=None)):
+            m = x.shape[0] // SLOTS
+            out.append(np.asarray(x[row * m:(row + 1) * m]))
+    return out + [np.asarray(cache.lengths[row])]
+
+
+@pytest.mark.parametrize("name", ["scout", "recall"])
+def test_placed_row_equals_a_plain_prefill_and_the_other_row_is_untouched(model, rng, name):
+    # scout with the layer-ahead query: layer 1's digests live in layer 0's next_digests
+    options = {"scout_exact_layers": 0, "budget": 16} if name == "scout" else {}
+    backend = backend_of(name, **options)
+    step = make_step(model, backend)
+    n = 74  # 8 sinks + 3 offloaded blocks of 16 + 18 ring tokens
+    tokens = rng.integers(0, TINY.vocab_size, n).astype(np.int32)
+    other = rng.integers(0, TINY.vocab_size, 50).astype(np.int32)
+
+    # the reference: a plain prefill of the tokens into row 1, its K, V read from the window after
+    # each chunk as the engine reads them
+    backend.open(model.config, SLOTS, MAX_LEN)
+    want = model.init_cache(SLOTS, MAX_LEN, backend)
+    kv = np.zeros((TINY.num_layers, 2, 0, TINY.num_kv_heads, TINY.head_dim), np.float32)
+    for begin in range(0, n, CHUNK):
+        want = prefill_row(backend, step, want, 1, tokens[begin:begin + CHUNK], start=begin)
+        kv = np.concatenate([kv, read_tokens(backend, want, 1, begin, min(CHUNK, n - begin), CHUNK)], axis=2)
+    want_runtime = backend.runtime
+    want_runtime.evictor.publish_all()
+    want_blocks = [want_runtime.store.read_blocks(layer, 1) for layer in range(TINY.num_layers)]
+    want_mirror = [np.array(want_runtime.mode_host.mirror_k[:, 1])] if name == "recall" else []
+
+    # row 0 mid-sequence, row 1 used and reset, then the history placed into row 1
+    backend = backend_of(name, **options)
+    step = make_step(model, backend)
+    backend.open(model.config, SLOTS, MAX_LEN)
+    cache = model.init_cache(SLOTS, MAX_LEN, backend)
+    cache = prefill_row(backend, step, cache, 0, other)
+    cache = prefill_row(backend, step, cache, 1, other[:40])
+    cache = backend.reset_rows(cache, np.array([1]))
+    before = row_arrays(cache, 0)
+    runtime = backend.runtime
+    counts = (runtime.n_tokens[0], runtime.evictor.published[0], runtime.evictor.started[0],
+              runtime.store.n_blocks(0, 0))
+    got = place_history(backend, model.config, cache, 1, kv)
+
+    for x, y in zip(before, row_arrays(got, 0)):  # row 0 untouched, on the device and the host
+        np.testing.assert_array_equal(x, y)
+    assert counts == (runtime.n_tokens[0], runtime.evictor.published[0], runtime.evictor.started[0],
+                      runtime.store.n_blocks(0, 0))
+    cfg = backend.config
+    e = -(-(n - cfg.sink - cfg.ring_tokens) // cfg.block_size)
+    assert int(got.lengths[1]) == n and runtime.n_tokens[1] == n
+    assert runtime.evictor.published[1] == runtime.evictor.started[1] == e == 3
+    assert int(got.meta.offloaded_blocks[1]) == e
+    for layer in range(TINY.num_layers):
+        mine = runtime.store.read_blocks(layer, 1)
+        for key in ("k", "v", "positions"):
+            np.testing.assert_array_equal(mine[key], want_blocks[layer][key])
+        a, b = got.layers[layer], want.layers[layer]
+        # sinks and the ring tokens a prefill leaves attended: [sink + e * bs, n)
+        np.testing.assert_array_equal(np.asarray(a.window.sink_k[1]), np.asarray(b.window.sink_k[1]))
+        np.testing.assert_array_equal(np.asarray(a.window.sink_v[1]), np.asarray(b.window.sink_v[1]))
+        slots = (np.arange(cfg.sink + e * cfg.block_size, n) - cfg.sink) % cfg.ring_capacity
+        for x, y in ((a.window.k_ring, b.window.k_ring), (a.window.v_ring, b.window.v_ring)):
+            np.testing.assert_array_equal(np.asarray(x[1][:, slots]), np.asarray(y[1][:, slots]))
+        for group in ("digests", "next_digests"):
+            if getattr(b, group) is not None:
+                for x, y in ((getattr(a, group).kmin, getattr(b, group).kmin),
+                             (getattr(a, group).kmax, getattr(b, group).kmax)):
+                    np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(y[1]))
+    if name == "scout":
+        assert got.layers[0].next_digests is not None and np.asarray(got.layers[0].next_digests.kmin[1]).any()
+    if name == "recall":
+        np.testing.assert_array_equal(runtime.mode_host.mirror_k[:, 1], want_mirror[0])
+
+
+def test_reusable_prefix_bounds_hgca_only():
+    hgca, scout = backend_of("hgca"), backend_of("scout")
+    # 85 tokens: its prefill evicts 3 blocks (sink 8 + 48 tokens) and must prefill its last 16
+    assert reusable_prefix(scout, 85, 80, CHUNK, BLOCK) == 80
+    assert reusable_prefix(hgca, 85, 80, CHUNK, BLOCK) == 48
+    assert reusable_prefix(hgca, 85, 80, 32, BLOCK) == 32  # on a chunk boundary of 32
+    assert reusable_prefix(hgca, 110, 96, CHUNK, BLOCK) == 80
+    assert reusable_prefix(hgca, 20, 16, CHUNK, BLOCK) == 0  # its last 16 tokens must be prefilled
+
+
+# ----------------------------------------------------------------------------- through the engine
+
+
+def run_all(engine, handles):
+    while not all(h.done for h in handles):
+        engine.step()
+    return [h.result(0) for h in handles]
+
+
+def scenario(engine, prompts, max_tokens):
+    """A alone; C starts, B (sharing A's prefix) is admitted while C decodes; then D (partial
+    match), E (a miss), F (A's prefix + 5 tokens). Deterministic: the caller's thread steps."""
+    a, b, c, d, e, f = prompts
+    outs = {"A": run_all(engine, [engine.submit(Request(a, max_tokens=max_tokens))])[0]}
+    handle_c = engine.submit(Request(c, max_tokens=30))
+    for _ in range(6):  # C's prefill (4 chunks) and its first decode steps
+        engine.step()
+    assert not handle_c.done and engine.slot_lengths()[0] > len(c)  # C decodes in row 0
+    handle_b = engine.submit(Request(b, max_tokens=max_tokens))
+    outs["C"], outs["B"] = run_all(engine, [handle_c, handle_b])
+    for key, prompt in (("D", d), ("E", e), ("F", f)):
+        outs[key] = run_all(engine, [engine.submit(Request(prompt, max_tokens=max_tokens))])[0]
+    return outs
+
+
+@pytest.mark.parametrize("name", ["hgca", "scout", pytest.param("topk", marks=pytest.mark.slow)])
+def test_prefix_hits_give_the_tokens_of_running_alone(model, rng, name):
+    shared = rng.integers(0, TINY.vocab_size, 80).tolist()
+    new = lambda n: rng.integers(0, TINY.vocab_size, n).tolist()  # noqa: E731
+    prompts = [shared + new(20), shared + new(30), new(60), shared[:40] + new(50), new(50), shared + new(5)]
+    backend = backend_of(name)
+    engine = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=64 * BLOCK_BYTES))
+    with engine:
+        outs = scenario(engine, prompts, max_tokens=20)
+        stats = engine.stats()
+        assert backend.counters()["n_evicted_blocks"] > 0
+    hit_f = 48 if name == "hgca" else 80  # hgca: F's prefill must evict every placed ring token
+    assert {k: o.cached_tokens for k, o in outs.items()} == dict(A=0, B=80, C=0, D=32, E=0, F=hit_f)
+    assert (stats.prefix_hits, stats.prefix_misses, stats.prefix_hit_tokens) == (3, 3, 80 + 32 + hit_f)
+    assert stats.prefix_bytes_device == (6 + 1 + 3 + 3 + 3) * BLOCK_BYTES  # A, B, C, D, E's new blocks (host pool)
+
+    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    with alone:
+        for key, prompt in zip("ABCDEF", prompts):
+            want = run_all(alone, [alone.submit(Request(prompt, max_tokens=30 if key == "C" else 20))])[0]
+            assert outs[key].tokens == want.tokens, f"{name}: request {key} differs from its run alone"
+            assert outs[key].finish_reason == want.finish_reason
+
+
+@pytest.mark.slow  # ~40 s on the 2-core machine: one more model's compiles
+def test_a_hit_with_sliding_window_layers(rng):
+    """Gemma-3-like (sliding layers of window 24 between the global ones): a hit's sliding rings get
+    the prefix's last 24 tokens, read from the rings as they were prefilled; outputs equal alone."""
+    from tests.hybrid_support import GEMMA3_LIKE
+
+    model = create_model(GEMMA3_LIKE, seed=0)
+    shared = rng.integers(0, GEMMA3_LIKE.vocab_size, 64).tolist()
+    prompts = [shared + rng.integers(0, GEMMA3_LIKE.vocab_size, n).tolist() for n in (20, 11)]
+    backend = backend_of("scout")
+    config = PrefixCacheConfig(block_size=BLOCK, device_bytes=16 * GEMMA3_LIKE.num_layers * 2 * BLOCK
+                               * GEMMA3_LIKE.num_kv_heads * GEMMA3_LIKE.head_dim * 4)
+    engine = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=config)
+    with engine:
+        outs = [run_all(engine, [engine.submit(Request(p, max_tokens=16))])[0] for p in prompts]
+    assert [o.cached_tokens for o in outs] == [0, 64]
+    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    with alone:
+        for prompt, out in zip(prompts, outs):
+            assert out.tokens == run_all(alone, [alone.submit(Request(prompt, max_tokens=16))])[0].tokens
