@@ -66,8 +66,10 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["full", "hgca", "scout"])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--exit-wait-s", type=float, default=300.0,
+                        help="how long an interrupted run may take to exit before it counts as hung")
     args = parser.parse_args()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "100"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "100", "PYTHONFAULTHANDLER": "1"}
     results = []
     with tempfile.TemporaryDirectory() as folder:
         for mode in args.modes:
@@ -81,15 +83,19 @@ def main() -> None:
                 os.set_blocking(proc.stderr.fileno(), True)
                 os.set_blocking(proc.stdout.fileno(), True)
                 try:
-                    _, err = proc.communicate(timeout=120)  # bound the wait for the exit, not the run
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    _, err = proc.communicate()
-                    err += b"\n[HUNG]"
+                    _, err = proc.communicate(timeout=args.exit_wait_s)  # bound the wait, not the run
+                except subprocess.TimeoutExpired:  # where it is: faulthandler dumps every thread on SIGABRT
+                    proc.send_signal(signal.SIGABRT)
+                    try:
+                        _, err = proc.communicate(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        _, err = proc.communicate()
+                    err = (err or b"") + b"\n[HUNG]"
                 text = (early + (err or b"")).decode(errors="replace")
                 bad = [word for word in BAD if word in text]
                 results.append({"what": args.what, "mode": mode, "run": run, "rc": proc.returncode, "bad": bad,
-                                "stderr_tail": text.strip().splitlines()[-2:]})
+                                "stderr_tail": text.strip().splitlines()[-40 if "HUNG" in bad else -2:]})
                 print(mode, run, proc.returncode, bad, text.strip().splitlines()[-1:], flush=True)
     summary = {}
     for mode in args.modes:
