@@ -53,6 +53,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--step-token-budget", type=int, default=None,
                    help="prompt + decode tokens per engine step, so a long prompt is prefilled between "
                         "decode steps of the others (default: the engine's)")
+    p.add_argument("--prefill-order", choices=("arrival", "shortest"), default="arrival",
+                   help="which prompts take each step's prefill budget first: arrival order (default), or "
+                        "fewest tokens left first (prefix-cache hits and short prompts answer sooner)")
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="MiB of KV the prefix cache keeps across requests (0 = off; default: the engine's)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -151,7 +154,8 @@ def _serving_engine(model, backend, args, max_len: int):
     """The continuous-batching engine (jhybrid.serving.engine) with the command's settings."""
     from jhybrid.serving.engine import ServingEngine
 
-    settings = dict(backend=backend, slots=args.slots, max_len=max_len, prefill_chunk=args.prefill_chunk)
+    settings = dict(backend=backend, slots=args.slots, max_len=max_len, prefill_chunk=args.prefill_chunk,
+                    prefill_order=args.prefill_order)
     if args.step_token_budget is not None:
         settings["step_token_budget"] = args.step_token_budget
     if args.prefix_cache_mb is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from jhybrid.bench import runner
@@ -24,8 +25,8 @@ sweep:
 
 FIELDS = {"mode", "slots", "requests", "rate", "ttft_p50_s", "ttft_p99_s", "tbt_p50_ms", "tbt_p99_ms",
           "request_throughput", "decode_tok_s", "goodput", "slo_met", "prefix_hits", "prefix_misses",
-          "ttft_hit_over_miss", "served_over_fixed", "served_over_fixed_e2e", "fixed_decode_tok_s",
-          "tbt_p99_over_p50", "completed", "lost", "compiles_timed"}
+          "ttft_hit_over_miss", "ttft_hit_over_shared_miss", "served_over_fixed", "served_over_fixed_e2e", "fixed_decode_tok_s",
+          "tbt_p99_over_p50", "completed", "lost", "compiles_timed", "saturated_tok_s", "saturated_over_fixed"}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,7 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
     assert row["tbt_p99_ms"] >= row["tbt_p50_ms"] > 0
     assert row["request_throughput"] > 0 and row["decode_tok_s"] > 0
     assert row["served_over_fixed"] > 0 and row["fixed_decode_tok_s"] > 0
+    assert row["saturated_tok_s"] > 0 and row["saturated_over_fixed"] > 0
     assert 0 <= row["slo_met"] <= 6
     assert row["compiles_timed"] == 0  # the warm-up compiled every shape of the load
 
@@ -71,6 +73,21 @@ def test_load_is_deterministic_and_shares_the_prefix():
                                           serving_requests=40), 97)
     assert 0 < mixed.shared.sum() < 40 and all(len(p) > 48 for p, s in zip(mixed.prompts, mixed.shared) if s)
     assert {len(p) for p in a.prompts} <= {64, 96} and (a.arrivals[1:] >= a.arrivals[:-1]).all()
+
+
+def test_a_shared_suffix_makes_every_sharing_prompt_prefix_plus_suffix():
+    """serving_shared_suffix: the sharing requests are the prefix + that many tokens (even past the
+    longest context: the slots' max_len grows to hold them); the others draw from the contexts."""
+    from jhybrid.bench.serving import serving_max_len
+
+    bench = dataclasses.replace(load_config_text(CONFIG).benchmark, serving_shared_share=0.5, serving_requests=40,
+                                serving_shared_prefix=90, serving_shared_suffix=20)
+    load = make_load(bench, 97)
+    assert 0 < load.shared.sum() < 40
+    assert all(len(p) == 110 and (p[:90] == load.prompts[np.argmax(load.shared)][:90]).all()
+               for p, s in zip(load.prompts, load.shared) if s)
+    assert {len(p) for p, s in zip(load.prompts, load.shared) if not s} <= {64, 96}
+    assert serving_max_len(bench) == 128  # 110 + 4 decode tokens + 1, rounded up to 64
 
 
 def load_config_text(text: str):
@@ -96,6 +113,9 @@ def load_config_text(text: str):
     ("serving_requests: -1", ["serving_requests", "positive"]),
     ("serving_prefix_cache_mb: -1", ["serving_prefix_cache_mb", ">= 0"]),
     ("serving_rate: fast", ["serving_rate", "float"]),
+    ("serving_shared_suffix: 0, serving_shared_prefix: 16", ["serving_shared_suffix", ">= 1"]),
+    ("serving_shared_suffix: 8", ["serving_shared_suffix", "serving_shared_prefix' = 0"]),
+    ("serving_prefill_order: fastest", ["serving_prefill_order", "shortest"]),
 ])
 def test_bad_serving_settings_are_one_line_config_errors(setting, words):
     text = f"name: x\nmodel: {{name: tiny}}\nbenchmark: {{task: serving, {setting}}}\n"

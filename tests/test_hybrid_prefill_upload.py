@@ -52,8 +52,9 @@ def reference_attention(q, k, v, n_valid, scale):
     return o, lse
 
 
+@pytest.mark.parametrize("kernel", ["reference", "interpret"])  # jnp; the GPU's flash kernel (interpreted)
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 6), (8, 1)])
-def test_offloaded_attention_matches_float64(hq, hkv):
+def test_offloaded_attention_matches_float64(hq, hkv, kernel):
     rng = np.random.default_rng(hq * 10 + hkv)
     b, t, p, d = 3, 5, 48, 64
     q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
@@ -63,7 +64,9 @@ def test_offloaded_attention_matches_float64(hq, hkv):
     for bi, n in enumerate(n_valid):  # keys past n_valid are poison (must be masked); values there
         k[bi, :, n:] = 1e4                # are zeros, as offloaded_prompt writes them
         v[bi, :, n:] = 0.0
-    o, lse = offloaded_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(n_valid), 0.125)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    o, lse = offloaded_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(n_valid), 0.125,
+                                 positions, kernel)
     o_ref, lse_ref = reference_attention(q, k, v, n_valid, 0.125)
     np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(lse)[:2], lse_ref[:2], atol=2e-5, rtol=2e-5)
@@ -135,6 +138,15 @@ def test_device_prefill_keep_all_equals_full(model, full_logits, mode, extra):
         np.testing.assert_array_equal(np.asarray(copy.n_valid), backend.runtime.offloaded_blocks() * 16)
     else:
         assert copy is None
+
+
+def test_device_prefill_through_the_flash_kernel_equals_full(model, full_logits):
+    """The GPU's path (`range_attention` over the copies), run by the Pallas interpreter."""
+    backend = make_backend(OffloadConfig(mode="hgca", beta=1e-30, prefill_offloaded="device",
+                                         kernel_backend="interpret", **WINDOW))
+    logits, backend, _, _ = forced(model, backend)
+    np.testing.assert_allclose(logits, full_logits, atol=TOL, rtol=TOL)
+    assert backend.counters()["n_prefill_device_chunks"] >= 2
 
 
 def test_device_and_host_prefill_agree_for_hgca_with_a_threshold(model):

@@ -251,6 +251,72 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(engine, alone, 
     assert all("short" in decode for _, _, decode in chunks)  # and a decode step of the other in each
 
 
+@pytest.mark.parametrize("order", ["arrival", "shortest"])
+def test_prefill_order_decides_who_takes_the_step_budget(model, alone, rng, order):
+    """A 100-token prompt is being prefilled when a 10-token one arrives: in arrival order the long
+    one keeps the 16-token budget until it is done; shortest-first gives the short one its 10
+    tokens in the next step (the long one the 6 left). Outputs equal running alone either way."""
+    engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None,
+                           prefill_order=order)
+    try:
+        long, short = prompts_of(rng, [100, 10])
+        handles = [engine.submit(Request(long, max_tokens=3, request_id="long"))]
+        engine.step()
+        handles.append(engine.submit(Request(short, max_tokens=3, request_id="short")))
+        for _ in range(40):  # bounded: 7 prefill steps + 3 decode steps at most
+            if not engine.step():
+                break
+        assert [h.result(0).tokens for h in handles] == [alone(long, 3)[0], alone(short, 3)[0]]
+        second = engine.step_log()[1].prefill
+        assert second == ((("short", 10), ("long", 6)) if order == "shortest" else (("long", 16),))
+    finally:
+        engine.close(drain=False)
+    with pytest.raises(ValueError, match="prefill_order='random'; expected one of"):
+        ServingEngine(model, slots=2, max_len=64, prefill_order="random")
+
+
+class ShapeRecording(FullAttention):
+    """`full` with its chunks on the range kernel (interpreted: the GPU's path), recording the rows
+    of every prefill chunk it traces."""
+
+    def __init__(self):
+        super().__init__(prefill_backend="interpret")
+        self.chunk_rows = set()
+
+    def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache, context):
+        if q.shape[1] > 1:
+            self.chunk_rows.add(q.shape[0])
+        return super().attend(layer_idx, q, k, v, positions, lengths, layer_cache, context)
+
+    def __eq__(self, other):
+        return other is self
+
+    def __hash__(self):
+        return id(self)
+
+
+def test_prefill_calls_are_sized_by_the_prefilling_rows(model, alone, rng):
+    """4 slots: one request prefilling alone (1-row calls), then three at once (3 rows rounded up to
+    4, an idle row as padding), then two (2 rows); through the range kernel's row map every output
+    equals running alone."""
+    backend = ShapeRecording()
+    engine = ServingEngine(model, backend, slots=4, max_len=MAX_LEN, prefill_chunk=CHUNK, step_token_budget=48,
+                           prefix_cache=None)
+    try:
+        prompts = prompts_of(rng, [100, 23, 40])
+        handles = [engine.submit(Request(prompts[0], max_tokens=4, request_id="a"))]
+        engine.step()  # "a" alone: 3 one-row calls of 16
+        handles += [engine.submit(Request(p, max_tokens=4, request_id=r)) for p, r in zip(prompts[1:], "bc")]
+        for _ in range(40):  # bounded
+            if not engine.step():
+                break
+        assert [h.result(0).tokens for h in handles] == [alone(p, 4)[0] for p in prompts]
+        assert backend.chunk_rows == {1, 2, 4}, backend.chunk_rows
+        assert (engine.slot_lengths() == 0).all()  # every row reset after its request
+    finally:
+        engine.close(drain=False)
+
+
 # ----------------------------------------------------------------------------- errors
 
 

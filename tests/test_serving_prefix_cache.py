@@ -189,6 +189,20 @@ def test_lru_order_at_each_tier_equals_a_plain_model(capacities, tmp_path, rng):
     assert not (tmp_path / "spill").exists() or os.listdir(tmp_path / "spill") == []
 
 
+def test_device_only_eviction_reads_nothing_back():
+    """With no host or disk tier an evicted block is dropped without reading it off the device (the
+    read was seconds of device-to-host copies per long prompt inserted on the H100); a long prompt
+    into a small tier keeps its first blocks, and a hit then returns them."""
+    cache, store = make_cache(device=4)
+    reads = []
+    store.read = lambda slots: reads.append(len(slots))  # any read would be recorded (and fail below)
+    prompts = [list(range(100 * i, 100 * i + 3 * BS)) for i in range(4)]  # 3 blocks each
+    for p in prompts:
+        insert(cache, store, p)
+    assert reads == [] and cache.stats().blocks_device <= 4 and cache.stats().dropped > 0
+    assert acquire(cache, store, prompts[-1]) == 3
+
+
 def test_spill_to_disk_and_back():
     """device 1, host 1, disk 2 blocks (a temporary folder): p0..p3 fill disk, host, device; a hit on
     p0 brings it back from disk and pushes the others one tier down; close removes the folder."""

@@ -87,6 +87,9 @@ class AttentionBackend(abc.ABC):
     # True when `reset_rows` is implemented: a serving engine may then start a new sequence in a row
     # while the other rows go on (continuous batching).
     reuses_rows: bool = False
+    # True when a step may run over some rows of the batch (`jhybrid.attention.full.PrefillRows` as
+    # the cache's meta): the serving engine then prefills only the rows that are prefilling.
+    prefills_rows: bool = False
 
     def reset_rows(self, cache, rows):
         """Empties the sequences in `rows` ([n] int NumPy, batch indices) so that new sequences start

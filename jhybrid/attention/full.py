@@ -3,6 +3,15 @@
 Cache of one layer: {"k": [B, max_len, Hkv, D], "v": [B, max_len, Hkv, D]}. New tokens are
 scattered to their positions (padding, position -1, is dropped), then attention runs in plain jnp
 over the whole buffer with a mask built from positions and lengths — exact, float32 softmax.
+On the GPU a chunk of two or more queries (prefill, append) runs the flash kernel
+`pallas_kernels.range_attention` instead: it streams each query's visible keys and never holds the
+[B, Hq, T, L] float32 scores the jnp path does (8 GiB per layer for 4 rows x 256 queries x 64K keys
+at 32 heads). Decode (one query) keeps the jnp path below.
+
+A step may also run over SOME rows of the batch (`PrefillRows` as the cache's meta): R token rows,
+row r written into and attending batch row rows[r] of the [B, max_len, Hkv, D] buffers in place.
+The serving engine prefills its prefilling requests this way, so a call costs their tokens, not
+every slot's (`jhybrid.serving.engine`).
 
 No copy of the cache for a decode step of two or more sequences: the grouped einsum (batch and KV head as the dot's batch
 dimensions) needs the KV-head axis next to the batch axis, so XLA copies each layer's K and V
@@ -16,23 +25,40 @@ the extra products are exact zeros. Longer chunks (prefill, compute bound) use t
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jhybrid.attention.base import AttentionBackend, LayerContext
-from typing import TYPE_CHECKING
+from pallas_kernels._common import SUPPORTED_HEAD_DIMS, resolve_backend
+from pallas_kernels.range_attention import causal_ranges, range_attention
 
 if TYPE_CHECKING:  # the models import the attention package, not the other way round
     from jhybrid.models.config import ModelConfig
 
+log = logging.getLogger(__name__)
+_logged_head_dim: set[int] = set()
 
-def store_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Writes new [B, T, H, D] into cache [B, L, H, D] at positions [B, T]; -1 (or >= L) is dropped."""
+
+def store_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """Writes new [R, T, H, D] into cache [B, L, H, D] at positions [R, T] of batch rows `rows` [R]
+    (distinct; None: R = B, row r is batch row r); position -1 (or >= L) is dropped."""
     max_len = cache.shape[1]
     index = jnp.where(positions >= 0, positions, max_len)  # out of bounds -> dropped
-    batch = jnp.arange(cache.shape[0])[:, None]
+    batch = (jnp.arange(cache.shape[0]) if rows is None else rows)[:, None]
     return cache.at[batch, index].set(new.astype(cache.dtype), mode="drop")
+
+
+@struct.dataclass
+class PrefillRows:
+    """`KVCache.meta` of a `full` step over some rows of the batch: rows [R] int32, distinct, the
+    batch row of each of the step's R token rows (the cache's `lengths` are then those rows', [R])."""
+
+    rows: jax.Array
 
 
 # The copy-free formulation for up to this many query rows (steps x query heads) per sequence, and
@@ -123,16 +149,34 @@ def masked_attention(
 
 
 class FullAttention(AttentionBackend):
-    """All KV on the device; the reference every other backend must match with keep-everything."""
+    """All KV on the device; the reference every other backend must match with keep-everything.
+
+    prefill_backend: the pallas_kernels backend of chunks of two or more queries ("triton",
+    "interpret"), "jnp" for `masked_attention`, or None: the range kernel on the GPU and
+    `masked_attention` elsewhere."""
 
     name = "full"
     reuses_rows = True
+    prefills_rows = True  # a step may run over some rows of the batch (PrefillRows)
+    prefill_backend: str | None = None  # (a subclass that skips __init__ keeps the default)
+
+    def __init__(self, prefill_backend: str | None = None):
+        allowed = (None, "jnp", "triton", "interpret")
+        if prefill_backend not in allowed:
+            raise ValueError(f"prefill_backend={prefill_backend!r}; expected one of {allowed}")
+        self.prefill_backend = prefill_backend
 
     def __eq__(self, other):
-        return type(other) is FullAttention
+        return type(other) is FullAttention and other.prefill_backend == self.prefill_backend
 
     def __hash__(self):
-        return hash(FullAttention)
+        return hash((FullAttention, self.prefill_backend))
+
+    def _chunk_kernel(self) -> str | None:
+        """The Pallas backend chunks run on, or None for the jnp path."""
+        if self.prefill_backend is None:
+            return "triton" if resolve_backend(None) == "triton" else None
+        return None if self.prefill_backend == "jnp" else self.prefill_backend
 
     def reset_rows(self, cache, rows):
         """Empties rows `rows` ([n] ints, batch indices) for new sequences: their lengths become 0.
@@ -157,8 +201,25 @@ class FullAttention(AttentionBackend):
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
     def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache, context: LayerContext):
-        k_cache = store_kv(layer_cache["k"], k, positions)
-        v_cache = store_kv(layer_cache["v"], v, positions)
+        rows = context.meta.rows if isinstance(context.meta, PrefillRows) else None
+        k_cache = store_kv(layer_cache["k"], k, positions, rows)
+        v_cache = store_kv(layer_cache["v"], v, positions, rows)
+        kernel = self._chunk_kernel() if q.shape[1] > 1 else None
+        if kernel is not None and q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+            if q.shape[-1] not in _logged_head_dim:
+                _logged_head_dim.add(q.shape[-1])
+                log.warning("full: head dim %d has no range-attention kernel (supported: %s); prefill "
+                            "chunks use the jnp path", q.shape[-1], SUPPORTED_HEAD_DIMS)
+            kernel = None
+        if kernel is not None:
+            key_lo, key_hi = causal_ranges(positions, lengths, context.sliding_window)
+            out, _ = range_attention(q, k_cache, v_cache, key_lo, key_hi, batch_rows=rows, scale=context.scale,
+                                     backend=kernel)
+            return out, {"k": k_cache, "v": v_cache}, None
+        if rows is not None:  # the jnp path reads the rows' copies
+            out, _ = masked_attention(q, k_cache[rows], v_cache[rows], positions, lengths, context.scale,
+                                      context.sliding_window)
+            return out, {"k": k_cache, "v": v_cache}, None
         out, _ = masked_attention(q, k_cache, v_cache, positions, lengths, context.scale,
                                   context.sliding_window)
         return out, {"k": k_cache, "v": v_cache}, None

@@ -4,21 +4,26 @@
 The load (benchmark settings, jhybrid.config.schema.BenchmarkSpec): `serving_requests` requests of
 random token prompts (random-weight shapes have no tokenizer), each prompt's length drawn uniformly
 from `serving_contexts` (default: [context]); a share `serving_shared_share` of them starts with one
-common prefix of `serving_shared_prefix` tokens (their lengths drawn from the contexts longer than
-the prefix; the rest of the prompt random, to its drawn length);
+common prefix of `serving_shared_prefix` tokens followed by `serving_shared_suffix` random tokens
+(without a suffix: their lengths drawn from the contexts longer than the prefix, the rest of the
+prompt random, to its drawn length);
 arrivals are a Poisson process of `serving_rate` requests/s. Each request decodes `decode_tokens`
 greedy tokens (no stop token). Draws come from a fixed seed: the same config gives the same load.
 
 The run, per point (its mode: the offload section, through `backend_for` like the throughput task):
   1. a ServingEngine of `serving_slots` slots, `max_len` = longest prompt + decode_tokens + 1 (rounded
      up to 64), `prefill_chunk`, `serving_step_tokens` prefill tokens per step (default: prefill_chunk),
-     the prefix cache's device tier `serving_prefix_cache_mb` (default: the engine's);
+     `serving_prefill_order`, the prefix cache's device tier `serving_prefix_cache_mb` (default: the
+     engine's);
   2. warm-up (untimed, its own random tokens): one request per prompt length, and, with a shared
      prefix, two per length carrying another prefix of the same length (compiles the prefill, decode
      and prefix-copy steps of every shape the load uses);
   3. the load: each request submitted at its arrival time to the started engine; per request its
      TTFT (submit -> first token), its token times, whether it hit the prefix cache (cached_tokens > 0);
-  4. the engine closed and freed, then THE SAME prompts as fixed batches of `serving_slots` (in arrival
+  4. saturation, on the same warm engine: prompts of the load's lengths with fresh random tokens (no
+     shared prefix, so no prefix-cache hit) all submitted at once; every token / seconds from the
+     submit to the last token;
+  5. the engine closed and freed, then THE SAME prompts as fixed batches of `serving_slots` (in arrival
      order, all arriving at once) through `Generator` with the same max_len and chunk (one untimed
      warm-up batch first; Generator excludes compile time from its prefill and decode seconds).
 
@@ -33,7 +38,11 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens,
   fixed_decode_tok_s (decode tokens / decode seconds summed over the fixed batches, as Generator
   reports), fixed_tok_s (every token / prefill + decode seconds of the fixed batches),
   served_over_fixed (decode_tok_s / fixed_decode_tok_s), served_over_fixed_e2e (served_tok_s /
-  fixed_tok_s),
+  fixed_tok_s) (both bounded by the arrival rate below saturation),
+  saturated_tok_s (phase 4: every token / its seconds), saturated_s, saturated_over_fixed
+  (saturated_tok_s / fixed_tok_s: the engine against fixed batches of the same prompt lengths, both
+  with every request there from the start; the fixed batches' prefix sharing is irrelevant, as
+  Generator has no prefix cache),
   slo_ttft_s, slo_tbt_ms (the SLO used), slo_met (requests meeting it), goodput (slo_met / span_s,
   requests/s). SLO: a request meets it when its TTFT <= slo_ttft_s and the p99 of its own token gaps
   <= slo_tbt_ms; `serving_slo_ttft_s` / `serving_slo_tbt_ms` set them, else they are relative to the
@@ -43,6 +52,8 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens,
   excluded; the offloading modes do not use the prefix cache: every request is a miss),
   ttft_hit_over_miss (median TTFT of the requests that hit / of those that missed; None if either
   group is empty; queueing included, and the misses are of every drawn length),
+  ttft_hit_over_shared_miss (the same over the misses among the requests carrying the shared prefix,
+  e.g. the first of them: with serving_shared_suffix, prompts of the hits' own length),
   tbt_prefill_p99_ms (p99 of the token gaps that ended in an engine step that also prefilled another
   request's chunk: what a running request sees while a long prompt is prefilled, from the engine's
   step log), tbt_p99_over_p50 (tbt_prefill_p99_ms / tbt_p50_ms; None without such gaps),
@@ -84,9 +95,14 @@ def contexts_of(bench) -> list[int]:
     return list(bench.serving_contexts) if bench.serving_contexts else [bench.context]
 
 
+def longest_prompt(bench) -> int:
+    """The longest prompt of the load: the contexts, and prefix + suffix of the sharing requests."""
+    return max(contexts_of(bench) + _carrying_lengths(bench))
+
+
 def serving_max_len(bench) -> int:
     """Tokens per slot: the longest prompt, the decode tokens and one spare, rounded up to 64."""
-    return -(-(max(contexts_of(bench)) + bench.decode_tokens + 1) // 64) * 64
+    return -(-(longest_prompt(bench) + bench.decode_tokens + 1) // 64) * 64
 
 
 def _random(rng, vocab: int, n: int) -> np.ndarray:
@@ -112,7 +128,12 @@ def make_load(bench, vocab: int, seed: int = SEED) -> Load:
 
 
 def _carrying_lengths(bench) -> list[int]:
-    """The prompt lengths a request starting with the shared prefix draws from: those longer than it."""
+    """The prompt lengths a request starting with the shared prefix draws from: prefix + suffix, or
+    the contexts longer than the prefix."""
+    if not bench.serving_shared_prefix:
+        return []
+    if bench.serving_shared_suffix is not None:
+        return [bench.serving_shared_prefix + bench.serving_shared_suffix]
     return [c for c in contexts_of(bench) if c > bench.serving_shared_prefix]
 
 
@@ -147,12 +168,12 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     from jhybrid.serving import PrefixCacheConfig, Request, ServingEngine
 
     bench, offload = point.benchmark, point.offload
-    if not mode_class(offload.mode).offloads and max(contexts_of(bench)) + bench.decode_tokens >= \
+    if not mode_class(offload.mode).offloads and longest_prompt(bench) + bench.decode_tokens >= \
             model.config.max_position_embeddings:
-        raise PointSkipped(f"prompts of up to {max(contexts_of(bench))} + {bench.decode_tokens} tokens exceed the "
+        raise PointSkipped(f"prompts of up to {longest_prompt(bench)} + {bench.decode_tokens} tokens exceed the "
                            f"model's context of {model.config.max_position_embeddings} (mode {offload.mode})")
     max_len = serving_max_len(bench)
-    backend, window = backend_for(offload, max(contexts_of(bench)))
+    backend, window = backend_for(offload, longest_prompt(bench))
     slots = bench.serving_slots
     step_tokens = bench.serving_step_tokens or bench.prefill_chunk
     vocab = model.config.vocab_size
@@ -161,7 +182,8 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     base = {"task": "serving", "model": point.model.name, "layers": model.config.num_layers, "mode": offload.mode,
             "window": window, "slots": slots, "requests": n, "rate": bench.serving_rate,
             "contexts": contexts_of(bench), "shared_prefix": bench.serving_shared_prefix,
-            "shared_share": bench.serving_shared_share, "decode_tokens": bench.decode_tokens, "max_len": max_len,
+            "shared_share": bench.serving_shared_share, "shared_suffix": bench.serving_shared_suffix,
+            "prefill_order": bench.serving_prefill_order, "decode_tokens": bench.decode_tokens, "max_len": max_len,
             "prefill_chunk": bench.prefill_chunk, "step_tokens": step_tokens, "host_kv_dtype": offload.host_kv_dtype or "model"}
     prefix_cache = PrefixCacheConfig()
     if bench.serving_prefix_cache_mb is not None:
@@ -172,7 +194,8 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
 
     report_phase(on_step, f"serving engine: {slots} slots of {max_len} tokens")
     engine = ServingEngine(model, backend, slots=slots, max_len=max_len, prefill_chunk=bench.prefill_chunk,
-                           step_token_budget=step_tokens, prefix_cache=prefix_cache, step_log=step_log)
+                           step_token_budget=step_tokens, prefix_cache=prefix_cache, step_log=step_log,
+                           prefill_order=bench.serving_prefill_order)
     try:
         engine.start()
         t0 = time.perf_counter()
@@ -204,31 +227,49 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         after = engine.stats()
         records = engine.step_log()
         rss = host_rss_bytes()
+        saturated = None
+        if deadline is None or time.perf_counter() < deadline:
+            report_phase(on_step, f"saturation: {n} requests at once")
+            saturated = _run_saturated(engine, Request, load, bench, vocab)
     finally:
         engine.close(drain=False)
     del engine, handles  # the engine holds its cache and prefix pool until it is freed
     gc.collect()
 
-    row = {**base, **_served_fields(outputs, submitted, records, bench),
+    row = {**base, **_served_fields(outputs, submitted, records, bench, load.shared),
            "prefix_hits": after.prefix_hits - before.prefix_hits,
            "prefix_misses": after.prefix_misses - before.prefix_misses,
            "prefix_hit_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens,
            "compiles_timed": after.compiles - before.compiles, "warmup_s": round(warmup_s, 2),
-           "served_s": round(served_s, 2), "host_rss_bytes": rss}
+           "served_s": round(served_s, 2), "host_rss_bytes": rss,
+           "saturated_tok_s": None if saturated is None else saturated[0],
+           "saturated_s": None if saturated is None else saturated[1]}
     if deadline is not None and time.perf_counter() >= deadline:
         row.update(fixed_decode_tok_s=None, fixed_tok_s=None, served_over_fixed=None, served_over_fixed_e2e=None,
-                   fixed_note="time budget: the fixed batches were not run")
+                   saturated_over_fixed=None, fixed_note="time budget: the fixed batches were not run")
         return [row]
     report_phase(on_step, f"the same {n} requests as fixed batches of {slots}")
-    fixed_backend, _ = backend_for(offload, max(contexts_of(bench)))
+    fixed_backend, _ = backend_for(offload, longest_prompt(bench))
     fixed = _run_fixed(model, fixed_backend, load, bench, slots, max_len)
     row.update(fixed)
     row["served_over_fixed"] = _round(_ratio(row["decode_tok_s"], fixed["fixed_decode_tok_s"]), 4)
     row["served_over_fixed_e2e"] = _round(_ratio(row["served_tok_s"], fixed["fixed_tok_s"]), 4)
+    row["saturated_over_fixed"] = _round(_ratio(row["saturated_tok_s"], fixed["fixed_tok_s"]), 4)
     return [row]
 
 
-def _served_fields(outputs, submitted, records, bench) -> dict:
+def _run_saturated(engine, request_type, load: Load, bench, vocab: int) -> tuple[float, float]:
+    """Phase 4 (module docstring): (every token / seconds, seconds)."""
+    rng = np.random.default_rng(SEED + 3)
+    start = time.perf_counter()
+    handles = [engine.submit(request_type(prompt=_random(rng, vocab, len(p)).tolist(), max_tokens=bench.decode_tokens,
+                                          request_id=f"sat-{i}")) for i, p in enumerate(load.prompts)]
+    tokens = sum(len(h.result(RESULT_TIMEOUT_S).tokens) for h in handles)
+    seconds = time.perf_counter() - start
+    return round(tokens / seconds, 2), round(seconds, 2)
+
+
+def _served_fields(outputs, submitted, records, bench, shared) -> dict:
     """The load's latency and throughput fields from the finished requests and the step log."""
     n = len(outputs)
     completed = sum(o.finish_reason.value == "length" and len(o.tokens) == bench.decode_tokens for o in outputs)
@@ -250,6 +291,9 @@ def _served_fields(outputs, submitted, records, bench) -> dict:
     hits = [o.ttft for o in outputs if o.cached_tokens > 0 and o.ttft is not None]
     misses = [o.ttft for o in outputs if o.cached_tokens == 0 and o.ttft is not None]
     hit_over_miss = _ratio(float(np.median(hits)), float(np.median(misses))) if hits and misses else None
+    shared_misses = [o.ttft for o, s in zip(outputs, shared) if s and o.cached_tokens == 0 and o.ttft is not None]
+    hit_over_shared_miss = (_ratio(float(np.median(hits)), float(np.median(shared_misses)))
+                            if hits and shared_misses else None)
 
     prefill_gaps = _gaps_during_prefill(outputs, records)
     prefill_p99 = _pct(prefill_gaps, 99)
@@ -264,6 +308,7 @@ def _served_fields(outputs, submitted, records, bench) -> dict:
             "slo_ttft_s": round(slo_ttft, 4), "slo_tbt_ms": round(slo_tbt_s * 1e3, 3), "slo_met": int(met),
             "goodput": round(met / span, 4) if span > 0 else None,
             "ttft_hit_over_miss": _round(hit_over_miss, 4),
+            "ttft_hit_over_shared_miss": _round(hit_over_shared_miss, 4),
             "tbt_prefill_p99_ms": _round(None if prefill_p99 is None else prefill_p99 * 1e3, 3),
             "tbt_p99_over_p50": _round(_ratio(prefill_p99, tbt_p50), 3)}
 

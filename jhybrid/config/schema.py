@@ -132,6 +132,10 @@ class BenchmarkSpec:
       serving_shared_prefix: tokens of the prefix common to the requests that share one (0: none);
           shorter than the longest prompt length (those requests draw from the longer lengths).
       serving_shared_share: share of the requests (0..1) that start with that prefix.
+      serving_shared_suffix: tokens after the prefix in those requests (a question after a shared
+          document); null: they draw a longer length from the contexts instead.
+      serving_prefill_order: the engine's prefill_order, "arrival" or "shortest" (fewest prompt
+          tokens left first: prefix-cache hits are answered before long prompts finish).
       serving_slots: the engine's slots (requests decoded together), also the fixed batches' size.
       serving_step_tokens: prompt tokens prefilled per engine step (null: prefill_chunk).
       serving_prefix_cache_mb: the prefix cache's device tier in MiB (null: the engine's default, one
@@ -174,6 +178,8 @@ class BenchmarkSpec:
     serving_contexts: list[int] | None = None
     serving_shared_prefix: int = 0
     serving_shared_share: float = 0.0
+    serving_shared_suffix: int | None = None
+    serving_prefill_order: str = dataclasses.field(default="arrival", metadata=_choices("arrival", "shortest"))
     serving_slots: int = 4
     serving_step_tokens: int | None = None
     serving_prefix_cache_mb: float | None = None
@@ -307,6 +313,13 @@ def _check_serving(spec) -> None:
         raise ConfigError(f"'benchmark.serving_shared_share' = {spec.serving_shared_share} with "
                           "'benchmark.serving_shared_prefix' = 0: expected a prefix length > 0 for requests to share")
     longest = max(spec.serving_contexts or (spec.context,))
-    if spec.serving_shared_prefix and spec.serving_shared_prefix >= longest:
+    if spec.serving_shared_suffix is not None:
+        if not isinstance(spec.serving_shared_suffix, int) or spec.serving_shared_suffix < 1:
+            raise ConfigError(f"'benchmark.serving_shared_suffix' = {spec.serving_shared_suffix!r}: expected a "
+                              "number of tokens >= 1 (or null)")
+        if spec.serving_shared_prefix == 0:
+            raise ConfigError(f"'benchmark.serving_shared_suffix' = {spec.serving_shared_suffix} with "
+                              "'benchmark.serving_shared_prefix' = 0: expected a prefix for the suffix to follow")
+    elif spec.serving_shared_prefix and spec.serving_shared_prefix >= longest:
         raise ConfigError(f"'benchmark.serving_shared_prefix' = {spec.serving_shared_prefix}: expected fewer tokens "
                           f"than the longest prompt ({longest}, serving_contexts / context)")

@@ -259,7 +259,8 @@ class HybridAttention(AttentionBackend):
             token = self.mode.prefill_token(layer_idx, q, positions, exchange)
             if state.offloaded is not None:  # the offloaded part on the device (prefill copies)
                 copy = state.offloaded
-                cpu = offloaded_attention(q, copy.k, copy.v, copy.n_valid, context.scale)
+                cpu = offloaded_attention(q, copy.k, copy.v, copy.n_valid, context.scale, positions,
+                                          cfg.kernel_backend)
                 gpu_q = q
             else:  # ... or on the CPU, over every offloaded token
                 ticket = exchange.submit(layer_idx, ALL_OFFLOADED, q)

@@ -8,6 +8,7 @@ each prefill chunk, the offloaded blocks of every layer to the device and attend
 
   offloaded_prompt(store, ...)  host store -> per layer (k, v [B, Hkv, P, D] model dtype), n_valid [B]
   offloaded_attention(q, ...)   exact attention of the chunk's queries over them -> (o, lse)
+                                (the flash kernel `pallas_kernels.range_attention` on the GPU)
 
   PrefillCopies                 the runtime's helper that attaches the copies to each layer's
                                 state (`LayerState.offloaded`) before a chunk, and EXTENDS the last
@@ -18,9 +19,9 @@ P is the largest sequence's offloaded token count rounded up to a power of two o
 distinct shapes, so few compiles); keys at index >= n_valid[b] are masked. Every offloaded token
 precedes every query of the chunk, so there is no causal mask. The copies are transient: the
 step passes them through and the next step start drops them. Device memory: the batch's offloaded prompt KV
-of all layers at once (what full attention would hold), plus the scores of one layer
-[B, Hq, T, P] float32 — `OffloadConfig.prefill_upload_max_bytes` bounds the copy; above it the chunk
-uses the host path (logged).
+of all layers at once (what full attention would hold), plus, off the GPU kernel, the scores of one
+layer [B, Hq, T, P] float32 — `OffloadConfig.prefill_upload_max_bytes` bounds the copy; above it the
+chunk uses the host path (logged).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import numpy as np
 
 from jhybrid.hybrid.state import DeviceCopy
 from jhybrid.hybrid.transfer import stored_as, to_device
-from pallas_kernels._common import next_pow2
+from pallas_kernels._common import next_pow2, resolve_backend
+from pallas_kernels.range_attention import range_attention
 from jhybrid.hybrid.window import evicted_blocks
 
 log = logging.getLogger(__name__)
@@ -86,11 +88,20 @@ def offloaded_prompt(store, batch: int, dtype, device):
     return layers, (blocks * bs).astype(np.int32)
 
 
-def offloaded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array, scale: float):
+def offloaded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.Array, scale: float,
+                        positions: jax.Array | None = None, kernel_backend: str | None = None):
     """Attention of q [B, T, Hq, D] over the first n_valid[b] keys of k, v [B, Hkv, P, D].
 
     Returns (o [B, T, Hq, D] float32, lse [B, T, Hq] float32); a row with no valid key has o = 0 and
-    lse = -inf (it merges as nothing)."""
+    lse = -inf (it merges as nothing). On the GPU (kernel_backend resolves to "triton", or
+    "interpret") the flash kernel `range_attention` streams the keys instead of holding float32
+    scores [B, Hq, T, P]; it then skips padding queries (positions [B, T] < 0: o = 0, lse = -inf),
+    which the jnp path below attends like the others (their outputs are dropped by the caller)."""
+    kernel = resolve_backend(kernel_backend)
+    if kernel != "reference" and positions is not None:
+        key_hi = jnp.where(positions >= 0, n_valid[:, None], 0).astype(jnp.int32)
+        return range_attention(q, k, v, jnp.zeros_like(key_hi), key_hi, kv_layout="heads_tokens", scale=scale,
+                               out_dtype=jnp.float32, backend=kernel)
     b, t, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, t, hkv, hq // hkv, d)

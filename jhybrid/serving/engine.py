@@ -8,18 +8,21 @@ each request runs in one row (slot) from admission to its end, then the row is e
   2. waiting requests take the free slots, in arrival order; with the prefix cache, a request
      whose prompt starts with cached blocks gets their KV copied into its row and starts its
      prefill after them (at least its last prompt token is always prefilled: it gives the logits);
-  3. prefill: up to `step_token_budget` prompt tokens of the prefilling requests (oldest first),
-     in calls of [slots, prefill_chunk] tokens (positions -1 for the rows not taking part); a
-     request whose prompt is done samples its first token and stores its prompt's blocks in the
-     prefix cache;
+  3. prefill: up to `step_token_budget` prompt tokens of the prefilling requests (oldest first, or
+     with prefill_order="shortest" fewest prompt tokens left first: a prefix-cache hit's short
+     suffix then does not wait behind long prompts), in calls of [R, prefill_chunk] tokens over
+     the R rows taking part (R rounded up to a power of two, at most slots, padded with idle rows)
+     when the backend `prefills_rows` (`full`), else of [slots, prefill_chunk] (positions -1 for
+     the rows not taking part: the offloading backends keep per-row host state); a request whose
+     prompt is done samples its first token and stores its prompt's blocks in the prefix cache;
   4. decode: one [slots, 1] call for every request past its prefill (each row sampled with its own
      request's parameters: `jhybrid.serving.sampling`);
   5. finished requests (stop token, max_tokens) leave; their rows are reset.
 
 A long prompt is thus prefilled over several steps, each followed by a decode step of the running
 requests: it never stalls them for more than one budget of prefill. Shapes are fixed (prefill
-[slots, chunk], decode [slots, 1]; the prefix copies pad their block counts to powers of two), each
-compiled once ahead of time (like `Generator._run`): the steady state never recompiles.
+[R, chunk] for a power-of-two R or [slots, chunk], decode [slots, 1]; the prefix copies run in pieces
+of one block count), each compiled once ahead of time (like `Generator._run`): the steady state never recompiles.
 
 The prefix cache holds every layer's true K, V of whole prompt blocks, with either backend:
   * full attention (`kv_blocks.has_full_layout`): its first tier is a device array
@@ -66,7 +69,7 @@ import numpy as np
 from flax import nnx
 
 from jhybrid.attention.base import AttentionBackend
-from jhybrid.attention.full import FullAttention
+from jhybrid.attention.full import FullAttention, PrefillRows
 from jhybrid.generation import SamplingParams
 from jhybrid.models.decoder import CausalLM, KVCache
 from jhybrid.serving.api import (AdmissionError, Engine, EngineClosed, EngineStats, FinishCallback,
@@ -101,8 +104,8 @@ class _State(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """What one engine step ran: prefill ((request_id, prompt tokens prefilled), ...) in admission
-    order and decode (request_ids that got a decode step) in slot order."""
+    """What one engine step ran: prefill ((request_id, prompt tokens prefilled), ...) in the order
+    they took the step's budget (prefill_order) and decode (request_ids that got a decode step) in slot order."""
 
     step: int
     prefill: tuple[tuple[str, int], ...]
@@ -186,12 +189,18 @@ class ServingEngine(Engine):
     prefix_cache_bytes: shorthand for the device tier's bytes (`jhybrid serve --prefix-cache-mb`):
         replaces prefix_cache's device_bytes; 0 turns the prefix cache off.
     step_log: how many StepRecords `step_log()` keeps (the latest).
+    prefill_order: which prefilling requests take each step's budget first: "arrival" (admission
+        order) or "shortest" (fewest prompt tokens left to prefill, then admission order; lowers
+        the time to first token of short prompts and prefix-cache hits, as SGLang's
+        longest-prefix-match policy does, at the cost of long prompts under a sustained load).
     """
+
+    PREFILL_ORDERS = ("arrival", "shortest")
 
     def __init__(self, model: CausalLM, backend: AttentionBackend | None = None, slots: int = 4,
                  max_len: int | None = None, prefill_chunk: int = 256, step_token_budget: int | None = None,
                  prefix_cache: PrefixCacheConfig | None = _DEFAULT_PREFIX_CACHE,
-                 prefix_cache_bytes: int | None = None, step_log: int = 1024):
+                 prefix_cache_bytes: int | None = None, step_log: int = 1024, prefill_order: str = "arrival"):
         backend = _FULL if backend is None else backend
         asked_for_prefix_cache = prefix_cache is not _DEFAULT_PREFIX_CACHE or prefix_cache_bytes is not None
         config = model.config
@@ -202,6 +211,8 @@ class ServingEngine(Engine):
                             ("step_token_budget", step_token_budget)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServingEngine {name}={value!r}; expected an integer >= 1")
+        if prefill_order not in self.PREFILL_ORDERS:
+            raise ValueError(f"ServingEngine prefill_order={prefill_order!r}; expected one of {self.PREFILL_ORDERS}")
         if not backend.reuses_rows:
             raise ValueError(f"mode {backend.name!r} cannot serve: its backend cannot reset single rows "
                              "(reuses_rows is False), which continuous batching needs")
@@ -222,6 +233,7 @@ class ServingEngine(Engine):
         self.max_len = max_len
         self.prefill_chunk = min(prefill_chunk, backend.max_prefill_chunk or prefill_chunk)
         self.step_token_budget = step_token_budget
+        self.prefill_order = prefill_order
         self.graphdef, self.params = nnx.split(model)
         self._params_signature = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
                                        for x in jax.tree_util.tree_leaves(self.params))
@@ -492,28 +504,50 @@ class ServingEngine(Engine):
             run.capture_to = min(len(run.prompt) // bs, self._pool.capacity) * bs
 
     def _prefill(self) -> list[tuple[str, int]]:
-        """Up to step_token_budget prompt tokens of the prefilling requests, oldest first, in
+        """Up to step_token_budget prompt tokens of the prefilling requests (in prefill_order), in
         [slots, prefill_chunk] calls. Returns (request_id, tokens) per request that took part."""
         budget, done = self.step_token_budget, collections.Counter()
+        if self.prefill_order == "shortest":
+            def first(run):
+                return len(run.prompt) - run.prefilled, run.order
+        else:
+            def first(run):
+                return run.order
         while budget > 0:
             runs = sorted((r for r in self._rows if r is not None and r.state is _State.PREFILL
-                           and not r.cancel_requested), key=lambda r: r.order)
+                           and not r.cancel_requested), key=first)
             if not runs:
                 break
-            tokens = np.zeros((self.slots, self.prefill_chunk), np.int32)
-            positions = np.full((self.slots, self.prefill_chunk), -1, np.int32)
             taken = []
             for run in runs:
                 n = min(self.prefill_chunk, len(run.prompt) - run.prefilled, budget)
                 if n <= 0:
                     break
-                tokens[run.slot, :n] = run.prompt[run.prefilled:run.prefilled + n]
-                positions[run.slot, :n] = np.arange(run.prefilled, run.prefilled + n)
                 budget -= n
                 taken.append((run, n))
-            self._cache = self.backend.before_step(self._cache, positions)
-            sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens, positions,
-                                             self._cache, self._row_sampling())
+            if self.backend.prefills_rows:  # only the rows taking part (+ idle ones up to a power of two)
+                size = min(self.slots, 1 << (len(taken) - 1).bit_length())
+                busy = {run.slot for run, _ in taken}
+                idle = [slot for slot in range(self.slots) if slot not in busy]
+                rows = np.array([run.slot for run, _ in taken] + idle[:size - len(taken)], np.int32)
+            else:
+                rows = np.arange(self.slots, dtype=np.int32)
+            index = {int(slot): i for i, slot in enumerate(rows)}
+            tokens = np.zeros((len(rows), self.prefill_chunk), np.int32)
+            positions = np.full((len(rows), self.prefill_chunk), -1, np.int32)
+            for run, n in taken:
+                tokens[index[run.slot], :n] = run.prompt[run.prefilled:run.prefilled + n]
+                positions[index[run.slot], :n] = np.arange(run.prefilled, run.prefilled + n)
+            if self.backend.prefills_rows:
+                batch_positions = np.full((self.slots, self.prefill_chunk), -1, np.int32)
+                batch_positions[rows] = positions  # the hook's contract: positions of the whole batch
+                self._cache = self.backend.before_step(self._cache, batch_positions)
+                sampled, self._cache = self._run("prefill_rows", self._prefill_rows_fn, (4,), self.params, tokens,
+                                                 positions, rows, self._cache, self._row_sampling())
+            else:
+                self._cache = self.backend.before_step(self._cache, positions)
+                sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
+                                                 positions, self._cache, self._row_sampling())
             sampled = np.asarray(sampled)
             with self._cond:
                 self._counts.prefill_calls += 1
@@ -526,7 +560,7 @@ class ServingEngine(Engine):
                 if run.prefilled == len(run.prompt):
                     self._store_prefix(run)
                     run.state = _State.DECODE
-                    self._accept(run, int(sampled[run.slot]))
+                    self._accept(run, int(sampled[index[run.slot]]))
         return list(done.items())
 
     def _decode(self) -> list[str]:
@@ -656,6 +690,17 @@ class ServingEngine(Engine):
         last = jnp.argmax(positions, axis=1)
         last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return sample_rows(model.logits(last_hidden), sampling), cache
+
+    def _prefill_rows_fn(self, params, tokens, positions, rows, cache, sampling):
+        """[R, C] prompt tokens of batch rows `rows` [R] (distinct) -> (each one's token sampled from
+        its last valid position [R], cache): the other rows' KV and lengths are untouched."""
+        model = nnx.merge(self.graphdef, params)
+        selected = KVCache(layers=cache.layers, lengths=cache.lengths[rows], meta=PrefillRows(rows))
+        hidden, selected, _ = model.hidden_states(tokens, positions, selected, self.backend)
+        cache = KVCache(layers=selected.layers, lengths=cache.lengths.at[rows].set(selected.lengths), meta=cache.meta)
+        last = jnp.argmax(positions, axis=1)
+        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        return sample_rows(model.logits(last_hidden), jax.tree_util.tree_map(lambda x: x[rows], sampling)), cache
 
     def _decode_fn(self, params, tokens, positions, cache, sampling):
         """tokens, positions [slots] -> (next tokens [slots], cache)."""

@@ -11,9 +11,12 @@ it and the rows of a `KVCache` whose layers are FullAttention's {"k", "v"} [B, m
 
     pool  [capacity, num_layers, 2, block_size, Hkv, D]   the cache's dtype (index 0: K, 1: V)
 
-Block j of a row holds positions j*bs .. j*bs + bs - 1. Every copy is one jitted call whose block
-count is padded to a power of two (padding is dropped by the scatters), so the calls compile once
-per power of two up to the pool's size, never per request. The pool implements the
+Block j of a row holds positions j*bs .. j*bs + bs - 1. Copies between the pool and a row run in
+pieces of one fixed block count (`piece_blocks`, the last piece padded; padding is dropped by the
+scatters), so each copy compiles once, at its first use (the engine's warm-up), never while serving:
+a count padded to a power of two instead compiled a new program (~2 s on the H100 at 32 layers) for
+each count first seen under load. The host copies (`read` / `write`: the spill tiers) pad to powers
+of two. The pool implements the
 `prefix_cache.BlockStore` protocol (host copies in and out for the host and disk tiers).
 """
 
@@ -38,6 +41,9 @@ def has_full_layout(cache) -> bool:
                for layer in cache.layers)
 
 
+PIECE_BLOCKS = 64  # blocks per copy between the pool and a row (the last piece padded)
+
+
 def _bucket(n: int) -> int:
     """n rounded up to a power of two (at least 1)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -60,19 +66,20 @@ def _scatter(pool, slots, blocks):
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _into_row(cache, pool, row, slots, count):
-    """Writes pool[slots[:count]] to positions 0 .. count*bs - 1 of cache row `row`; length = count*bs."""
+def _into_row(cache, pool, row, slots, first, count, length):
+    """Writes pool[slots[:count]] to positions first*bs .. (first + count)*bs - 1 of cache row `row`,
+    whose length becomes `length`."""
     n, bs = slots.shape[0], pool.shape[3]
     max_len = cache.layers[0]["k"].shape[1]
     blocks = pool[slots]  # [n, L, 2, bs, Hkv, D]
     positions = jnp.arange(n * bs, dtype=jnp.int32)
-    positions = jnp.where(positions < count * bs, positions, max_len)  # padding blocks: dropped
+    positions = jnp.where(positions < count * bs, first * bs + positions, max_len)  # padding blocks: dropped
     layers = []
     for i, layer in enumerate(cache.layers):
         k, v = (blocks[:, i, j].reshape((n * bs,) + blocks.shape[4:]) for j in (0, 1))
         layers.append({"k": layer["k"].at[row, positions].set(k, mode="drop"),
                        "v": layer["v"].at[row, positions].set(v, mode="drop")})
-    return cache.replace(layers=tuple(layers), lengths=cache.lengths.at[row].set(count * bs))
+    return cache.replace(layers=tuple(layers), lengths=cache.lengths.at[row].set(length))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -109,6 +116,7 @@ class KVBlockPool(_BlockSlots):
                  dtype):
         super().__init__(capacity, num_layers, block_size, num_kv_heads, head_dim, dtype)
         self.pool = jnp.zeros((capacity,) + self.block_shape, dtype)
+        self.piece_blocks = min(PIECE_BLOCKS, _bucket(capacity))
 
     @classmethod
     def for_cache(cls, cache, capacity: int, block_size: int) -> "KVBlockPool":
@@ -142,14 +150,19 @@ class KVBlockPool(_BlockSlots):
     def into_row(self, cache, row: int, slots: np.ndarray):
         """The cache (donated) with blocks `slots` [n] as positions 0 .. n*bs - 1 of row `row`, whose
         length becomes n*bs (what it held beyond is masked by the length)."""
-        n = len(slots)
-        return _into_row(cache, self.pool, np.int32(row), _padded(slots, _bucket(n), 0), np.int32(n))
+        n, size, length = len(slots), self.piece_blocks, np.int32(len(slots) * self.block_size)
+        for first in range(0, n, size):
+            part = slots[first:first + size]
+            cache = _into_row(cache, self.pool, np.int32(row), _padded(part, size, 0), np.int32(first),
+                              np.int32(len(part)), length)
+        return cache
 
     def from_row(self, cache, row: int, block_numbers: np.ndarray, slots: np.ndarray) -> None:
         """Copies blocks `block_numbers` [n] of cache row `row` into slots [n] (the cache is read only)."""
-        size = _bucket(len(slots))
-        self.pool = _from_row(self.pool, cache, np.int32(row), _padded(block_numbers, size, 0),
-                              _padded(slots, size, self.capacity))
+        size = self.piece_blocks
+        for first in range(0, len(slots), size):
+            self.pool = _from_row(self.pool, cache, np.int32(row), _padded(block_numbers[first:first + size], size, 0),
+                                  _padded(slots[first:first + size], size, self.capacity))
 
 
 class HostKVBlockPool(_BlockSlots):

@@ -215,6 +215,7 @@ class PrefixCache:
         Returns the number of blocks added."""
         chain: list[CachedBlock] = []
         new: list[tuple[int, bytes]] = []
+        new_keys: set[int] = set()
         key, parent = 0, None
         for block in self._blocks(tokens):
             key = self.hash_fn(key, block)
@@ -223,9 +224,10 @@ class PrefixCache:
                 chain.append(found)
                 parent = found
                 continue
-            if found is not None or any(key == k for k, _ in new):
+            if found is not None or key in new_keys:
                 break  # a collision: nothing below it can be cached
             new.append((key, block))
+            new_keys.add(key)
         pinned = [block for block in chain if block.tier is Tier.DEVICE]
         new = new[:max(0, self.store.capacity - len(pinned))]
         if new:
@@ -260,7 +262,17 @@ class PrefixCache:
         if count <= 0:
             return
         keep = {id(block) for block in pinned}
-        victims = [b for b in self._tiers[Tier.DEVICE].values() if id(b) not in keep][:count]
+        victims = []
+        for block in self._tiers[Tier.DEVICE].values():  # least recent first
+            if id(block) not in keep:
+                victims.append(block)
+                if len(victims) == count:
+                    break
+        if self.block_bytes > max(self.config.host_bytes, self.config.disk_bytes):  # no tier below takes one
+            for block in victims:
+                if block.tier is not None:  # not dropped with an ancestor already
+                    self._drop(block)  # frees its slot (and its descendants')
+            return
         data = self.store.read(np.array([b.slot for b in victims], np.int64))  # one batched copy
         for block in victims:
             del self._tiers[Tier.DEVICE][block.key]
