@@ -96,3 +96,21 @@ def two_turns(model, root, backend, prompts, plan, evict: bool, max_len: int = 2
     out.append(session.generate(prompts[1], steps, return_logits=True))
     session.close()
     return out, session
+
+
+def short_smollm2(num_layers: int = 2):
+    """SmolLM2 cut to `num_layers` layers of random weights (seed 0): its config otherwise (3 KV
+    heads, vocabulary, context of 8192), tokenizer, chat format and stop tokens, as a
+    `jhybrid.loading.pretrained.Pretrained`. For CLI tests of what runs around the model (modes,
+    signals, limits, --tp) whose cost would otherwise be compiling 30 hybrid layers; the real model
+    through the CLI: tests/test_generation_cli.py::test_generate_streams_text_and_speeds. Raises
+    FileNotFoundError where the GGUF is not installed."""
+    import dataclasses
+
+    from jhybrid.loading.gguf_loader import gguf_config, open_gguf
+    from jhybrid.loading.pretrained import load_pretrained, smollm2_gguf_path
+    from jhybrid.models import create_model
+
+    path = smollm2_gguf_path()
+    config = gguf_config(open_gguf(path), path).replace(num_layers=num_layers)
+    return dataclasses.replace(load_pretrained(path, weights=False), model=create_model(config, seed=0))

@@ -127,9 +127,11 @@ def forced_tp(model, backend, tp, prompt, continuation):
     return logits, sharded.counters(), sharded
 
 
-def check_tensor_parallel_offload(rng):
-    """Every offloading mode at TP 2 and 4 == the single-device backend, over a 40-token prefill and
-    64 forced decode steps that cross evictions, with each mode's real policy; a Gemma-3-like model
+def check_tensor_parallel_offload(rng, every_degree=False):
+    """Every offloading mode at TP 2 == the single-device backend, over a 40-token prefill and 64
+    forced decode steps that cross evictions, with each mode's real policy; at TP 4 (one KV head
+    per device) hgca and scout, whose host sides are the exchange's two paths (context pages, chosen
+    blocks + recalls), or every mode (every_degree: the slow check below); a Gemma-3-like model
     (sliding + global layers) in hgca and scout at TP 2."""
     model = create_model(TP_HYBRID, seed=1)
     prompt = rng.integers(0, 96, (2, 40)).astype(np.int32)
@@ -138,7 +140,7 @@ def check_tensor_parallel_offload(rng):
         config = dict(WINDOW, **settings)
         reference, backend, _, _ = run_forced(model, make_backend(mode, **config), prompt, continuation)
         backend.close()
-        for tp in (2, 4):
+        for tp in (2, 4) if every_degree or mode in ("hgca", "scout") else (2,):
             got, counters, sharded = forced_tp(model, make_backend(mode, **config), tp, prompt, continuation)
             sharded.close()
             np.testing.assert_allclose(got, reference, atol=TOL, rtol=0, err_msg=f"{mode} tp={tp}")
@@ -155,6 +157,11 @@ def check_tensor_parallel_offload(rng):
         sharded.close()
         np.testing.assert_allclose(got, reference, atol=TOL, rtol=0, err_msg=f"gemma3-like {mode}")
         assert counters["n_evicted_blocks"] > 0
+
+
+def check_tensor_parallel_offload_every_degree(rng):
+    """check_tensor_parallel_offload with every mode at TP 2 and 4."""
+    check_tensor_parallel_offload(rng, every_degree=True)
 
 
 def _decode_tp(model, tp, tokens, steps):
@@ -252,10 +259,16 @@ def check_tensor_parallel(rng):
 
 def check_generator_and_cli(rng):
     """Generator(parallel=TensorParallel) at TP 2 and 4 gives TP 1's greedy tokens (full and hgca);
-    `jhybrid generate --tp` runs SmolLM2 over 3 devices, and refuses a degree the devices or the KV
-    heads cannot take (one line, exit 2)."""
+    `jhybrid generate --tp` runs SmolLM2 (cut to 2 layers: its 3 KV heads, tokenizer and chat
+    format, tests.hybrid_support.short_smollm2) over 3 devices, and refuses a degree the devices or
+    the KV heads cannot take (one line, exit 2)."""
+    from jhybrid import cli
     from jhybrid.cli import main
     from jhybrid.generation import Generator
+    from tests.hybrid_support import short_smollm2
+
+    short = short_smollm2()
+    cli._load_with_progress = lambda name, dtype: short  # the 30 real layers only add compile time
 
     model = create_model(TP_HYBRID, seed=1)
     prompts = [rng.integers(0, 96, 40).tolist(), rng.integers(0, 96, 23).tolist()]
@@ -275,7 +288,7 @@ def check_generator_and_cli(rng):
     import contextlib
     import io
 
-    def generate(tp):  # SmolLM2 (real weights): 3 KV heads
+    def generate(tp):  # SmolLM2's shape: 3 KV heads
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = main(["generate", "--tp", tp, "--max-tokens", "4", "--mode", "hgca", "--window-tokens", "48",

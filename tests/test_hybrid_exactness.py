@@ -122,11 +122,17 @@ def test_scout_layer_ahead_prediction(model, tokens, reference):
     assert_nothing_lost(backend, held)
 
 
-@pytest.mark.parametrize("mode", ["hgca", "recall", "topk"])
-def test_generator_greedy_tokens_match_full(model, mode):
+@pytest.fixture(scope="module")
+def greedy_full(model):
+    """Ragged prompts and `full`'s 40 greedy tokens for them (the same for every mode below)."""
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 97, 23).tolist(), rng.integers(0, 97, 41).tolist()]  # ragged
-    expected = Generator(model, prefill_chunk=16).generate(prompts, max_new_tokens=40).tokens
+    return prompts, Generator(model, prefill_chunk=16).generate(prompts, max_new_tokens=40).tokens
+
+
+@pytest.mark.parametrize("mode", ["hgca", "recall", "topk"])
+def test_generator_greedy_tokens_match_full(model, greedy_full, mode):
+    prompts, expected = greedy_full
     backend = backend_of(mode)
     generator = Generator(model, backend, prefill_chunk=64)
     got = generator.generate(prompts, max_new_tokens=40)
@@ -155,19 +161,28 @@ def test_gpu_triton_kernels_keep_all(model, tokens, case):
     assert_nothing_lost(backend, held)
 
 
-@pytest.mark.parametrize("case", ["hgca", "topk", "scout-exact-query"])
-def test_keep_all_bf16_model_equals_full(case):
-    """The bf16 host store end to end: a bfloat16 model keeps bf16 KV on the host (bits as stored)
-    and the keep-all result equals full attention's to bf16 accuracy (a few bf16 ulps of the logits:
-    the two paths round the attention output at different points)."""
+@pytest.fixture(scope="module")
+def bf16_run():
+    """The bfloat16 model, its tokens, `full`'s logits and streaming's (the control below), shared by
+    the cases (each is the same run whatever the case)."""
     model16 = create_model(CONFIG.replace(dtype="bfloat16"), seed=0)
     rng = np.random.default_rng(99)
     prompt, cont = rng.integers(0, 97, (B, PROMPT)).astype(np.int32), rng.integers(0, 97, (B, 24)).astype(np.int32)
     reference = run_forced(model16, make_backend("full"), prompt, cont)[0]
+    streaming = run_forced(model16, backend_of("streaming"), prompt, cont)[0]
+    return model16, prompt, cont, reference, streaming
+
+
+@pytest.mark.parametrize("case", ["hgca", "topk", "scout-exact-query"])
+def test_keep_all_bf16_model_equals_full(bf16_run, case):
+    """The bf16 host store end to end: a bfloat16 model keeps bf16 KV on the host (bits as stored)
+    and the keep-all result equals full attention's to bf16 accuracy (a few bf16 ulps of the logits:
+    the two paths round the attention output at different points)."""
+    model16, prompt, cont, reference, streaming = bf16_run
     logits, backend, _, _ = run_forced(model16, backend_of(case), prompt, cont)
     assert backend.runtime.store.config.kv_dtype == "bf16"
     scale = np.abs(reference).max()
     np.testing.assert_allclose(logits, reference, atol=8 * 2.0**-8 * scale, rtol=0)
     assert (logits.argmax(-1) == reference.argmax(-1)).mean() > 0.9
-    streaming = run_forced(model16, backend_of("streaming"), prompt, cont)[0]  # control: the tolerance sees
-    assert np.abs(streaming - reference).max() > 8 * 2.0**-8 * scale          # a dropped offloaded part
+    # control: the tolerance sees a dropped offloaded part
+    assert np.abs(streaming - reference).max() > 8 * 2.0**-8 * scale

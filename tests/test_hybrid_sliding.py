@@ -96,6 +96,11 @@ def test_sliding_ring_equals_masked_cache(rng, window, chunks):
     ragged chunks longer and shorter than the window (padding included), GQA 4:2."""
     b, hq, hkv, d = 2, 4, 2, 16
     total = sum(chunks) + 4
+    # jitted (one program per chunk length instead of one per primitive): the model's steps call
+    # both inside its jitted step
+    sliding = jax.jit(sliding_attention, static_argnums=(5, 6))
+    reference = jax.jit(lambda q, k, v, p, n: masked_attention(q, k, v, p, n, 0.25, window))
+    store = jax.jit(store_kv)
     state = init_sliding(b, window, hkv, d, jnp.float32)
     k_full = jnp.zeros((b, total, hkv, d))
     v_full = jnp.zeros((b, total, hkv, d))
@@ -109,10 +114,10 @@ def test_sliding_ring_equals_masked_cache(rng, window, chunks):
         k = jnp.asarray(rng.standard_normal((b, t, hkv, d)), jnp.float32)
         v = jnp.asarray(rng.standard_normal((b, t, hkv, d)), jnp.float32)
         pos_j = jnp.asarray(pos)
-        o, state = sliding_attention(state, q, k, v, pos_j, window, 0.25)
-        k_full, v_full = store_kv(k_full, k, pos_j), store_kv(v_full, v, pos_j)
+        o, state = sliding(state, q, k, v, pos_j, window, 0.25)
+        k_full, v_full = store(k_full, k, pos_j), store(v_full, v, pos_j)
         held += n_new
-        expected, _ = masked_attention(q, k_full, v_full, pos_j, jnp.asarray(held, jnp.int32), 0.25, window)
+        expected, _ = reference(q, k_full, v_full, pos_j, jnp.asarray(held, jnp.int32))
         np.testing.assert_allclose(np.asarray(o), np.asarray(expected), atol=1e-5, rtol=0)
         assert np.all(np.asarray(o)[pos < 0] == 0)
 
@@ -151,18 +156,29 @@ def test_budget_offloads_only_global_layers():
     assert b.gpu_kv_bytes_with_window == 2 * (3 * b.window_tokens + 15 * 512) * per_layer_token
 
 
+@pytest.fixture(scope="module")
+def session_prompts():
+    rng = np.random.default_rng(12)
+    return [list(rng.integers(0, 97, n)) for n in (70, 21)]
+
+
+@pytest.fixture(scope="module")
+def full_session(model, session_prompts, tmp_path_factory):
+    """The two turns of a `full` session, never evicted (what every mode below must give)."""
+    return two_turns(model, tmp_path_factory.mktemp("full"), None, session_prompts, "hidden", evict=False)[0]
+
+
 @pytest.mark.parametrize("mode", ["hgca", "scout"])
-def test_restored_session_with_sliding_layers_continues_exactly(model, tmp_path, mode):
+def test_restored_session_with_sliding_layers_continues_exactly(model, session_prompts, full_session, tmp_path,
+                                                                mode):
     """HCache: a session saved, closed and restored into a hybrid mode (sliding layers refilled
     with their last 24 tokens, global layers split into window + host store) continues with the
     logits of the same session kept open, and of `full` (keep-everything policy)."""
     from jhybrid.hybrid import OffloadConfig
 
-    rng = np.random.default_rng(12)
-    prompts = [list(rng.integers(0, 97, n)) for n in (70, 21)]
+    prompts, full = session_prompts, full_session
     extra = dict(predict_query=False, **SCOUT_RECALLS) if mode == "scout" else {}
     backend = make_backend(OffloadConfig(mode=mode, **KEEP_ALL, **extra))
-    full, _ = two_turns(model, tmp_path / "full", None, prompts, "hidden", evict=False)
     kept, _ = two_turns(model, tmp_path / "kept", backend, prompts, "hidden", evict=False)
     restored, session = two_turns(model, tmp_path / "restored", backend, prompts, "hidden", evict=True)
     assert session.engine.backend.counters()["n_evicted_blocks"] > 0

@@ -12,10 +12,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def xla_flags(devices: int) -> str:
+    """This run's XLA_FLAGS (tests/conftest.py's compile setting) with `devices` virtual CPU devices."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+
+
 @pytest.mark.parametrize("check", ["ring_attention", "ring_prefill", "ring_prefill_into_modes", "tensor_parallel",
-                                   "tensor_parallel_offload", "generator_and_cli", "bench_tp"])
+                                   "tensor_parallel_offload", "generator_and_cli", "bench_tp",
+                                   # recall, topk and streaming at TP 4 too (~30 s more on 2 cores)
+                                   pytest.param("tensor_parallel_offload_every_degree", marks=pytest.mark.slow)])
 def test_parallel(check, rng):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT}
     seed = int(rng.integers(0, 2**31))
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "parallel_checks.py"), check, str(seed)],
@@ -41,7 +48,7 @@ def test_two_processes_equal_one(tmp_path, rng):
         port = s.getsockname()[1]
     seed = int(rng.integers(0, 2**31))
     out = str(tmp_path / "logits.npy")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT}
     script = os.path.join(ROOT, "tests", "distributed_check.py")
     procs = [subprocess.Popen([sys.executable, script, str(i), str(port), str(seed), out], cwd=ROOT, env=env,
