@@ -4,6 +4,8 @@ Layout:
   q          [B, T, Hq, D]    a chunk of T queries per sequence (prefill / append)
   k, v       [B, L, Hkv, D]   kv_layout="tokens_heads": the `full` backend's cache, key j at row j
              [B, Hkv, L, D]   kv_layout="heads_tokens": the hybrid prefill's offloaded copies
+             [B*NB, Hkv, bs, D]  kv_layout="blocks": quest's cache, key j of sequence b in block row
+                              b * NB + j // bs at j % bs (L = NB * bs; bs a power of two >= 16)
   key_lo     [B, T] int32     query t of sequence b sees keys j with key_lo[b, t] <= j < key_hi[b, t]
   key_hi     [B, T] int32     (an empty range, e.g. a padding query, gives o = 0 and lse = -inf)
   batch_rows [B] int32        optional: query row b reads K, V row batch_rows[b] of a larger buffer
@@ -37,7 +39,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _common as C
 
-KV_LAYOUTS = ("tokens_heads", "heads_tokens")
+KV_LAYOUTS = ("tokens_heads", "heads_tokens", "blocks")
 
 
 def range_attention(
@@ -74,22 +76,22 @@ def range_attention(
                                          out_dtype=out_dtype)
     b, t, hq, d = q.shape
     hkv = k.shape[2] if kv_layout == "tokens_heads" else k.shape[1]
-    length = k.shape[1] if kv_layout == "tokens_heads" else k.shape[2]
+    length = _length(k, kv_layout, b)
     g = hq // hkv
     rows = t * g
     tile = row_tile or min(64, max(16, C.next_pow2(rows)))
     if tile & (tile - 1) or not 16 <= tile <= 128:
         raise ValueError(f"row_tile={row_tile}; expected a power of two from 16 to 128")
-    block_k = min(block_k, max(16, C.next_pow2(length)))
+    block_k = k.shape[2] if kv_layout == "blocks" else min(block_k, max(16, C.next_pow2(length)))
     # Ranges per row (r = t * G + g, as group_queries orders them); a padding row gets the empty
     # range [L, 0) so it widens no tile's key walk.
     empty = key_hi <= key_lo
     lo_rows = jnp.repeat(jnp.where(empty, length, key_lo), g, axis=1)  # [B, R]
     hi_rows = jnp.repeat(jnp.where(empty, 0, key_hi), g, axis=1)
-    mapped = batch_rows is not None
+    mapped = batch_rows is not None or kv_layout == "blocks"
     kernel = functools.partial(_range_kernel, scale=scale, block_k=block_k, row_tile=tile, rows=rows,
                                length=length, exact_fp32=q.dtype == jnp.float32,
-                               layout=kv_layout if mapped else None)
+                               layout=kv_layout if mapped else None, seq_blocks=length // block_k)
     if mapped:  # the whole buffer: the kernel picks its row and head (block index maps cannot read data)
         kv_spec = pl.BlockSpec(k.shape, lambda bi, hi, ri: (0, 0, 0, 0))
     elif kv_layout == "tokens_heads":
@@ -112,6 +114,15 @@ def range_attention(
         **C.gpu_compiler_params(backend == "interpret", num_warps, num_stages),
     )(batch_rows, lo_rows, hi_rows, C.group_queries(q, hkv), k, v)
     return C.ungroup_rows(o, t, hq), C.ungroup_rows(lse, t, hq)
+
+
+def _length(k, kv_layout: str, batch: int) -> int:
+    """Keys per sequence (L) of a K buffer in `kv_layout` holding `batch` sequences."""
+    if kv_layout == "tokens_heads":
+        return k.shape[1]
+    if kv_layout == "heads_tokens":
+        return k.shape[2]
+    return k.shape[0] // batch * k.shape[2]
 
 
 def causal_ranges(positions: jax.Array, lengths: jax.Array, sliding_window: int | None = None):
@@ -138,7 +149,14 @@ def _validate(q, k, v, key_lo, key_hi, kv_layout, batch_rows=None):
             raise ValueError(f"v.shape={tuple(v.shape)} differs from k.shape={tuple(k.shape)}")
     else:
         C.check_query_and_kv(q, k, v, "k", "v", "[B, Hkv, L, D]")
-    if batch_rows is None and k.shape[0] != q.shape[0]:
+    if kv_layout == "blocks":
+        bs = k.shape[2]
+        if batch_rows is not None:
+            raise ValueError("batch_rows with kv_layout='blocks': expected one or the other")
+        if k.shape[0] % q.shape[0] or bs < 16 or bs & (bs - 1):
+            raise ValueError(f"k.shape={tuple(k.shape)}; expected [B*NB, Hkv, bs, D] for q's batch B={q.shape[0]} "
+                             "with bs a power of two >= 16")
+    elif batch_rows is None and k.shape[0] != q.shape[0]:
         raise ValueError(f"k.shape={tuple(k.shape)} does not match q's batch B={q.shape[0]}")
     if batch_rows is not None:
         if batch_rows.shape != (q.shape[0],) or not jnp.issubdtype(batch_rows.dtype, jnp.integer):
@@ -152,7 +170,7 @@ def _validate(q, k, v, key_lo, key_hi, kv_layout, batch_rows=None):
 
 
 def _range_kernel(row_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_k, row_tile,
-                  rows, length, exact_fp32, layout):
+                  rows, length, exact_fp32, layout, seq_blocks):
     from jax.experimental.pallas import triton as plgpu
 
     row, head = row_ref[()], pl.program_id(1)
@@ -162,6 +180,8 @@ def _range_kernel(row_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
             return ref.at[pl.ds(key0, block_k), :]
         if layout == "tokens_heads":  # the whole buffer: this program's K, V row and head
             return ref.at[row, pl.ds(key0, block_k), head, :]
+        if layout == "blocks":  # block_k = bs: one block of the sequence per tile
+            return ref.at[row * seq_blocks + key0 // block_k, head, :, :]
         return ref.at[row, head, pl.ds(key0, block_k), :]
 
     row_idx = pl.program_id(2)
@@ -198,6 +218,9 @@ def range_attention_reference(q, k, v, key_lo, key_hi, *, kv_layout="tokens_head
     b, t, hq, d = q.shape
     if kv_layout == "tokens_heads":
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # -> [B, Hkv, L, D]
+    elif kv_layout == "blocks":  # [B*NB, Hkv, bs, D] -> [B, Hkv, NB*bs, D]
+        nb, hkv_, bs = k.shape[0] // b, k.shape[1], k.shape[2]
+        k, v = (x.reshape(b, nb, hkv_, bs, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv_, nb * bs, d) for x in (k, v))
     hkv, length = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
     qf = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)

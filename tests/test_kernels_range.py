@@ -145,6 +145,25 @@ def test_batch_rows_read_their_rows_of_a_larger_buffer(rng, backend, layout):
     _check(out, *_oracle(q, picked_k, picked_v, visible, d**-0.5), "float32")
 
 
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_blocks_layout_reads_quest_pages(rng, backend):
+    """kv_layout="blocks" ([B*NB, Hkv, bs, D], quest's cache): causal chunks at ragged offsets, a
+    row that is not prefilling, a sliding window; equals the oracle over each sequence's tokens."""
+    b, nb, bs, t, hq, hkv, d = 3, 5, 16, 12, 4, 2, 64
+    q = _rounded(rng, (b, t, hq, d), "float32")
+    k = _rounded(rng, (b * nb, hkv, bs, d), "float32")
+    v = _rounded(rng, (b * nb, hkv, bs, d), "float32")
+    positions = np.array([3, 50, 0])[:, None] + np.arange(t)[None, :]
+    positions[2] = -1
+    lengths = np.where(positions.max(1) >= 0, positions.max(1) + 1, 0)
+    key = np.arange(nb * bs)[None, None, :]
+    visible = (positions[:, :, None] >= 0) & (key <= positions[:, :, None]) & (positions[:, :, None] - key < 20)
+    lo, hi = causal_ranges(jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32), 20)
+    out = range_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), lo, hi, kv_layout="blocks", backend=backend)
+    as_tokens = lambda x: x.reshape(b, nb, hkv, bs, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, nb * bs, d)  # noqa: E731
+    _check(out, *_oracle(q, as_tokens(k), as_tokens(v), visible, d**-0.5), "float32")
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

@@ -18,15 +18,17 @@ def model():
     return create_model(TINY, seed=0)
 
 
-def test_quest_with_every_block_equals_full(model, rng):
+@pytest.mark.parametrize("kernels", [None, "interpret"])  # jnp paths; the Pallas kernels (the GPU's), interpreted
+def test_quest_with_every_block_equals_full(model, rng, kernels):
     import jax
 
     prompt = rng.integers(0, TINY.vocab_size, (2, 50)).astype(np.int32)
-    continuation = rng.integers(0, TINY.vocab_size, (2, 20)).astype(np.int32)
+    continuation = rng.integers(0, TINY.vocab_size, (2, 20 if kernels is None else 6)).astype(np.int32)
     # float32 matmuls on both sides (a GPU's default is TF32: 4e-3 apart, measured on the H100)
     with jax.default_matmul_precision("highest"):
         reference = run_forced(model, make_backend("full"), prompt, continuation)[0]
-        quest = make_backend("quest", window_tokens=40, sink=8, block_size=16, budget=128)  # budget > context
+        quest = make_backend("quest", window_tokens=40, sink=8, block_size=16, budget=128,  # budget > context
+                             kernel_backend=kernels)
         logits = run_forced(model, quest, prompt, continuation)[0]
     np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
 

@@ -12,8 +12,10 @@ Layer state (`QuestState`), NB = ceil(max_len / bs) blocks per sequence:
   selected    [B, Hkv, k] int32: the top-k of the last decode step (-1 past the candidates)
 Decode: the attended blocks are the sink blocks (ceil(sink / bs)), the blocks holding the last
 `window_tokens - sink` tokens and the top-k of the blocks between them, rounded out to whole
-blocks; the partial last block attends only its written tokens. Prefill / append chunks are exact
-(plain jnp causal attention over the blocks). Sliding-window layers attend their window exactly.
+blocks; the partial last block attends only its written tokens. Prefill / append chunks are exact:
+on the GPU the flash kernel `range_attention` over the blocks as they lie (kv_layout "blocks"),
+elsewhere plain jnp causal attention over a position-ordered copy. Sliding-window layers attend
+their window exactly, the same way.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from jhybrid.attention.base import AttentionBackend, LayerContext
 from jhybrid.attention.full import masked_attention
 from jhybrid.hybrid.modes.base import OffloadMode
 from jhybrid.hybrid.rows import check_rows, reset_cache_rows
+from pallas_kernels._common import resolve_backend
 from pallas_kernels.block_digest import block_scores, update_digests
 from pallas_kernels.block_sparse_attention import block_sparse_attention
+from pallas_kernels.range_attention import causal_ranges, range_attention
 
 
 @struct.dataclass
@@ -121,6 +125,12 @@ class QuestAttention(AttentionBackend):
             v=layer_cache.v.at[row[:, :, None], heads, slot[:, :, None]].set(v.astype(layer_cache.v.dtype), mode="drop"))
         kmin, kmax = update_digests(state.kmin, state.kmax, k, positions, bs)
         state = state.replace(kmin=kmin, kmax=kmax)
+        if (t > 1 or context.sliding_window is not None) and resolve_backend(cfg.kernel_backend) != "reference":
+            # exact over the blocks as they lie: no [B, L, Hkv, D] copy of the cache, no [B, Hq, T, L] scores
+            key_lo, key_hi = causal_ranges(positions, lengths, context.sliding_window)
+            o, _ = range_attention(q, state.k, state.v, key_lo, key_hi, kv_layout="blocks", scale=context.scale,
+                                   backend=resolve_backend(cfg.kernel_backend))
+            return o, state, context.carry
         if t > 1 or context.sliding_window is not None:  # prefill / append, or a sliding layer: exact
             keys = state.k.reshape(b, nb, hkv, bs, d).transpose(0, 1, 3, 2, 4).reshape(b, nb * bs, hkv, d)
             values = state.v.reshape(b, nb, hkv, bs, d).transpose(0, 1, 3, 2, 4).reshape(b, nb * bs, hkv, d)
