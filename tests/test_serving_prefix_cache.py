@@ -288,6 +288,63 @@ def test_a_hit_equals_the_miss_and_running_alone(model, alone, rng):
     assert stats.prefill_tokens == sum(len(p) - out.cached_tokens for p, out in runs)
 
 
+QUEST = dict(window_tokens=40, sink=8, block_size=32, budget=32)  # 32-token pages: one page of top-k
+
+
+def test_quest_row_kv_writes_what_its_prefill_writes(model, rng):
+    """QuestRowKV: the K, V a prefill left in row 1 (read back), written into row 0 of an empty
+    cache, give row 0 the prefill's pages AND digests (the 16-token blocks end mid-page); row 1 of
+    the new cache stays empty."""
+    import jax.numpy as jnp
+
+    from jhybrid.generation import make_step
+    from jhybrid.hybrid import make_backend
+
+    backend = make_backend("quest", **QUEST)
+    backend.open(model.config, 2, MAX_LEN)
+    step, params = make_step(model, backend)
+    cache = model.init_cache(2, MAX_LEN, backend)
+    n = 72
+    tokens = np.zeros((2, 80), np.int32)
+    tokens[1, :n] = rng.integers(0, TINY.vocab_size, n)
+    positions = np.full((2, 80), -1, np.int32)
+    positions[1, :n] = np.arange(n)
+    _, prefilled = step(params, tokens, positions, cache)
+    row_kv = backend.row_kv()
+    kv = row_kv.read(prefilled.layers, jnp.int32(1), jnp.arange(n, dtype=jnp.int32))
+    placed = row_kv.write(model.init_cache(2, MAX_LEN, backend).layers, jnp.int32(0), kv,
+                          jnp.arange(n, dtype=jnp.int32))
+    nb = placed[0].kmin.shape[2]
+    for got, want in zip(placed, prefilled.layers):
+        np.testing.assert_array_equal(np.asarray(got.k[:nb]), np.asarray(want.k[nb:]))
+        np.testing.assert_array_equal(np.asarray(got.v[:nb]), np.asarray(want.v[nb:]))
+        used = -(-n // 32)  # pages the prompt touched (the rest hold the empty cache's values)
+        np.testing.assert_array_equal(np.asarray(got.kmin[0, :, :used]), np.asarray(want.kmin[1, :, :used]))
+        np.testing.assert_array_equal(np.asarray(got.kmax[0, :, :used]), np.asarray(want.kmax[1, :, :used]))
+        assert not np.asarray(got.k[nb:]).any() and not np.asarray(got.kmin[1]).any()
+    backend.close()
+
+
+def test_quest_serves_hits_with_the_output_of_running_alone(model, rng):
+    """quest in the engine with the prefix cache: a request sharing 64 tokens with an earlier one
+    hits 4 blocks (2 pages) and decodes (top-k over digests rebuilt from the placed pages) exactly
+    as the same request run alone through quest."""
+    from jhybrid.hybrid import make_backend
+
+    shared = rng.integers(0, TINY.vocab_size, 70).tolist()
+    prompts = [shared + rng.integers(0, TINY.vocab_size, 9).tolist(), shared + rng.integers(0, TINY.vocab_size, 5).tolist()]
+    alone = Generator(model, make_backend("quest", **QUEST), prefill_chunk=CHUNK, max_len=MAX_LEN)
+    expected = [alone.generate([p], max_new_tokens=12).tokens[0] for p in prompts]
+    alone.close()
+    engine = ServingEngine(model, make_backend("quest", **QUEST), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=1 << 20))
+    with engine:
+        engine.start()
+        outs = [engine.submit(Request(p, max_tokens=12)).result(TIMEOUT) for p in prompts]
+    assert [o.cached_tokens for o in outs] == [0, 64]
+    assert [o.tokens for o in outs] == expected
+
+
 def test_kv_spilled_to_host_and_disk_comes_back_for_a_hit(model, alone, rng, tmp_path):
     """Tiers of 2 blocks (device), 2 (host), 4 (disk): four 33-token prompts push the first two to
     disk; a prompt extending the first hits its blocks from disk with the output of running alone."""

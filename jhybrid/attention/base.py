@@ -60,6 +60,20 @@ class LayerContext:
     global_layers: tuple[int, ...] | None = None
 
 
+class RowKV(abc.ABC):
+    """How one row's tokens lie in a backend's layer caches (a jit static: hashable); traced code."""
+
+    @abc.abstractmethod
+    def read(self, layers, row, positions):
+        """-> [L, 2, T, Hkv, D]: every layer's K (index 0) and V at positions [T] of row `row`
+        (a traced int32; each position below the row's length)."""
+
+    @abc.abstractmethod
+    def write(self, layers, row, kv, positions):
+        """-> layers with kv [L, 2, T, Hkv, D] written at positions [T] of row `row` exactly as a
+        prefill of those tokens leaves them (position -1: dropped)."""
+
+
 class AttentionBackend(abc.ABC):
     """Interface every attention mode implements. Instances are jit statics (hashable). The traced
     computation of `full` depends only on its configuration; an offloading backend's host calls reach
@@ -97,6 +111,12 @@ class AttentionBackend(abc.ABC):
         backend holds for them on the device and the host (windows, host-store blocks, selections,
         pools) is dropped and reusable. Returns the cache (a `KVCache`)."""
         raise NotImplementedError(f"backend {self.name!r} cannot reset single rows (continuous batching)")
+
+    def row_kv(self) -> "RowKV | None":
+        """How one row's tokens lie in this backend's layer caches, for copies of whole token
+        blocks in and out of a row (the serving engine's device prefix cache); None: not
+        expressible (the offloading modes place hits through `jhybrid.hybrid.ingest`)."""
+        return None
 
     @property
     def max_prefill_chunk(self) -> int | None:

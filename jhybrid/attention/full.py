@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jhybrid.attention.base import AttentionBackend, LayerContext
+from jhybrid.attention.base import AttentionBackend, LayerContext, RowKV
 from pallas_kernels._common import SUPPORTED_HEAD_DIMS, resolve_backend
 from pallas_kernels.range_attention import causal_ranges, range_attention
 
@@ -148,6 +148,29 @@ def masked_attention(
     return out.reshape(batch, steps, num_heads, head_dim).astype(q.dtype), lse
 
 
+class FullRowKV(RowKV):
+    """FullAttention's {"k", "v"} [B, max_len, Hkv, D] per layer: token p of row b at [b, p]."""
+
+    def __eq__(self, other):
+        return type(other) is FullRowKV
+
+    def __hash__(self):
+        return hash(FullRowKV)
+
+    def read(self, layers, row, positions):
+        return jnp.stack([jnp.stack([layer["k"][row, positions], layer["v"][row, positions]]) for layer in layers])
+
+    def write(self, layers, row, kv, positions):
+        max_len = layers[0]["k"].shape[1]
+        index = jnp.where(positions >= 0, positions, max_len)  # padding: dropped
+        return tuple({"k": layer["k"].at[row, index].set(kv[i, 0].astype(layer["k"].dtype), mode="drop"),
+                      "v": layer["v"].at[row, index].set(kv[i, 1].astype(layer["v"].dtype), mode="drop")}
+                     for i, layer in enumerate(layers))
+
+
+FULL_ROW_KV = FullRowKV()
+
+
 class FullAttention(AttentionBackend):
     """All KV on the device; the reference every other backend must match with keep-everything.
 
@@ -194,6 +217,9 @@ class FullAttention(AttentionBackend):
         keep = np.ones(batch, bool)
         keep[rows] = False  # a [B] mask, not the rows: one shape whatever rows are reset
         return cache.replace(lengths=jnp.where(keep, cache.lengths, 0).astype(cache.lengths.dtype))
+
+    def row_kv(self) -> RowKV:
+        return FULL_ROW_KV
 
     def init_layer_cache(self, config: ModelConfig, layer_idx: int, batch_size: int, max_len: int,
                          dtype):

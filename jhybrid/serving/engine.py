@@ -24,10 +24,11 @@ requests: it never stalls them for more than one budget of prefill. Shapes are f
 [R, chunk] for a power-of-two R or [slots, chunk], decode [slots, 1]; the prefix copies run in pieces
 of one block count), each compiled once ahead of time (like `Generator._run`): the steady state never recompiles.
 
-The prefix cache holds every layer's true K, V of whole prompt blocks, with either backend:
-  * full attention (`kv_blocks.has_full_layout`): its first tier is a device array
-    (`kv_blocks.KVBlockPool`); a hit is copied into the row's KV, a finished prefill's blocks are
-    copied out of it;
+The prefix cache holds every layer's true K, V of whole prompt blocks, with either kind of backend:
+  * one that keeps every token on the device and says how a row's tokens lie (`backend.row_kv()`:
+    full attention, quest): its first tier is a device array (`kv_blocks.KVBlockPool`); a hit is
+    copied into the row (quest: pages and digests, as its prefill writes them), a finished
+    prefill's blocks are copied out of it;
   * an offloading backend (`HybridAttention`, any mode): its first tier is a host array
     (`kv_blocks.HostKVBlockPool`, reported as the "device" tier); a hit is placed into the row
     where a plain chunked prefill would have left it (GPU window, host store, digests, counts:
@@ -37,7 +38,7 @@ The prefix cache holds every layer's true K, V of whole prompt blocks, with eith
     the prompt blocks a request may add to the cache are read from the device window after each
     prefill call that wrote them (`ingest.read_tokens`: the window holds a call's tokens until the
     next step evicts) into a host staging copy of the row, inserted when its prefill is done.
-Other backends (quest, tensor-parallel ones) run without it (logged once, every request a miss).
+Other backends (the tensor-parallel offloading ones) run without it (logged once, every request a miss).
 
 Memory: the backend is opened for `slots` rows of `max_len` tokens at construction, so the device
 cache (and an offloading backend's host side) is allocated, and checked by the backend, before the
@@ -74,7 +75,7 @@ from jhybrid.generation import SamplingParams
 from jhybrid.models.decoder import CausalLM, KVCache
 from jhybrid.serving.api import (AdmissionError, Engine, EngineClosed, EngineStats, FinishCallback,
                                  FinishReason, Request, RequestHandle, RequestOutput, TokenCallback)
-from jhybrid.serving.kv_blocks import HostKVBlockPool, KVBlockPool, has_full_layout
+from jhybrid.serving.kv_blocks import HostKVBlockPool, KVBlockPool, block_bytes_of
 from jhybrid.serving.prefix_cache import PrefixCache, PrefixCacheConfig
 from jhybrid.serving.sampling import RowSampling, sample_rows
 
@@ -272,17 +273,16 @@ class ServingEngine(Engine):
         the default's note)."""
         if config is None:
             return None, None
-        full = has_full_layout(self._cache)
+        row_kv = self.backend.row_kv()  # blocks copied in and out of rows on the device (full, quest)
+        full = row_kv is not None
         problem = None if full else self._hybrid_problem()
         if problem is not None:
             log.log(logging.WARNING if asked_for else logging.INFO,
                     "prefix cache not used with backend %r: %s (every request counts a prefix-cache miss)",
                     self.backend.name, problem)
             return None, None
-        if full:
-            block_bytes = KVBlockPool.block_bytes_of(self._cache, config.block_size)
-        else:
-            block_bytes = HostKVBlockPool.block_bytes_of(self.config, config.block_size)
+        dtype = jax.tree_util.tree_leaves(self._cache.layers)[0].dtype if full else None
+        block_bytes = block_bytes_of(self.config, config.block_size, dtype)
         device_bytes = config.device_bytes
         if device_bytes is None:
             slot_bytes = block_bytes * -(-self.max_len // config.block_size)
@@ -290,10 +290,11 @@ class ServingEngine(Engine):
         if device_bytes < block_bytes:
             raise ValueError(f"prefix cache device_bytes {device_bytes} holds no block of {block_bytes} bytes "
                              f"({config.block_size} tokens of every layer's K and V); expected >= {block_bytes}")
+        c = self.config
         if full:
-            pool = KVBlockPool.for_cache(self._cache, device_bytes // block_bytes, config.block_size)
+            pool = KVBlockPool(device_bytes // block_bytes, c.num_layers, config.block_size, c.num_kv_heads,
+                               c.head_dim, dtype, row_kv)
         else:
-            c = self.config
             pool = HostKVBlockPool(device_bytes // block_bytes, c.num_layers, config.block_size, c.num_kv_heads,
                                    c.head_dim, c.dtype)
             from jhybrid.hybrid import ingest  # imported when used: full attention needs none of it
@@ -306,7 +307,7 @@ class ServingEngine(Engine):
         from jhybrid.hybrid.backend import HybridAttention
 
         if not isinstance(self.backend, HybridAttention) or self.backend.runtime is None:
-            return ("its KV cache is neither the full {k, v} layout nor a single-device offloading "
+            return ("its KV cache is neither rows of device KV (backend.row_kv()) nor a single-device offloading "
                     "backend's (GPU window + host store)")
         c = self.config
         if len(c.global_layers) < c.num_layers and self.prefill_chunk > min(c.sliding_window, self.max_len):

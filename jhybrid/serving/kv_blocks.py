@@ -6,8 +6,9 @@ offloading (hybrid) backend, whose KV mostly lives in the host store, on the hos
 window part is uploaded). Both keep one block as every layer's K and V of block_size tokens.
 
 `KVBlockPool` holds `capacity` blocks in one preallocated device array and copies blocks between
-it and the rows of a `KVCache` whose layers are FullAttention's {"k", "v"} [B, max_len, Hkv, D]
-(`has_full_layout`). One block = `block_size` consecutive tokens of every layer's K and V:
+it and the rows of a `KVCache` through the backend's `RowKV` (`AttentionBackend.row_kv()`: how a
+row's tokens are read and written in its layers; FullAttention's {"k", "v"} [B, max_len, Hkv, D],
+`FULL_ROW_KV`, or quest's pages). One block = `block_size` consecutive tokens of every layer's K and V:
 
     pool  [capacity, num_layers, 2, block_size, Hkv, D]   the cache's dtype (index 0: K, 1: V)
 
@@ -27,6 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jhybrid.attention.base import RowKV
+from jhybrid.attention.full import FULL_ROW_KV
 
 
 def has_full_layout(cache) -> bool:
@@ -65,34 +69,35 @@ def _scatter(pool, slots, blocks):
     return pool.at[slots].set(blocks.astype(pool.dtype), mode="drop")
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _into_row(cache, pool, row, slots, first, count, length):
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(7,))
+def _into_row(cache, pool, row, slots, first, count, length, row_kv):
     """Writes pool[slots[:count]] to positions first*bs .. (first + count)*bs - 1 of cache row `row`,
     whose length becomes `length`."""
     n, bs = slots.shape[0], pool.shape[3]
-    max_len = cache.layers[0]["k"].shape[1]
     blocks = pool[slots]  # [n, L, 2, bs, Hkv, D]
     positions = jnp.arange(n * bs, dtype=jnp.int32)
-    positions = jnp.where(positions < count * bs, first * bs + positions, max_len)  # padding blocks: dropped
-    layers = []
-    for i, layer in enumerate(cache.layers):
-        k, v = (blocks[:, i, j].reshape((n * bs,) + blocks.shape[4:]) for j in (0, 1))
-        layers.append({"k": layer["k"].at[row, positions].set(k, mode="drop"),
-                       "v": layer["v"].at[row, positions].set(v, mode="drop")})
-    return cache.replace(layers=tuple(layers), lengths=cache.lengths.at[row].set(length))
+    positions = jnp.where(positions < count * bs, first * bs + positions, -1)  # padding blocks: dropped
+    kv = jnp.transpose(blocks, (1, 2, 0, 3, 4, 5)).reshape(blocks.shape[1:3] + (n * bs,) + blocks.shape[4:])
+    return cache.replace(layers=row_kv.write(cache.layers, row, kv, positions),
+                         lengths=cache.lengths.at[row].set(length))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _from_row(pool, cache, row, block_numbers, slots):
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(5,))
+def _from_row(pool, cache, row, block_numbers, slots, row_kv):
     """pool[slots] = blocks `block_numbers` of cache row `row` (padding slots are out of range: dropped)."""
     bs = pool.shape[3]
     positions = (block_numbers[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)[None, :]).reshape(-1)
-    per_layer = [jnp.stack([layer["k"][row, positions], layer["v"][row, positions]])  # [2, n*bs, Hkv, D]
-                 for layer in cache.layers]
-    blocks = jnp.stack(per_layer)  # [L, 2, n*bs, Hkv, D]
+    blocks = row_kv.read(cache.layers, row, positions)  # [L, 2, n*bs, Hkv, D]
     blocks = blocks.reshape(blocks.shape[:2] + (slots.shape[0], bs) + blocks.shape[3:])
     blocks = jnp.transpose(blocks, (2, 0, 1, 3, 4, 5))  # [n, L, 2, bs, Hkv, D]
     return pool.at[slots].set(blocks.astype(pool.dtype), mode="drop")
+
+
+def block_bytes_of(config, block_size: int, dtype=None) -> int:
+    """Bytes of one block for a model config (every layer's K and V of block_size tokens; dtype: the
+    cache's, default the model's)."""
+    return (config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
+            * jnp.dtype(config.dtype if dtype is None else dtype).itemsize)
 
 
 class _BlockSlots:
@@ -113,22 +118,11 @@ class KVBlockPool(_BlockSlots):
     """`capacity` device slots of one KV block each (module doc); a `prefix_cache.BlockStore`."""
 
     def __init__(self, capacity: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype):
+                 dtype, row_kv: RowKV = FULL_ROW_KV):
         super().__init__(capacity, num_layers, block_size, num_kv_heads, head_dim, dtype)
         self.pool = jnp.zeros((capacity,) + self.block_shape, dtype)
         self.piece_blocks = min(PIECE_BLOCKS, _bucket(capacity))
-
-    @classmethod
-    def for_cache(cls, cache, capacity: int, block_size: int) -> "KVBlockPool":
-        """A pool of blocks shaped for `cache` (which must have the full layout)."""
-        k = cache.layers[0]["k"]
-        return cls(capacity, len(cache.layers), block_size, k.shape[2], k.shape[3], k.dtype)
-
-    @staticmethod
-    def block_bytes_of(cache, block_size: int) -> int:
-        """Bytes of one block of `cache`'s layout (every layer's K and V of block_size tokens)."""
-        k = cache.layers[0]["k"]
-        return len(cache.layers) * 2 * block_size * k.shape[2] * k.shape[3] * k.dtype.itemsize
+        self.row_kv = row_kv
 
     # ---- BlockStore: host copies ------------------------------------------------------------------
 
@@ -154,7 +148,7 @@ class KVBlockPool(_BlockSlots):
         for first in range(0, n, size):
             part = slots[first:first + size]
             cache = _into_row(cache, self.pool, np.int32(row), _padded(part, size, 0), np.int32(first),
-                              np.int32(len(part)), length)
+                              np.int32(len(part)), length, self.row_kv)
         return cache
 
     def from_row(self, cache, row: int, block_numbers: np.ndarray, slots: np.ndarray) -> None:
@@ -162,7 +156,7 @@ class KVBlockPool(_BlockSlots):
         size = self.piece_blocks
         for first in range(0, len(slots), size):
             self.pool = _from_row(self.pool, cache, np.int32(row), _padded(block_numbers[first:first + size], size, 0),
-                                  _padded(slots[first:first + size], size, self.capacity))
+                                  _padded(slots[first:first + size], size, self.capacity), self.row_kv)
 
 
 class HostKVBlockPool(_BlockSlots):
@@ -176,11 +170,6 @@ class HostKVBlockPool(_BlockSlots):
         super().__init__(capacity, num_layers, block_size, num_kv_heads, head_dim, dtype)
         self.data = np.zeros((capacity,) + self.block_shape, np.dtype(jnp.dtype(dtype)))
 
-    @staticmethod
-    def block_bytes_of(config, block_size: int) -> int:
-        """Bytes of one block for a model config (every layer's K and V of block_size tokens)."""
-        return (config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
-                * jnp.dtype(config.dtype).itemsize)
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """[n, L, 2, bs, Hkv, D] copies of the blocks in slots [n]."""
@@ -205,4 +194,4 @@ class HostKVBlockPool(_BlockSlots):
         self.write(slots, blocks.transpose(2, 0, 1, 3, 4, 5))
 
 
-__all__ = ["KVBlockPool", "HostKVBlockPool", "has_full_layout"]
+__all__ = ["KVBlockPool", "HostKVBlockPool", "block_bytes_of", "has_full_layout"]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jhybrid.attention.base import AttentionBackend, LayerContext
+from jhybrid.attention.base import AttentionBackend, LayerContext, RowKV
 from jhybrid.attention.full import masked_attention
 from jhybrid.hybrid.modes.base import OffloadMode
 from jhybrid.hybrid.rows import check_rows, reset_cache_rows
@@ -93,6 +93,9 @@ class QuestAttention(AttentionBackend):
         return QuestState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                           kmin=jnp.zeros(digest, dtype), kmax=jnp.zeros(digest, dtype),
                           selected=jnp.full((batch_size, config.num_kv_heads, k), -1, jnp.int32))
+
+    def row_kv(self) -> RowKV:
+        return QuestRowKV(self.config.block_size)
 
     def reset_rows(self, cache, rows):
         """Empties rows `rows` for new sequences (continuous batching): lengths 0, their blocks,
@@ -174,6 +177,44 @@ class QuestAttention(AttentionBackend):
         return ids.astype(jnp.int32), counts, lens, selected
 
 
+class QuestRowKV(RowKV):
+    """A row's tokens in quest's pages (the serving engine's prefix-cache copies): token p of row b
+    at page b * NB + p // bs, slot p % bs; a write folds the tokens into the row's digests as the
+    prefill's own writes do (`update_digests`), so a placed prefix equals a prefilled one."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def __eq__(self, other):
+        return type(other) is QuestRowKV and other.block_size == self.block_size
+
+    def __hash__(self):
+        return hash((QuestRowKV, self.block_size))
+
+    def read(self, layers, row, positions):
+        bs = self.block_size
+        out = []
+        for state in layers:
+            page = row * state.kmin.shape[2] + positions // bs
+            out.append(jnp.stack([state.k[page, :, positions % bs], state.v[page, :, positions % bs]]))
+        return jnp.stack(out)  # [L, 2, T, Hkv, D]
+
+    def write(self, layers, row, kv, positions):
+        bs, ok = self.block_size, positions >= 0
+        out = []
+        for i, state in enumerate(layers):
+            nb, hkv = state.kmin.shape[2], state.kmin.shape[1]
+            page = jnp.where(ok, row * nb + positions // bs, state.k.shape[0])[:, None]  # padding: dropped
+            slot = jnp.where(ok, positions % bs, 0)[:, None]
+            heads = jnp.arange(hkv)[None, :]
+            k, v = kv[i, 0].astype(state.k.dtype), kv[i, 1].astype(state.v.dtype)  # [T, Hkv, D]
+            kmin, kmax = update_digests(state.kmin[row][None], state.kmax[row][None], k[None], positions[None], bs)
+            out.append(state.replace(k=state.k.at[page, heads, slot].set(k, mode="drop"),
+                                     v=state.v.at[page, heads, slot].set(v, mode="drop"),
+                                     kmin=state.kmin.at[row].set(kmin[0]), kmax=state.kmax.at[row].set(kmax[0])))
+        return tuple(out)
+
+
 def _empty_quest(cache):
     """An empty quest cache of the shapes of `cache` (`reset_cache_rows`): zeros, no selection."""
     layers = tuple(QuestState(k=jnp.zeros_like(s.k), v=jnp.zeros_like(s.v), kmin=jnp.zeros_like(s.kmin),
@@ -182,4 +223,4 @@ def _empty_quest(cache):
     return layers, None
 
 
-__all__ = ["Quest", "QuestAttention", "QuestState"]
+__all__ = ["Quest", "QuestAttention", "QuestState", "QuestRowKV"]
