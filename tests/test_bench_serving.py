@@ -37,6 +37,7 @@ def rows(tmp_path_factory):
     outcome = runner.run_sweep(load_config(str(path)), output_dir=str(folder / "results"), argv=[],
                                show_progress=False)
     assert outcome.errors == 0 and outcome.ran == 1
+    assert (folder / "results" / "tiny-serving-serving.png").stat().st_size > 1000  # the sweep's plot
     return outcome.rows
 
 

@@ -4,6 +4,8 @@ perplexity: every configuration's ppl as a labelled bar, full attention as a das
 hgca was swept over beta a panel of ppl vs beta (hgca only). niah: one retrieved/not heat map (depth x length) per mode.
 throughput: decode tokens/s vs context (one line per mode and batch) and vs batch, per model;
 breakdown: each throughput point's mean decode step split into its parts.
+serving: per point, TTFT p50 / p99, token gaps (p50, p99, p99 while another prompt prefills) and
+tokens/s (served at saturation against the fixed batches).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ REFERENCE = reference_mode()  # the mode every other is measured against (drawn 
 log = logging.getLogger(__name__)
 
 
-MEASURE = {"perplexity": "ppl", "niah": "retrieved", "throughput": "decode_tok_s"}
+MEASURE = {"perplexity": "ppl", "niah": "retrieved", "throughput": "decode_tok_s", "serving": "ttft_p50_s"}
 
 
 def _ok(rows, task):
@@ -245,8 +247,37 @@ def plot_breakdown(rows: list[dict], path: str) -> str | None:
     return path
 
 
+def plot_serving(rows: list[dict], path: str) -> str | None:
+    """Three panels, one bar group per serving point (mode, step budget): TTFT p50 / p99 (s), token
+    gaps p50 / p99 / p99 while another prompt prefills (ms), saturated vs fixed-batch tokens/s."""
+    rows = [r for r in _ok(rows, "serving") if r.get("ttft_p50_s") is not None]
+    if not rows:
+        return None
+    labels = [f"{r['mode']}\nbudget {r.get('step_tokens')}" for r in rows]
+    x = np.arange(len(rows))
+    panels = [("time to first token (s)", [("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")]),
+              ("token gaps (ms)", [("tbt_p50_ms", "p50"), ("tbt_p99_ms", "p99"),
+                                   ("tbt_prefill_p99_ms", "p99 while another prompt prefills")]),
+              ("tokens/s, all requests at once", [("saturated_tok_s", "engine"), ("fixed_tok_s", "fixed batches")])]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, (title, keys) in zip(axes, panels):
+        width = 0.8 / len(keys)
+        for i, (key, label) in enumerate(keys):
+            ax.bar(x + (i - (len(keys) - 1) / 2) * width, [r.get(key) or 0.0 for r in rows], width, label=label)
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    first = rows[0]
+    fig.suptitle(f"serving: {first.get('model', '')} ({first.get('layers', '?')} layers), {first.get('requests')} "
+                 f"requests at {first.get('rate')}/s, {first.get('slots')} slots", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 PLOTS = {"perplexity": plot_perplexity, "niah": plot_niah, "throughput": plot_throughput,
-         "breakdown": plot_breakdown}
+         "breakdown": plot_breakdown, "serving": plot_serving}
 
 
 def render_plots(rows: list[dict], stem: str) -> list[str]:
