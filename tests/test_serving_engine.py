@@ -206,7 +206,11 @@ def test_seeded_sampling_is_independent_of_batch_mates(engine, alone, rng):
 
 
 def test_slots_reused_by_50_requests_leak_nothing(engine, alone, rng):
-    engine.submit(Request([1, 2, 3], max_tokens=2)).result(TIMEOUT)  # prefill and decode compiled
+    # prefill of one row and of both rows (full prefills only the rows taking part) and decode
+    # compiled: the 3-token prompt, admitted while the 100-token one takes 7 steps of 16, shares the
+    # last of them with it
+    for handle in [engine.submit(Request(p, max_tokens=2)) for p in ([1] * 100, [1, 2, 3])]:
+        handle.result(TIMEOUT)
     wait_idle(engine)
     before = engine.stats()
     requests = [Request(prompts_of(rng, [int(rng.integers(1, 9))])[0], max_tokens=int(rng.integers(1, 5)))

@@ -19,11 +19,11 @@ import os
 import numpy as np
 import pytest
 
+from jhybrid.attention.full import FULL_ROW_KV
 from jhybrid.generation import Generator
 from jhybrid.models import create_model
 from jhybrid.serving.api import Request
 from jhybrid.serving.engine import ServingEngine
-from jhybrid.serving.kv_blocks import has_full_layout
 from jhybrid.serving.prefix_cache import PrefixCache, PrefixCacheConfig, Tier, chain_hash
 from tests.hybrid_support import TINY
 
@@ -273,7 +273,7 @@ def test_a_hit_equals_the_miss_and_running_alone(model, alone, rng):
     exact = shared[:32]  # 32 tokens = 2 blocks, but its last token must be prefilled: 1 block used
     engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
                            prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=1 << 20))
-    assert has_full_layout(engine._cache)
+    assert engine._pool.row_kv is FULL_ROW_KV  # full's rows: the device pool
     with engine:
         engine.start()
         runs = [(p, engine.submit(Request(p, max_tokens=20)).result(TIMEOUT)) for p in (first, first, other, exact)]

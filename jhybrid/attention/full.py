@@ -241,11 +241,7 @@ class FullAttention(AttentionBackend):
             key_lo, key_hi = causal_ranges(positions, lengths, context.sliding_window)
             out, _ = range_attention(q, k_cache, v_cache, key_lo, key_hi, batch_rows=rows, scale=context.scale,
                                      backend=kernel)
-            return out, {"k": k_cache, "v": v_cache}, None
-        if rows is not None:  # the jnp path reads the rows' copies
-            out, _ = masked_attention(q, k_cache[rows], v_cache[rows], positions, lengths, context.scale,
-                                      context.sliding_window)
-            return out, {"k": k_cache, "v": v_cache}, None
-        out, _ = masked_attention(q, k_cache, v_cache, positions, lengths, context.scale,
-                                  context.sliding_window)
+        else:  # with rows, the jnp path reads the rows' copies
+            keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
+            out, _ = masked_attention(q, keys, values, positions, lengths, context.scale, context.sliding_window)
         return out, {"k": k_cache, "v": v_cache}, None

@@ -103,6 +103,13 @@ class _State(enum.Enum):
     DONE = "done"
 
 
+def _sample_last(model, hidden, positions, sampling: RowSampling) -> jax.Array:
+    """Each row's token sampled from its last valid position: hidden [R, T, d], positions [R, T] -> [R]."""
+    last = jnp.argmax(positions, axis=1)
+    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return sample_rows(model.logits(last_hidden), sampling)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """What one engine step ran: prefill ((request_id, prompt tokens prefilled), ...) in the order
@@ -534,19 +541,17 @@ class ServingEngine(Engine):
             else:
                 rows = np.arange(self.slots, dtype=np.int32)
             index = {int(slot): i for i, slot in enumerate(rows)}
+            batch_positions = np.full((self.slots, self.prefill_chunk), -1, np.int32)  # before_step's contract
             tokens = np.zeros((len(rows), self.prefill_chunk), np.int32)
-            positions = np.full((len(rows), self.prefill_chunk), -1, np.int32)
             for run, n in taken:
                 tokens[index[run.slot], :n] = run.prompt[run.prefilled:run.prefilled + n]
-                positions[index[run.slot], :n] = np.arange(run.prefilled, run.prefilled + n)
+                batch_positions[run.slot, :n] = np.arange(run.prefilled, run.prefilled + n)
+            positions = batch_positions[rows]
+            self._cache = self.backend.before_step(self._cache, batch_positions)
             if self.backend.prefills_rows:
-                batch_positions = np.full((self.slots, self.prefill_chunk), -1, np.int32)
-                batch_positions[rows] = positions  # the hook's contract: positions of the whole batch
-                self._cache = self.backend.before_step(self._cache, batch_positions)
                 sampled, self._cache = self._run("prefill_rows", self._prefill_rows_fn, (4,), self.params, tokens,
                                                  positions, rows, self._cache, self._row_sampling())
             else:
-                self._cache = self.backend.before_step(self._cache, positions)
                 sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
                                                  positions, self._cache, self._row_sampling())
             sampled = np.asarray(sampled)
@@ -688,9 +693,7 @@ class ServingEngine(Engine):
         """[slots, C] prompt tokens -> (each row's token sampled from its last valid position [slots], cache)."""
         model = nnx.merge(self.graphdef, params)
         hidden, cache, _ = model.hidden_states(tokens, positions, cache, self.backend)
-        last = jnp.argmax(positions, axis=1)
-        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        return sample_rows(model.logits(last_hidden), sampling), cache
+        return _sample_last(model, hidden, positions, sampling), cache
 
     def _prefill_rows_fn(self, params, tokens, positions, rows, cache, sampling):
         """[R, C] prompt tokens of batch rows `rows` [R] (distinct) -> (each one's token sampled from
@@ -699,9 +702,7 @@ class ServingEngine(Engine):
         selected = KVCache(layers=cache.layers, lengths=cache.lengths[rows], meta=PrefillRows(rows))
         hidden, selected, _ = model.hidden_states(tokens, positions, selected, self.backend)
         cache = KVCache(layers=selected.layers, lengths=cache.lengths.at[rows].set(selected.lengths), meta=cache.meta)
-        last = jnp.argmax(positions, axis=1)
-        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        return sample_rows(model.logits(last_hidden), jax.tree_util.tree_map(lambda x: x[rows], sampling)), cache
+        return _sample_last(model, hidden, positions, jax.tree_util.tree_map(lambda x: x[rows], sampling)), cache
 
     def _decode_fn(self, params, tokens, positions, cache, sampling):
         """tokens, positions [slots] -> (next tokens [slots], cache)."""

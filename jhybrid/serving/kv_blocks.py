@@ -33,18 +33,6 @@ from jhybrid.attention.base import RowKV
 from jhybrid.attention.full import FULL_ROW_KV
 
 
-def has_full_layout(cache) -> bool:
-    """True when every layer of `cache` (a KVCache) is {"k", "v"} arrays of one shape
-    [B, max_len, Hkv, D] and dtype: the layout the pool copies to and from."""
-    first = cache.layers[0]
-    if not isinstance(first, dict) or set(first) != {"k", "v"} or getattr(first["k"], "ndim", 0) != 4:
-        return False
-    shape, dtype = first["k"].shape, first["k"].dtype
-    return all(isinstance(layer, dict) and set(layer) == {"k", "v"}
-               and all(layer[n].shape == shape and layer[n].dtype == dtype for n in ("k", "v"))
-               for layer in cache.layers)
-
-
 PIECE_BLOCKS = 64  # blocks per copy between the pool and a row (the last piece padded)
 
 
@@ -194,4 +182,4 @@ class HostKVBlockPool(_BlockSlots):
         self.write(slots, blocks.transpose(2, 0, 1, 3, 4, 5))
 
 
-__all__ = ["KVBlockPool", "HostKVBlockPool", "block_bytes_of", "has_full_layout"]
+__all__ = ["KVBlockPool", "HostKVBlockPool", "block_bytes_of"]

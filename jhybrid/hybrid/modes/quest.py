@@ -120,21 +120,18 @@ class QuestAttention(AttentionBackend):
         b, t, hkv, d = k.shape
         nb = layer_cache.kmin.shape[2]
         # write the step's tokens into their blocks (padding, position -1, dropped)
-        row = jnp.where(positions >= 0, jnp.arange(b)[:, None] * nb + positions // bs, b * nb)  # [B, T]
-        slot = jnp.where(positions >= 0, positions % bs, 0)
-        heads = jnp.arange(hkv)[None, None, :]
-        state = layer_cache.replace(
-            k=layer_cache.k.at[row[:, :, None], heads, slot[:, :, None]].set(k.astype(layer_cache.k.dtype), mode="drop"),
-            v=layer_cache.v.at[row[:, :, None], heads, slot[:, :, None]].set(v.astype(layer_cache.v.dtype), mode="drop"))
+        state = _store_pages(layer_cache, jnp.arange(b)[:, None] * nb, k, v, positions, bs)
         kmin, kmax = update_digests(state.kmin, state.kmax, k, positions, bs)
         state = state.replace(kmin=kmin, kmax=kmax)
-        if (t > 1 or context.sliding_window is not None) and resolve_backend(cfg.kernel_backend) != "reference":
-            # exact over the blocks as they lie: no [B, L, Hkv, D] copy of the cache, no [B, Hq, T, L] scores
+        exact = t > 1 or context.sliding_window is not None  # prefill / append, or a sliding layer
+        kernel = resolve_backend(cfg.kernel_backend)
+        if exact and kernel != "reference":
+            # over the blocks as they lie: no [B, L, Hkv, D] copy of the cache, no [B, Hq, T, L] scores
             key_lo, key_hi = causal_ranges(positions, lengths, context.sliding_window)
             o, _ = range_attention(q, state.k, state.v, key_lo, key_hi, kv_layout="blocks", scale=context.scale,
-                                   backend=resolve_backend(cfg.kernel_backend))
+                                   backend=kernel)
             return o, state, context.carry
-        if t > 1 or context.sliding_window is not None:  # prefill / append, or a sliding layer: exact
+        if exact:
             keys = state.k.reshape(b, nb, hkv, bs, d).transpose(0, 1, 3, 2, 4).reshape(b, nb * bs, hkv, d)
             values = state.v.reshape(b, nb, hkv, bs, d).transpose(0, 1, 3, 2, 4).reshape(b, nb * bs, hkv, d)
             o, _ = masked_attention(q, keys, values, positions, lengths, context.scale, context.sliding_window)
@@ -177,6 +174,17 @@ class QuestAttention(AttentionBackend):
         return ids.astype(jnp.int32), counts, lens, selected
 
 
+def _store_pages(state: QuestState, first_page, k, v, positions, bs: int) -> QuestState:
+    """state with k, v [..., T, Hkv, D] written at positions [..., T] of the sequences whose first
+    page is first_page (broadcast against positions: [B, 1] or a scalar); position -1 dropped."""
+    ok = positions >= 0
+    page = jnp.where(ok, first_page + positions // bs, state.k.shape[0])[..., None]  # out of range: dropped
+    slot = jnp.where(ok, positions % bs, 0)[..., None]
+    heads = jnp.arange(state.k.shape[1])
+    return state.replace(k=state.k.at[page, heads, slot].set(k.astype(state.k.dtype), mode="drop"),
+                         v=state.v.at[page, heads, slot].set(v.astype(state.v.dtype), mode="drop"))
+
+
 class QuestRowKV(RowKV):
     """A row's tokens in quest's pages (the serving engine's prefix-cache copies): token p of row b
     at page b * NB + p // bs, slot p % bs; a write folds the tokens into the row's digests as the
@@ -200,18 +208,13 @@ class QuestRowKV(RowKV):
         return jnp.stack(out)  # [L, 2, T, Hkv, D]
 
     def write(self, layers, row, kv, positions):
-        bs, ok = self.block_size, positions >= 0
+        bs = self.block_size
         out = []
         for i, state in enumerate(layers):
-            nb, hkv = state.kmin.shape[2], state.kmin.shape[1]
-            page = jnp.where(ok, row * nb + positions // bs, state.k.shape[0])[:, None]  # padding: dropped
-            slot = jnp.where(ok, positions % bs, 0)[:, None]
-            heads = jnp.arange(hkv)[None, :]
-            k, v = kv[i, 0].astype(state.k.dtype), kv[i, 1].astype(state.v.dtype)  # [T, Hkv, D]
-            kmin, kmax = update_digests(state.kmin[row][None], state.kmax[row][None], k[None], positions[None], bs)
-            out.append(state.replace(k=state.k.at[page, heads, slot].set(k, mode="drop"),
-                                     v=state.v.at[page, heads, slot].set(v, mode="drop"),
-                                     kmin=state.kmin.at[row].set(kmin[0]), kmax=state.kmax.at[row].set(kmax[0])))
+            state = _store_pages(state, row * state.kmin.shape[2], kv[i, 0], kv[i, 1], positions, bs)
+            kmin, kmax = update_digests(state.kmin[row][None], state.kmax[row][None], kv[i, 0][None],
+                                        positions[None], bs)
+            out.append(state.replace(kmin=state.kmin.at[row].set(kmin[0]), kmax=state.kmax.at[row].set(kmax[0])))
         return tuple(out)
 
 
