@@ -26,7 +26,7 @@ import time
 import numpy as np
 import pytest
 
-from jhybrid.attention.full import FullAttention
+from jhybrid.attention.full import FullAttention, PackedRows
 from jhybrid.generation import Generator, SamplingParams
 from jhybrid.models import create_model
 from jhybrid.serving.api import AdmissionError, EngineClosed, FinishReason, Request
@@ -280,16 +280,22 @@ def test_prefill_order_decides_who_takes_the_step_budget(model, alone, rng, orde
 
 
 class ShapeRecording(FullAttention):
-    """`full` with its chunks on the range kernel (interpreted: the GPU's path), recording the rows
-    of every prefill chunk it traces."""
+    """`full` with its chunks on the range kernel (interpreted: the GPU's path), recording the
+    (rows, tokens per row) of every prefill call it traces, and those of calls packed with decode tokens."""
 
     def __init__(self):
         super().__init__(prefill_backend="interpret")
-        self.chunk_rows = set()
+        self.calls = set()
+        self.packed = set()
 
     def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache, context):
-        if q.shape[1] > 1:
-            self.chunk_rows.add(q.shape[0])
+        if isinstance(context.meta, PackedRows):
+            rows = context.meta.rows.shape[0]
+            shape = (rows, (q.shape[1] - context.meta.decode_lengths.shape[0]) // rows)
+            self.calls.add(shape)
+            self.packed.add(shape)
+        elif q.shape[1] > 1:
+            self.calls.add(q.shape[:2])
         return super().attend(layer_idx, q, k, v, positions, lengths, layer_cache, context)
 
     def __eq__(self, other):
@@ -300,23 +306,54 @@ class ShapeRecording(FullAttention):
 
 
 def test_prefill_calls_are_sized_by_the_prefilling_rows(model, alone, rng):
-    """4 slots: one request prefilling alone (1-row calls), then three at once (3 rows rounded up to
-    4, an idle row as padding), then two (2 rows); through the range kernel's row map every output
-    equals running alone."""
+    """4 slots, 48 prompt tokens per step in calls of R rows x min(16, 48 / R) tokens: a prompt alone
+    takes 1-row calls of 16; short prompts arriving behind it (shortest first) share a 4-row call
+    of 12 (an idle row as padding when 3 take part) and 2-row calls of 16; decode tokens ride in
+    the prefill calls. Through the range kernel's row map every output equals running alone."""
     backend = ShapeRecording()
     engine = ServingEngine(model, backend, slots=4, max_len=MAX_LEN, prefill_chunk=CHUNK, step_token_budget=48,
-                           prefix_cache=None)
+                           prefix_cache=None, prefill_order="shortest")
     try:
-        prompts = prompts_of(rng, [100, 23, 40])
+        prompts = prompts_of(rng, [100, 5, 6, 30])
         handles = [engine.submit(Request(prompts[0], max_tokens=4, request_id="a"))]
         engine.step()  # "a" alone: 3 one-row calls of 16
-        handles += [engine.submit(Request(p, max_tokens=4, request_id=r)) for p, r in zip(prompts[1:], "bc")]
+        handles += [engine.submit(Request(p, max_tokens=4, request_id=r)) for p, r in zip(prompts[1:], "bcd")]
         for _ in range(40):  # bounded
             if not engine.step():
                 break
         assert [h.result(0).tokens for h in handles] == [alone(p, 4)[0] for p in prompts]
-        assert backend.chunk_rows == {1, 2, 4}, backend.chunk_rows
+        # step 2: b 5, c 6, d 12, a 12 in one [4, 12] call (b, the shortest, gets all it needs at any
+        # R; 4 rows give the call the most), then d 13 alone (the budget's rest); step 3: d 5 + a 16
+        # ([2, 16], with b's and c's decode tokens), a 16, a 8
+        assert [r.prefill for r in engine.step_log()[:3]] == [
+            (("a", 48),), (("b", 5), ("c", 6), ("d", 25), ("a", 12)), (("d", 5), ("a", 40))]
+        assert {rows for rows, _ in backend.calls} == {1, 2, 4}, backend.calls
+        assert all(width == min(CHUNK, 48 // rows) for rows, width in backend.calls), backend.calls
+        assert backend.packed, "no request decoded while another prefilled"
         assert (engine.slot_lengths() == 0).all()  # every row reset after its request
+    finally:
+        engine.close(drain=False)
+
+
+def test_compile_steps_compiles_every_step_shape_up_front(model, alone, rng):
+    """4 slots: decode, and prefill of 1, 2 and 4 rows alone and packed with decode tokens = 7
+    executables, compiled without running; a second call compiles nothing; a load of requests
+    arriving while others decode then compiles nothing more (no request waits for a compile)."""
+    engine = ServingEngine(model, FullAttention("jnp"), slots=4, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           step_token_budget=48, prefix_cache=None, prefill_order="shortest")
+    try:
+        assert engine.compile_steps() == 7
+        assert engine.compile_steps() == 0
+        compiled = engine.stats().compiles
+        prompts = prompts_of(rng, [100, 5, 6, 30, 60, 3])
+        handles = [engine.submit(Request(p, max_tokens=6)) for p in prompts[:4]]
+        for _ in range(80):  # bounded
+            if len(handles) < len(prompts) and handles[0].done:
+                handles += [engine.submit(Request(p, max_tokens=6)) for p in prompts[4:]]
+            if not engine.step() and len(handles) == len(prompts):
+                break
+        assert [h.result(0).tokens for h in handles] == [alone(p, 6)[0] for p in prompts]
+        assert engine.stats().compiles == compiled
     finally:
         engine.close(drain=False)
 
@@ -373,9 +410,10 @@ class FailingAttention(FullAttention):
 
 
 def test_a_failing_step_ends_every_request_with_error(model, rng):
-    """The second model call raises (after a prefill, at the first decode): both running requests and
-    the waiting one end ERROR with the message; the engine refuses new requests; close returns."""
-    backend = FailingAttention(fail_at=2)
+    """The third model call raises (after two prefill calls: [2, 8] of both prompts, then the 9-token
+    one's last token; at the first decode): both running requests and the waiting one end ERROR with
+    the message; the engine refuses new requests; close returns."""
+    backend = FailingAttention(fail_at=3)
     engine = ServingEngine(model, backend, slots=2, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
     engine.start()
     streams = [Stream() for _ in range(3)]
@@ -401,7 +439,9 @@ def test_close_without_draining_cancels_and_with_draining_finishes(model, alone,
     engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
     running = [engine.submit(Request(p, max_tokens=50)) for p in (first, second)]
     waiting = engine.submit(Request(third, max_tokens=50))
-    assert engine.step() and engine.step()  # 16 + 4 prompt tokens of the first, then two decode steps
+    # 16 prompt tokens of the first; its last 4 and the second's 4 (each samples its first token);
+    # a decode step of both (a request decodes from the step after its prefill ends)
+    assert engine.step() and engine.step() and engine.step()
     engine.close(drain=False)
     outputs = [h.result(0) for h in running + [waiting]]
     assert [o.finish_reason for o in outputs] == [FinishReason.CANCELLED] * 3

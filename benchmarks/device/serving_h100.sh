@@ -2,16 +2,21 @@
 # Issue 32 on one H100, bounded to one device call:
 #   bash benchmarks/device/serving_h100.sh                          # kernel check + serving sweep
 #   KERNEL=0 RESUME=<previous JSON> bash benchmarks/device/serving_h100.sh   # continues the sweep
+#   TESTS=1: first the packed-step parity test on the GPU (tests/test_full_packed.py, Triton kernel)
 # 1. benchmarks/bench_prefill_attention.py: the prefill flash kernel checked and timed against the
 #    jnp path it replaced ($OUT/prefill-attention-h100.json);
 # 2. configs/serving-h100.yaml through bench_resumable.sh (the rest of the call's time).
 # The host kernels compile (numba, cold on a fresh machine) in the background meanwhile.
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jhybrid-jax-cache}  # points share compiles
 python3 benchmarks/bench_host_attention.py --pattern scout --batch 8 --arena-gib 0.25 --layers 16 --repeats 1 \
   --min-seconds 0 --block-sizes 64 --shares 0.1 --kv-formats bf16 --json /tmp/warm.json > /dev/null 2>&1 &
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 start=$(date +%s)
+if [ "${TESTS:-0}" = 1 ]; then
+  timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider tests/test_full_packed.py 2>&1 | tail -3
+fi
 if [ "${KERNEL:-1}" = 1 ]; then
   timeout -k 10 ${KERNEL_S:-200} python3 benchmarks/bench_prefill_attention.py --out "$OUT/prefill-attention-h100.json" \
     --repeats 10 2>&1 | grep -v "^done" | tail -40

@@ -104,6 +104,9 @@ class AttentionBackend(abc.ABC):
     # True when a step may run over some rows of the batch (`jhybrid.attention.full.PrefillRows` as
     # the cache's meta): the serving engine then prefills only the rows that are prefilling.
     prefills_rows: bool = False
+    # True when a step may pack some rows' prefill chunks and every row's decode token into one call
+    # (`jhybrid.attention.full.PackedRows`): the serving engine then decodes while it prefills.
+    packs_decode: bool = False
 
     def reset_rows(self, cache, rows):
         """Empties the sequences in `rows` ([n] int NumPy, batch indices) so that new sequences start

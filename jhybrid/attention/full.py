@@ -13,6 +13,13 @@ row r written into and attending batch row rows[r] of the [B, max_len, Hkv, D] b
 The serving engine prefills its prefilling requests this way, so a call costs their tokens, not
 every slot's (`jhybrid.serving.engine`).
 
+A step may also pack two groups into one call (`PackedRows` as the cache's meta): the chunks of R
+prefilling rows and one decode token of every row, as one token row [1, R*C + B]. Everything but
+attention is per token, so the weights are read once for both; attention splits the groups again
+(chunks: the range kernel or jnp, as above; decode tokens: the decode path). The serving engine
+decodes its running requests this way while others prefill (stall-free batching, Sarathi-Serve):
+a decode step then costs almost nothing on top of the prefill it rides with.
+
 No copy of the cache for a decode step of two or more sequences: the grouped einsum (batch and KV head as the dot's batch
 dimensions) needs the KV-head axis next to the batch axis, so XLA copies each layer's K and V
 buffer into a transposed temporary every step (one layer's K and V of extra memory at the largest
@@ -59,6 +66,33 @@ class PrefillRows:
     batch row of each of the step's R token rows (the cache's `lengths` are then those rows', [R])."""
 
     rows: jax.Array
+
+
+@struct.dataclass
+class PackedRows:
+    """`KVCache.meta` of a `full` step packing prefill chunks and decode tokens into one token row
+    [1, R*C + B]: tokens [0, R*C) are R chunks of C tokens, chunk r of batch row rows[r]; token
+    R*C + b is batch row b's decode token (position -1: row b does not decode). A row is in at most
+    one group with valid positions (a padding chunk, all -1, may repeat a decoding row).
+
+    rows [R] int32 distinct; prefill_lengths [R] int32, decode_lengths [B] int32: each group's rows'
+    lengths including this step's tokens (the [1] lengths the decoder derives are not read)."""
+
+    rows: jax.Array
+    prefill_lengths: jax.Array
+    decode_lengths: jax.Array
+
+    def split(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[1, R*C + B, ...] -> (chunks [R, C, ...], decode [B, 1, ...])."""
+        num_rows, batch = self.rows.shape[0], self.decode_lengths.shape[0]
+        chunk = (x.shape[1] - batch) // num_rows
+        chunks = x[0, :num_rows * chunk].reshape(num_rows, chunk, *x.shape[2:])
+        return chunks, x[0, num_rows * chunk:][:, None]
+
+
+def pack_rows(chunks: jax.Array, decode: jax.Array) -> jax.Array:
+    """chunks [R, C, ...], decode [B, ...] -> [1, R*C + B, ...] (PackedRows' token order)."""
+    return jnp.concatenate([chunks.reshape(-1, *chunks.shape[2:]), decode])[None]
 
 
 # The copy-free formulation for up to this many query rows (steps x query heads) per sequence, and
@@ -181,6 +215,7 @@ class FullAttention(AttentionBackend):
     name = "full"
     reuses_rows = True
     prefills_rows = True  # a step may run over some rows of the batch (PrefillRows)
+    packs_decode = True  # a step may pack prefill chunks and decode tokens (PackedRows)
     prefill_backend: str | None = None  # (a subclass that skips __init__ keeps the default)
 
     def __init__(self, prefill_backend: str | None = None):
@@ -227,9 +262,27 @@ class FullAttention(AttentionBackend):
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
     def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache, context: LayerContext):
+        if isinstance(context.meta, PackedRows):
+            return self._attend_packed(q, k, v, positions, layer_cache, context)
         rows = context.meta.rows if isinstance(context.meta, PrefillRows) else None
         k_cache = store_kv(layer_cache["k"], k, positions, rows)
         v_cache = store_kv(layer_cache["v"], v, positions, rows)
+        out = self._attention(q, k_cache, v_cache, positions, lengths, rows, context)
+        return out, {"k": k_cache, "v": v_cache}, None
+
+    def _attend_packed(self, q, k, v, positions, layer_cache, context: LayerContext):
+        """attend for a PackedRows step: both groups' K, V stored, then each group attends apart."""
+        meta: PackedRows = context.meta
+        (q_chunks, q_decode), (k_chunks, k_decode), (v_chunks, v_decode), (p_chunks, p_decode) = (
+            meta.split(x) for x in (q, k, v, positions))
+        k_cache = store_kv(store_kv(layer_cache["k"], k_chunks, p_chunks, meta.rows), k_decode, p_decode)
+        v_cache = store_kv(store_kv(layer_cache["v"], v_chunks, p_chunks, meta.rows), v_decode, p_decode)
+        out_chunks = self._attention(q_chunks, k_cache, v_cache, p_chunks, meta.prefill_lengths, meta.rows, context)
+        out_decode = self._attention(q_decode, k_cache, v_cache, p_decode, meta.decode_lengths, None, context)
+        return pack_rows(out_chunks, out_decode[:, 0]), {"k": k_cache, "v": v_cache}, None
+
+    def _attention(self, q, k_cache, v_cache, positions, lengths, rows, context: LayerContext):
+        """q [R, T, Hq, D] of batch rows `rows` [R] (None: R = B) over the stored cache -> o [R, T, Hq, D]."""
         kernel = self._chunk_kernel() if q.shape[1] > 1 else None
         if kernel is not None and q.shape[-1] not in SUPPORTED_HEAD_DIMS:
             if q.shape[-1] not in _logged_head_dim:
@@ -241,7 +294,8 @@ class FullAttention(AttentionBackend):
             key_lo, key_hi = causal_ranges(positions, lengths, context.sliding_window)
             out, _ = range_attention(q, k_cache, v_cache, key_lo, key_hi, batch_rows=rows, scale=context.scale,
                                      backend=kernel)
-        else:  # with rows, the jnp path reads the rows' copies
-            keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
-            out, _ = masked_attention(q, keys, values, positions, lengths, context.scale, context.sliding_window)
-        return out, {"k": k_cache, "v": v_cache}, None
+            return out
+        # with rows, the jnp path reads the rows' copies
+        keys, values = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
+        out, _ = masked_attention(q, keys, values, positions, lengths, context.scale, context.sliding_window)
+        return out

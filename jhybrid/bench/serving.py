@@ -16,8 +16,8 @@ The run, per point (its mode: the offload section, through `backend_for` like th
      `serving_prefill_order`, the prefix cache's device tier `serving_prefix_cache_mb` (default: the
      engine's);
   2. warm-up (untimed, its own random tokens): one request per prompt length, and, with a shared
-     prefix, two per length carrying another prefix of the same length (compiles the prefill, decode
-     and prefix-copy steps of every shape the load uses);
+     prefix, two per length carrying another prefix of the same length (compiles the prefix-copy
+     steps), then `engine.compile_steps()` (every prefill, packed and decode shape);
   3. the load: each request submitted at its arrival time to the started engine; per request its
      TTFT (submit -> first token), its token times, whether it hit the prefix cache (cached_tokens > 0);
   4. saturation, on the same warm engine: prompts of the load's lengths with fresh random tokens (no
@@ -28,7 +28,8 @@ The run, per point (its mode: the offload section, through `backend_for` like th
      warm-up batch first; Generator excludes compile time from its prefill and decode seconds).
 
 Row fields: task, model, layers, mode, window, slots, requests, rate, contexts, shared_prefix,
-shared_share, decode_tokens, max_len, prefill_chunk, step_tokens,
+shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, packs_decode (the running requests'
+  decode tokens ride in the step's first prefill call: `ServingEngine`),
   completed (requests that ended with max_tokens tokens; every one should), lost (the others),
   ttft_p50_s, ttft_p99_s, tbt_p50_ms, tbt_p99_ms (gaps between consecutive tokens of a request,
   pooled over requests), span_s (first submit -> last token), request_throughput (requests / span_s),
@@ -54,6 +55,9 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens,
   group is empty; queueing included, and the misses are of every drawn length),
   ttft_hit_over_shared_miss (the same over the misses among the requests carrying the shared prefix,
   e.g. the first of them: with serving_shared_suffix, prompts of the hits' own length),
+  ttft_hit_over_shared_miss_admitted (the same with each TTFT counted from the request's admission
+  into a slot: the queueing, which depends on what else runs when it arrives, left out),
+  per_request (in arrival order: prompt and cached tokens, shared, queued_s, ttft_s),
   tbt_prefill_p99_ms (p99 of the token gaps that ended in an engine step that also prefilled another
   request's chunk: what a running request sees while a long prompt is prefilled, from the engine's
   step log), tbt_p99_over_p50 (tbt_prefill_p99_ms / tbt_p50_ms; None without such gaps),
@@ -184,7 +188,8 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             "contexts": contexts_of(bench), "shared_prefix": bench.serving_shared_prefix,
             "shared_share": bench.serving_shared_share, "shared_suffix": bench.serving_shared_suffix,
             "prefill_order": bench.serving_prefill_order, "decode_tokens": bench.decode_tokens, "max_len": max_len,
-            "prefill_chunk": bench.prefill_chunk, "step_tokens": step_tokens, "host_kv_dtype": offload.host_kv_dtype or "model"}
+            "prefill_chunk": bench.prefill_chunk, "step_tokens": step_tokens,
+            "packs_decode": bool(backend.packs_decode), "host_kv_dtype": offload.host_kv_dtype or "model"}
     prefix_cache = PrefixCacheConfig()
     if bench.serving_prefix_cache_mb is not None:
         prefix_cache = PrefixCacheConfig(device_bytes=int(bench.serving_prefix_cache_mb * 2**20))
@@ -206,6 +211,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             for handle in warm:
                 handle.result(RESULT_TIMEOUT_S)
         del warm
+        engine.compile_steps()  # the step shapes the waves did not reach (e.g. packed calls of 2 rows)
         warmup_s = time.perf_counter() - t0
         before = engine.stats()
         report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
@@ -295,6 +301,13 @@ def _served_fields(outputs, submitted, records, bench, shared) -> dict:
     hit_over_shared_miss = (_ratio(float(np.median(hits)), float(np.median(shared_misses)))
                             if hits and shared_misses else None)
 
+    # the same from admission (queueing excluded): what the prefix cache itself saves
+    admitted = {o.request_id: o.ttft - o.queued for o in outputs if o.ttft is not None and o.queued is not None}
+    hits_admitted = [admitted[o.request_id] for o in outputs if o.cached_tokens > 0 and o.request_id in admitted]
+    shared_misses_admitted = [admitted[o.request_id] for o, s in zip(outputs, shared)
+                              if s and o.cached_tokens == 0 and o.request_id in admitted]
+    hit_over_shared_miss_admitted = (_ratio(float(np.median(hits_admitted)), float(np.median(shared_misses_admitted)))
+                                     if hits_admitted and shared_misses_admitted else None)
     prefill_gaps = _gaps_during_prefill(outputs, records)
     prefill_p99 = _pct(prefill_gaps, 99)
     decode_span = last - first
@@ -309,6 +322,10 @@ def _served_fields(outputs, submitted, records, bench, shared) -> dict:
             "goodput": round(met / span, 4) if span > 0 else None,
             "ttft_hit_over_miss": _round(hit_over_miss, 4),
             "ttft_hit_over_shared_miss": _round(hit_over_shared_miss, 4),
+            "ttft_hit_over_shared_miss_admitted": _round(hit_over_shared_miss_admitted, 4),
+            "per_request": [{"prompt": o.prompt_tokens, "cached": o.cached_tokens, "shared": bool(s),
+                             "queued_s": _round(o.queued, 4), "ttft_s": _round(o.ttft, 4)}
+                            for o, s in zip(outputs, shared)],
             "tbt_prefill_p99_ms": _round(None if prefill_p99 is None else prefill_p99 * 1e3, 3),
             "tbt_p99_over_p50": _round(_ratio(prefill_p99, tbt_p50), 3)}
 

@@ -46,6 +46,7 @@ class RequestOutput:
 
     cached_tokens: prompt tokens taken from the prefix cache (their prefill was skipped).
     ttft: submit -> first token; token_times: time of each emitted token since submit.
+    queued: submit -> admission into a slot (None if it never got one).
     """
 
     request_id: str
@@ -56,6 +57,7 @@ class RequestOutput:
     ttft: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
     error: str | None = None
+    queued: float | None = None
 
 
 class AdmissionError(ValueError):

@@ -10,19 +10,25 @@ each request runs in one row (slot) from admission to its end, then the row is e
      prefill after them (at least its last prompt token is always prefilled: it gives the logits);
   3. prefill: up to `step_token_budget` prompt tokens of the prefilling requests (oldest first, or
      with prefill_order="shortest" fewest prompt tokens left first: a prefix-cache hit's short
-     suffix then does not wait behind long prompts), in calls of [R, prefill_chunk] tokens over
-     the R rows taking part (R rounded up to a power of two, at most slots, padded with idle rows)
-     when the backend `prefills_rows` (`full`), else of [slots, prefill_chunk] (positions -1 for
+     suffix then does not wait behind long prompts), in calls of [R, W] tokens over the R rows
+     taking part (R a power of two or slots, padded with idle rows; W = min(prefill_chunk,
+     step_token_budget / R); R chosen to give the first request the most tokens, then the call the
+     most) when the backend `prefills_rows` (`full`), else of [slots, prefill_chunk] (positions -1 for
      the rows not taking part: the offloading backends keep per-row host state); a request whose
      prompt is done samples its first token and stores its prompt's blocks in the prefix cache;
-  4. decode: one [slots, 1] call for every request past its prefill (each row sampled with its own
-     request's parameters: `jhybrid.serving.sampling`);
+  4. decode: one token for every request past its prefill (each row sampled with its own request's
+     parameters: `jhybrid.serving.sampling`). When the backend `packs_decode` (`full`) and the step
+     prefills, the decode tokens of the requests that were decoding when the step began ride in its
+     first prefill call (`PackedRows`: one read of the weights for both; a request whose prefill
+     ends in this step decodes from the next); otherwise one [slots, 1] call after the prefill;
   5. finished requests (stop token, max_tokens) leave; their rows are reset.
 
 A long prompt is thus prefilled over several steps, each followed by a decode step of the running
 requests: it never stalls them for more than one budget of prefill. Shapes are fixed (prefill
-[R, chunk] for a power-of-two R or [slots, chunk], decode [slots, 1]; the prefix copies run in pieces
-of one block count), each compiled once ahead of time (like `Generator._run`): the steady state never recompiles.
+[R, chunk] for a power-of-two R, alone or packed with [slots] decode tokens, or [slots, chunk];
+decode [slots, 1]; the prefix copies run in pieces of one block count), each compiled once ahead of
+time (like `Generator._run`; `compile_steps` compiles every step shape up front): the steady state
+never recompiles.
 
 The prefix cache holds every layer's true K, V of whole prompt blocks, with either kind of backend:
   * one that keeps every token on the device and says how a row's tokens lie (`backend.row_kv()`:
@@ -70,7 +76,7 @@ import numpy as np
 from flax import nnx
 
 from jhybrid.attention.base import AttentionBackend
-from jhybrid.attention.full import FullAttention, PrefillRows
+from jhybrid.attention.full import FullAttention, PackedRows, PrefillRows, pack_rows
 from jhybrid.generation import SamplingParams
 from jhybrid.models.decoder import CausalLM, KVCache
 from jhybrid.serving.api import (AdmissionError, Engine, EngineClosed, EngineStats, FinishCallback,
@@ -155,6 +161,7 @@ class _Run(RequestHandle):
         self.order = -1  # admission order: prefill goes oldest first
         self.prefilled = 0  # prompt tokens in the row (cached ones included)
         self.cached_tokens = 0
+        self.queued: float | None = None  # submit -> admission (s)
         # offloading backend + prefix cache: prompt tokens [capture_from, capture_to) are read from the
         # window as they are prefilled (staged: [L, 2, T, Hkv, D] host arrays), for the prefix cache
         self.capture_from = self.capture_to = 0
@@ -187,7 +194,9 @@ class ServingEngine(Engine):
     slots: requests decoded together (rows of the batch).
     max_len: tokens per slot, prompt + max_tokens of a request at most (default: the model's
         context; more only for a backend that handles long context).
-    prefill_chunk: tokens per row of one prefill call (bounded by the backend's max_prefill_chunk).
+    prefill_chunk: the most tokens of one row in one prefill call (bounded by the backend's
+        max_prefill_chunk); a backend that `prefills_rows` runs R rows in calls of
+        min(prefill_chunk, step_token_budget // R) tokens each, any other [slots, prefill_chunk].
     step_token_budget: prompt tokens prefilled per engine step over all rows (default: prefill_chunk).
     prefix_cache: a PrefixCacheConfig, or None for no prefix cache. Used with the full layout of
         KV (FullAttention's {k, v} per layer) and with a single-device offloading backend
@@ -462,8 +471,7 @@ class ServingEngine(Engine):
             self._finish(run, FinishReason.CANCELLED)
         self._reset_released_rows()
         admitted = self._admit()
-        prefilled = self._prefill()
-        decoded = self._decode()
+        prefilled, decoded = self._prefill_and_decode()
         self._reset_released_rows()
         with self._cond:
             if prefilled or decoded:
@@ -482,6 +490,7 @@ class ServingEngine(Engine):
             while free and self._waiting:
                 run = self._waiting.popleft()
                 run.slot, run.state, run.order = free.pop(0), _State.PREFILL, next(self._admissions)
+                run.queued = time.perf_counter() - run.submitted
                 self._rows[run.slot] = run
                 admitted.append(run)
         for run in admitted:
@@ -511,10 +520,14 @@ class ServingEngine(Engine):
             run.capture_from = run.prefilled
             run.capture_to = min(len(run.prompt) // bs, self._pool.capacity) * bs
 
-    def _prefill(self) -> list[tuple[str, int]]:
+    def _prefill_and_decode(self) -> tuple[list[tuple[str, int]], list[str]]:
         """Up to step_token_budget prompt tokens of the prefilling requests (in prefill_order), in
-        [slots, prefill_chunk] calls. Returns (request_id, tokens) per request that took part."""
+        calls of [R, W] (`_take`; see the module docstring), and one token for every request past its prefill: packed into the first
+        prefill call when the backend `packs_decode`, else one [slots, 1] call after the prefill.
+        Returns ((request_id, prompt tokens) per request that prefilled, decoded request_ids)."""
         budget, done = self.step_token_budget, collections.Counter()
+        packed = self._decoding() if self.backend.packs_decode else []
+        decoding = packed
         if self.prefill_order == "shortest":
             def first(run):
                 return len(run.prompt) - run.prefilled, run.order
@@ -526,59 +539,118 @@ class ServingEngine(Engine):
                            and not r.cancel_requested), key=first)
             if not runs:
                 break
-            taken = []
-            for run in runs:
-                n = min(self.prefill_chunk, len(run.prompt) - run.prefilled, budget)
+            taken, size = self._take(runs, budget)
+            budget -= sum(n for _, n in taken)
+            self._prefill_call(taken, size, done, packed)
+            packed = []  # the decode tokens ride with the first call only
+        if not self.backend.packs_decode:  # a request whose prefill just ended decodes in this step too
+            decoding = self._decoding()
+        if decoding and not (self.backend.packs_decode and done):
+            self._decode_call(decoding)
+        return list(done.items()), [run.request_id for run in decoding]
+
+    def _call_width(self, rows: int) -> int:
+        """Tokens per row of a prefill call over `rows` rows (a backend that `prefills_rows`): the
+        step's budget split over them, at most prefill_chunk ([1, budget] alone, [4, budget / 4]...)."""
+        return max(1, min(self.prefill_chunk, self.step_token_budget // rows))
+
+    def _take(self, runs: list[_Run], budget: int) -> tuple[list[tuple[_Run, int]], int]:
+        """The next prefill call from `runs` (in prefill order) within `budget` tokens: ((request,
+        prompt tokens) each, the call's row count R). A backend that `prefills_rows` gets the row
+        count R (a power of two) that gives the first request the most tokens, then the call the most
+        (one shape per R: [R, _call_width(R)]); any other backend [slots, prefill_chunk] calls."""
+        def greedy(width, rows):
+            taken, left = [], budget
+            for run in runs[:rows]:
+                n = min(width, len(run.prompt) - run.prefilled, left)
                 if n <= 0:
                     break
-                budget -= n
+                left -= n
                 taken.append((run, n))
-            if self.backend.prefills_rows:  # only the rows taking part (+ idle ones up to a power of two)
-                size = min(self.slots, 1 << (len(taken) - 1).bit_length())
-                busy = {run.slot for run, _ in taken}
-                idle = [slot for slot in range(self.slots) if slot not in busy]
-                rows = np.array([run.slot for run, _ in taken] + idle[:size - len(taken)], np.int32)
-            else:
-                rows = np.arange(self.slots, dtype=np.int32)
-            index = {int(slot): i for i, slot in enumerate(rows)}
-            batch_positions = np.full((self.slots, self.prefill_chunk), -1, np.int32)  # before_step's contract
-            tokens = np.zeros((len(rows), self.prefill_chunk), np.int32)
-            for run, n in taken:
-                tokens[index[run.slot], :n] = run.prompt[run.prefilled:run.prefilled + n]
-                batch_positions[run.slot, :n] = np.arange(run.prefilled, run.prefilled + n)
-            positions = batch_positions[rows]
-            self._cache = self.backend.before_step(self._cache, batch_positions)
-            if self.backend.prefills_rows:
-                sampled, self._cache = self._run("prefill_rows", self._prefill_rows_fn, (4,), self.params, tokens,
-                                                 positions, rows, self._cache, self._row_sampling())
-            else:
-                sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
-                                                 positions, self._cache, self._row_sampling())
-            sampled = np.asarray(sampled)
-            with self._cond:
-                self._counts.prefill_calls += 1
-                self._counts.prefill_tokens += sum(n for _, n in taken)
-            for run, n in taken:
-                if self._hybrid:
-                    self._capture(run, n)
-                run.prefilled += n
-                done[run.request_id] += n
-                if run.prefilled == len(run.prompt):
-                    self._store_prefix(run)
-                    run.state = _State.DECODE
-                    self._accept(run, int(sampled[index[run.slot]]))
-        return list(done.items())
+            return taken
 
-    def _decode(self) -> list[str]:
-        """One token for every request past its prefill (one [slots, 1] call). Returns their ids."""
-        runs = [r for r in self._rows if r is not None and r.state is _State.DECODE and not r.cancel_requested]
-        if not runs:
-            return []
+        if not self.backend.prefills_rows:
+            return greedy(self.prefill_chunk, self.slots), self.slots
+        best = None
+        for rows in self._row_counts():
+            taken = greedy(self._call_width(rows), rows)
+            score = (taken[0][1], sum(n for _, n in taken))
+            if best is None or score > best[0]:
+                best = (score, taken, rows)
+        return best[1], best[2]
+
+    def _row_counts(self) -> list[int]:
+        """The row counts of prefill calls (backends that `prefills_rows`): powers of two below
+        slots, and slots."""
+        return sorted({min(self.slots, 1 << (n - 1).bit_length()) for n in range(1, self.slots + 1)})
+
+    def _decoding(self) -> list[_Run]:
+        """The requests past their prefill, in slot order: each gets one token this step."""
+        return [r for r in self._rows if r is not None and r.state is _State.DECODE and not r.cancel_requested]
+
+    def _prefill_call(self, taken: list[tuple[_Run, int]], size: int, done: collections.Counter,
+                      packed: list[_Run]) -> None:
+        """One prefill call of `taken` ((request, prompt tokens) each) over `size` rows (`_take`), with
+        the decode tokens of `packed` (the backend packs_decode) in the same call; their tokens
+        sampled and accepted."""
+        if self.backend.prefills_rows:  # only the rows taking part (+ idle ones as padding)
+            width = self._call_width(size)
+            busy = {run.slot for run, _ in taken}
+            idle = [slot for slot in range(self.slots) if slot not in busy]
+            rows = np.array([run.slot for run, _ in taken] + idle[:size - len(taken)], np.int32)
+        else:
+            width, rows = self.prefill_chunk, np.arange(self.slots, dtype=np.int32)
+        index = {int(slot): i for i, slot in enumerate(rows)}
+        batch_positions = np.full((self.slots, width), -1, np.int32)  # before_step's contract
+        tokens = np.zeros((len(rows), width), np.int32)
+        for run, n in taken:
+            tokens[index[run.slot], :n] = run.prompt[run.prefilled:run.prefilled + n]
+            batch_positions[run.slot, :n] = np.arange(run.prefilled, run.prefilled + n)
+        positions = batch_positions[rows]
+        decode_tokens, decode_positions = self._decode_inputs(packed)
+        batch_positions[:, 0] = np.where(decode_positions >= 0, decode_positions, batch_positions[:, 0])
+        self._cache = self.backend.before_step(self._cache, batch_positions)
+        if packed:
+            (sampled, decoded), self._cache = self._run(
+                "packed", self._packed_fn, (6,), self.params, tokens, positions, rows, decode_tokens,
+                decode_positions, self._cache, self._row_sampling())
+        elif self.backend.prefills_rows:
+            sampled, self._cache = self._run("prefill_rows", self._prefill_rows_fn, (4,), self.params, tokens,
+                                             positions, rows, self._cache, self._row_sampling())
+        else:
+            sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
+                                             positions, self._cache, self._row_sampling())
+        sampled = np.asarray(sampled)
+        with self._cond:
+            self._counts.prefill_calls += 1
+            self._counts.prefill_tokens += sum(n for _, n in taken)
+            self._counts.decode_steps += bool(packed)
+        if packed:
+            decoded = np.asarray(decoded)
+            for run in packed:
+                self._accept(run, int(decoded[run.slot]))
+        for run, n in taken:
+            if self._hybrid:
+                self._capture(run, n)
+            run.prefilled += n
+            done[run.request_id] += n
+            if run.prefilled == len(run.prompt):
+                self._store_prefix(run)
+                run.state = _State.DECODE
+                self._accept(run, int(sampled[index[run.slot]]))
+
+    def _decode_inputs(self, runs: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
+        """Each slot's decode token and position ([slots] int32; position -1 for a slot not in `runs`)."""
         tokens = np.zeros(self.slots, np.int32)
         positions = np.full(self.slots, -1, np.int32)
         for run in runs:
             tokens[run.slot] = run.tokens[-1]
             positions[run.slot] = len(run.prompt) + len(run.tokens) - 1
+        return tokens, positions
+
+    def _decode_call(self, runs: list[_Run]) -> None:
+        """One token for each of `runs` (one [slots, 1] call)."""
+        tokens, positions = self._decode_inputs(runs)
         self._cache = self.backend.before_step(self._cache, positions[:, None])
         sampled, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
                                          self._cache, self._row_sampling())
@@ -587,7 +659,6 @@ class ServingEngine(Engine):
             self._counts.decode_steps += 1
         for run in runs:
             self._accept(run, int(sampled[run.slot]))
-        return [run.request_id for run in runs]
 
     def _row_sampling(self) -> RowSampling:
         """The rows' sampling parameters, each row at its request's next token index."""
@@ -661,7 +732,7 @@ class ServingEngine(Engine):
                 request_id=run.request_id, tokens=list(run.tokens), finish_reason=reason,
                 prompt_tokens=len(run.prompt), cached_tokens=run.cached_tokens,
                 ttft=run.token_times[0] if run.token_times else None, token_times=list(run.token_times),
-                error=error)
+                error=error, queued=run.queued)
             self._cond.notify_all()
         try:
             if run.on_finish is not None:
@@ -704,6 +775,23 @@ class ServingEngine(Engine):
         cache = KVCache(layers=selected.layers, lengths=cache.lengths.at[rows].set(selected.lengths), meta=cache.meta)
         return _sample_last(model, hidden, positions, jax.tree_util.tree_map(lambda x: x[rows], sampling)), cache
 
+    def _packed_fn(self, params, tokens, positions, rows, decode_tokens, decode_positions, cache, sampling):
+        """_prefill_rows_fn's [R, C] chunks of batch rows `rows` and _decode_fn's [slots] decode
+        tokens in one call (PackedRows: the weights are read once for both) -> ((the chunks' rows'
+        tokens sampled from their last valid positions [R], next tokens [slots]), cache)."""
+        model = nnx.merge(self.graphdef, params)
+        prefill_lengths = jnp.maximum(cache.lengths[rows], jnp.max(positions, axis=1) + 1)
+        decode_lengths = jnp.maximum(cache.lengths, decode_positions + 1)
+        meta = PackedRows(rows=rows, prefill_lengths=prefill_lengths, decode_lengths=decode_lengths)
+        packed = KVCache(layers=cache.layers, lengths=cache.lengths[:1], meta=meta)  # lengths: not read
+        hidden, packed, _ = model.hidden_states(pack_rows(tokens, decode_tokens), pack_rows(positions, decode_positions),
+                                                packed, self.backend)
+        hidden_chunks, hidden_decode = meta.split(hidden)
+        lengths = jnp.maximum(cache.lengths.at[rows].max(prefill_lengths), decode_lengths)
+        sampled = _sample_last(model, hidden_chunks, positions, jax.tree_util.tree_map(lambda x: x[rows], sampling))
+        decoded = sample_rows(model.logits(hidden_decode[:, 0]), sampling)
+        return (sampled, decoded), KVCache(layers=packed.layers, lengths=lengths, meta=cache.meta)
+
     def _decode_fn(self, params, tokens, positions, cache, sampling):
         """tokens, positions [slots] -> (next tokens [slots], cache)."""
         model = nnx.merge(self.graphdef, params)
@@ -711,10 +799,14 @@ class ServingEngine(Engine):
         return sample_rows(logits[:, 0], sampling), cache
 
     def _run(self, name: str, fn, donate: tuple, *args: Any):
-        """fn compiled ahead of time once per shapes (`Generator._run`), shared with other engines of
-        the same model structure and parameter shapes on the same backend object (the compiled
-        code's inputs besides the arguments: fn merges self.graphdef and calls self.backend). The
-        object, not an equal one: an offloading backend's compiled host calls reach its own runtime."""
+        """fn compiled ahead of time once per shapes (`_executable`) and run on args."""
+        return self._executable(name, fn, donate, *args)(*args)
+
+    def _executable(self, name: str, fn, donate: tuple, *args: Any):
+        """fn compiled ahead of time for these arguments' shapes (`Generator._run`), shared with other
+        engines of the same model structure and parameter shapes on the same backend object (the
+        compiled code's inputs besides the arguments: fn merges self.graphdef and calls self.backend).
+        The object, not an equal one: an offloading backend's compiled host calls reach its own runtime."""
         varying = [a for a in args if a is not self.params]
         leaves, treedef = jax.tree_util.tree_flatten(varying)
         key = (name, self.graphdef, id(self.backend), self._params_signature, treedef) + tuple(
@@ -735,7 +827,31 @@ class ServingEngine(Engine):
                 _executables[key] = (self.backend, executable)  # the backend kept alive: its id stays its own
                 while len(_executables) > SHARED_EXECUTABLES:
                     _executables.popitem(last=False)
-        return executable(*args)
+        return executable
+
+    def compile_steps(self) -> int:
+        """Compiles every step shape this engine can run (decode; prefill of each row count, alone and
+        packed with decode tokens) without running them, so that no request waits for a compile.
+        The prefix cache's copies compile on their first use. Returns how many were compiled now."""
+        with self._step_lock:
+            before = self._counts.compiles
+            sampling, chunk = self._row_sampling(), self.prefill_chunk  # chunk: [slots, chunk] prefill
+            decode = (np.zeros(self.slots, np.int32), np.full(self.slots, -1, np.int32))
+            self._executable("decode", self._decode_fn, (3,), self.params, *decode, self._cache, sampling)
+            if not self.backend.prefills_rows:
+                prefill = (np.zeros((self.slots, chunk), np.int32), np.full((self.slots, chunk), -1, np.int32))
+                self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill, self._cache, sampling)
+            else:
+                for size in self._row_counts():
+                    width = self._call_width(size)
+                    prefill = (np.zeros((size, width), np.int32), np.full((size, width), -1, np.int32),
+                               np.arange(size, dtype=np.int32))
+                    self._executable("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill,
+                                     self._cache, sampling)
+                    if self.backend.packs_decode:
+                        self._executable("packed", self._packed_fn, (6,), self.params, *prefill, *decode,
+                                         self._cache, sampling)
+            return self._counts.compiles - before
 
     # ---- shutdown --------------------------------------------------------------------------------
 
