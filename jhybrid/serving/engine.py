@@ -25,7 +25,7 @@ each request runs in one row (slot) from admission to its end, then the row is e
 
 A long prompt is thus prefilled over several steps, each followed by a decode step of the running
 requests: it never stalls them for more than one budget of prefill. Shapes are fixed (prefill
-[R, chunk] for a power-of-two R, alone or packed with [slots] decode tokens, or [slots, chunk];
+[R, W] for each row count R, alone or packed with [slots] decode tokens, or [slots, chunk];
 decode [slots, 1]; the prefix copies run in pieces of one block count), each compiled once ahead of
 time (like `Generator._run`; `compile_steps` compiles every step shape up front): the steady state
 never recompiles.
@@ -198,9 +198,9 @@ class ServingEngine(Engine):
         max_prefill_chunk); a backend that `prefills_rows` runs R rows in calls of
         min(prefill_chunk, step_token_budget // R) tokens each, any other [slots, prefill_chunk].
     step_token_budget: prompt tokens prefilled per engine step over all rows (default: prefill_chunk).
-    prefix_cache: a PrefixCacheConfig, or None for no prefix cache. Used with the full layout of
-        KV (FullAttention's {k, v} per layer) and with a single-device offloading backend
-        (HybridAttention: its first tier lives on the host, module docstring); with any other
+    prefix_cache: a PrefixCacheConfig, or None for no prefix cache. Used with a backend that says
+        how a row's tokens lie (`backend.row_kv()`: full, quest) and with a single-device
+        offloading backend (HybridAttention: its first tier lives on the host, module docstring); with any other
         backend it is not used: logged once, and every request counts a miss. device_bytes None =
         the KV of max_len tokens (one slot's), at most DEFAULT_PREFIX_DEVICE_BYTES.
     prefix_cache_bytes: shorthand for the device tier's bytes (`jhybrid serve --prefix-cache-mb`):
@@ -522,12 +522,14 @@ class ServingEngine(Engine):
 
     def _prefill_and_decode(self) -> tuple[list[tuple[str, int]], list[str]]:
         """Up to step_token_budget prompt tokens of the prefilling requests (in prefill_order), in
-        calls of [R, W] (`_take`; see the module docstring), and one token for every request past its prefill: packed into the first
-        prefill call when the backend `packs_decode`, else one [slots, 1] call after the prefill.
+        calls of [R, W] (`_take`; see the module docstring), and one token for every request past
+        its prefill: packed into the first prefill call when the backend `packs_decode`, else one
+        [slots, 1] call after the prefill.
         Returns ((request_id, prompt tokens) per request that prefilled, decoded request_ids)."""
         budget, done = self.step_token_budget, collections.Counter()
-        packed = self._decoding() if self.backend.packs_decode else []
-        decoding = packed
+        packs = self.backend.packs_decode
+        decoding = self._decoding() if packs else []  # decided before the prefill: they ride in it
+        packed = decoding
         if self.prefill_order == "shortest":
             def first(run):
                 return len(run.prompt) - run.prefilled, run.order
@@ -543,9 +545,9 @@ class ServingEngine(Engine):
             budget -= sum(n for _, n in taken)
             self._prefill_call(taken, size, done, packed)
             packed = []  # the decode tokens ride with the first call only
-        if not self.backend.packs_decode:  # a request whose prefill just ended decodes in this step too
+        if not packs:  # a request whose prefill just ended decodes in this step too
             decoding = self._decoding()
-        if decoding and not (self.backend.packs_decode and done):
+        if decoding and not (packs and done):
             self._decode_call(decoding)
         return list(done.items()), [run.request_id for run in decoding]
 
