@@ -241,3 +241,77 @@ def test_auto_is_device_on_a_gpu_host_elsewhere_and_bad_values_are_named(model):
         OffloadConfig(prefill_offloaded="gpu")
     with pytest.raises(ValueError, match="prefill_upload_max_bytes=-1"):
         OffloadConfig(prefill_upload_max_bytes=-1)
+
+
+def run_interleaved(model, backend, chunk=16, steps=4, seed=11):
+    """The serving engine's pattern on two rows: row 1's 56-token prompt in chunks, then row 0's
+    72-token prompt in chunks with one decode step of row 1 after each (row 0 padded), then row 0
+    is reset and a 60-token prompt prefilled the same way, then `steps` decode steps of both.
+    Returns (row 1's interleaved decode logits [n, V], the final decode logits [2, steps, V], backend)."""
+    step, params = make_step(model, backend)
+    rng = np.random.default_rng(seed)
+    first, second, other = (rng.integers(0, 97, n).astype(np.int32) for n in (72, 60, 56))
+    decode = rng.integers(0, 97, (64,)).astype(np.int32)
+    backend.open(model.config, 2, MAX_LEN)
+    cache = model.init_cache(2, MAX_LEN, backend)
+    held = np.zeros(2, np.int64)
+    used = iter(range(64))
+
+    def chunk_of(row, tokens):
+        nonlocal cache
+        for s in range(0, len(tokens), chunk):
+            part = tokens[s:s + chunk]
+            toks = np.zeros((2, chunk), np.int32)
+            pos = np.full((2, chunk), -1, np.int32)
+            toks[row, :len(part)] = part
+            pos[row, :len(part)] = held[row] + np.arange(len(part))
+            cache = backend.before_step(cache, pos)
+            _, cache = step(params, toks, pos, cache)
+            held[row] += len(part)
+            yield
+
+    def decode_rows(rows):
+        nonlocal cache
+        toks = np.zeros((2, 1), np.int32)
+        pos = np.full((2, 1), -1, np.int32)
+        for row in rows:
+            toks[row, 0] = decode[next(used)]
+            pos[row, 0] = held[row]
+        cache = backend.before_step(cache, pos)
+        logits, cache = step(params, toks, pos, cache)
+        held[list(rows)] += 1
+        return np.asarray(logits[:, 0])
+
+    for _ in chunk_of(1, other):
+        pass
+    between = []
+    for prompt in (first, second):
+        for _ in chunk_of(0, prompt):
+            between.append(decode_rows([1])[1])
+        if prompt is first:
+            cache = backend.reset_rows(cache, np.array([0]))
+            held[0] = 0
+    final = [decode_rows([0, 1]) for _ in range(steps)]
+    return np.stack(between), np.stack(final, 1), backend
+
+
+def test_device_prefill_between_decode_steps_extends_and_uploads_each_row_once(model):
+    """Prefill chunks with a decode step of the other row between them (the serving engine): the
+    copies are kept across the decode step and extended, so each prompt is copied from the store
+    once (when its row first has offloaded blocks), and a reset row is copied again; outputs equal
+    full attention (keep-all) and the host path (a top-k policy)."""
+    want = run_interleaved(model, make_backend("full"))
+    got = run_interleaved(model, make_backend(OffloadConfig(mode="hgca", beta=1e-30, prefill_offloaded="device",
+                                                            **WINDOW)))
+    for w, g in zip(want[:2], got[:2]):
+        np.testing.assert_allclose(g, w, atol=TOL, rtol=TOL)
+    counters = got[2].counters()
+    # row 1's prompt, row 0's first prompt and, after its reset, its second one: one upload each
+    assert counters["n_prefill_row_uploads"] == 3
+    # 7 chunks see offloaded blocks (3 of them a row's first); 2 extend with blocks evicted before them
+    assert counters["n_prefill_device_chunks"] == 7 and counters["n_prefill_extends"] == 2
+    assert counters["n_prefill_host_chunks"] == 0
+    runs = {where: run_interleaved(model, make_backend(OffloadConfig(
+        **{**WINDOW, "mode": "topk", "budget": 16, "prefill_offloaded": where}))) for where in ("host", "device")}
+    for h, d in zip(runs["host"][:2], runs["device"][:2]):
+        np.testing.assert_allclose(d, h, atol=1e-5, rtol=1e-5)

@@ -461,17 +461,20 @@ def test_close_without_draining_cancels_and_with_draining_finishes(model, alone,
 
 
 @pytest.mark.slow
-def test_an_offloading_mode_serves_the_same_outputs(model, alone, rng, caplog):
+@pytest.mark.parametrize("prefill_offloaded", ["host", "device"])
+def test_an_offloading_mode_serves_the_same_outputs(model, alone, rng, caplog, prefill_offloaded):
     """hgca keeping every token (exact) through 2 slots with rows reset and reused: every output
     equals full attention's alone; the prefix cache is used (its first tier on the host: nothing
-    logged; tests/test_serving_prefix_offload.py checks its hits) and these prompts share no prefix."""
+    logged; tests/test_serving_prefix_offload.py checks its hits) and these prompts share no prefix.
+    Prefill chunks attend to the offloaded prompt on the host, or on the device through copies that
+    survive the decode call between two steps' chunks (each prompt copied from the store once)."""
     from jhybrid.hybrid import make_backend
 
     lengths, max_tokens = [5, 60, 17, 90, 3, 41], [30, 20, 25, 30, 12, 40]
     prompts = prompts_of(rng, lengths)
     with caplog.at_level(logging.INFO, logger="jhybrid.serving"):
-        engine = ServingEngine(model, make_backend("hgca", **KEEP_ALL), slots=2, max_len=MAX_LEN,
-                               prefill_chunk=CHUNK)
+        engine = ServingEngine(model, make_backend("hgca", **KEEP_ALL, prefill_offloaded=prefill_offloaded),
+                               slots=2, max_len=MAX_LEN, prefill_chunk=CHUNK)
     assert [r.message for r in caplog.records if "prefix cache not used" in r.message] == []
     with engine:
         engine.start()
@@ -482,4 +485,10 @@ def test_an_offloading_mode_serves_the_same_outputs(model, alone, rng, caplog):
         stats = engine.stats()
         assert (stats.prefix_hits, stats.prefix_misses, stats.running) == (0, len(prompts), 0)
         assert (engine.slot_lengths() == 0).all()
+        counters = engine.backend.counters()
+        if prefill_offloaded == "device":  # the 60-, 90- and 41-token prompts offload: 8 such chunks
+            assert counters["n_prefill_host_chunks"] == 0 and counters["n_prefill_device_chunks"] >= 6
+            assert counters["n_prefill_row_uploads"] == 3  # one per prompt, not one per chunk
+        else:
+            assert counters["n_prefill_device_chunks"] == 0
     assert engine.closed

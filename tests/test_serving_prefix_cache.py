@@ -221,7 +221,11 @@ def test_spill_to_disk_and_back():
     insert(cache, store, prompts[4])  # p0 -> host, p3 -> disk, p1 (least recent on disk) dropped
     assert tiers() == [[key_of(prompts[4])], [key_of(prompts[0])], [key_of(prompts[2]), key_of(prompts[3])]]
     assert acquire(cache, store, prompts[1]) == 0 and acquire(cache, store, prompts[3]) == 1
-    assert cache.stats().dropped == 1
+    assert tiers() == [[key_of(prompts[3])], [key_of(prompts[4])], [key_of(prompts[2]), key_of(prompts[0])]]
+    assert acquire(cache, store, prompts[4]) == 1 and acquire(cache, store, prompts[4]) == 1
+    stats = cache.stats()  # hits: p0 and p3 from disk, p4 from the host, then p4 on the device
+    assert stats.dropped == 1
+    assert (stats.hits, stats.hit_tokens, stats.hit_tokens_host, stats.hit_tokens_disk) == (4, 4 * BS, BS, 2 * BS)
     cache.close()
     assert not os.path.exists(folder)
 

@@ -3,6 +3,8 @@
 #   bash benchmarks/device/serving_h100.sh                          # kernel check + serving sweep
 #   KERNEL=0 RESUME=<previous JSON> bash benchmarks/device/serving_h100.sh   # continues the sweep
 #   TESTS=1: first the packed-step parity test on the GPU (tests/test_full_packed.py, Triton kernel)
+#            and the prefill copies kept across decode steps (tests/test_hybrid_prefill_upload.py)
+#   ONLY=TEXT: only the sweep's points whose key contains TEXT (e.g. ONLY=hgca)
 # 1. benchmarks/bench_prefill_attention.py: the prefill flash kernel checked and timed against the
 #    jnp path it replaced ($OUT/prefill-attention-h100.json);
 # 2. configs/serving-h100.yaml through bench_resumable.sh (the rest of the call's time).
@@ -15,7 +17,8 @@ python3 benchmarks/bench_host_attention.py --pattern scout --batch 8 --arena-gib
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 start=$(date +%s)
 if [ "${TESTS:-0}" = 1 ]; then
-  timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider tests/test_full_packed.py 2>&1 | tail -3
+  timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/test_full_packed.py \
+    "tests/test_hybrid_prefill_upload.py::test_device_prefill_between_decode_steps_extends_and_uploads_each_row_once" 2>&1 | tail -3
 fi
 if [ "${KERNEL:-1}" = 1 ]; then
   timeout -k 10 ${KERNEL_S:-200} python3 benchmarks/bench_prefill_attention.py --out "$OUT/prefill-attention-h100.json" \

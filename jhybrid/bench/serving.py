@@ -14,7 +14,7 @@ The run, per point (its mode: the offload section, through `backend_for` like th
   1. a ServingEngine of `serving_slots` slots, `max_len` = longest prompt + decode_tokens + 1 (rounded
      up to 64), `prefill_chunk`, `serving_step_tokens` prefill tokens per step (default: prefill_chunk),
      `serving_prefill_order`, the prefix cache's device tier `serving_prefix_cache_mb` (default: the
-     engine's);
+     engine's) and host tier `serving_prefix_cache_host_mb`;
   2. warm-up (untimed, its own random tokens): one request per prompt length, and, with a shared
      prefix, two per length carrying another prefix of the same length (compiles the prefix-copy
      steps), then `engine.compile_steps()` (every prefill, packed and decode shape);
@@ -190,9 +190,9 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             "prefill_order": bench.serving_prefill_order, "decode_tokens": bench.decode_tokens, "max_len": max_len,
             "prefill_chunk": bench.prefill_chunk, "step_tokens": step_tokens,
             "packs_decode": bool(backend.packs_decode), "host_kv_dtype": offload.host_kv_dtype or "model"}
-    prefix_cache = PrefixCacheConfig()
-    if bench.serving_prefix_cache_mb is not None:
-        prefix_cache = PrefixCacheConfig(device_bytes=int(bench.serving_prefix_cache_mb * 2**20))
+    prefix_cache = PrefixCacheConfig(
+        device_bytes=None if bench.serving_prefix_cache_mb is None else int(bench.serving_prefix_cache_mb * 2**20),
+        host_bytes=int(bench.serving_prefix_cache_host_mb * 2**20))
     # Steps over the whole run: warm-up and load, each request's prefill chunks and decode steps.
     steps = sum(math.ceil(len(p) / min(step_tokens, bench.prefill_chunk)) for p in load.prompts)
     step_log = 4 * (steps + n * bench.decode_tokens) + 1024
@@ -246,6 +246,10 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "prefix_hits": after.prefix_hits - before.prefix_hits,
            "prefix_misses": after.prefix_misses - before.prefix_misses,
            "prefix_hit_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens,
+           "prefix_hit_tokens_host": after.prefix_hit_tokens_host - before.prefix_hit_tokens_host,
+           "prefix_hit_tokens_disk": after.prefix_hit_tokens_disk - before.prefix_hit_tokens_disk,
+           "prefix_bytes": {"device": after.prefix_bytes_device, "host": after.prefix_bytes_host,
+                            "disk": after.prefix_bytes_disk},
            "compiles_timed": after.compiles - before.compiles, "warmup_s": round(warmup_s, 2),
            "served_s": round(served_s, 2), "host_rss_bytes": rss,
            "saturated_tok_s": None if saturated is None else saturated[0],

@@ -619,6 +619,7 @@ def _time_generations(model, point, generator, backend, batch, on_step) -> dict:
         row.update(prefill_offloaded=point.offload.prefill_offloaded,
                    prefill_device_chunks=counters.get("n_prefill_device_chunks"),
                    prefill_extends=counters.get("n_prefill_extends"),
+                   prefill_row_uploads=counters.get("n_prefill_row_uploads"),
                    prefill_host_chunks=counters.get("n_prefill_host_chunks"))
     row.update(_memory_now(backend))
     return row

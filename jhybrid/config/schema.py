@@ -140,6 +140,8 @@ class BenchmarkSpec:
       serving_step_tokens: prompt tokens prefilled per engine step (null: prefill_chunk).
       serving_prefix_cache_mb: the prefix cache's device tier in MiB (null: the engine's default, one
           slot's KV up to 1 GiB; 0: no prefix cache).
+      serving_prefix_cache_host_mb: its host tier in MiB (blocks the device tier evicts spill there;
+          0: no host tier).
       serving_slo_ttft_s / serving_slo_tbt_ms: the SLO of `goodput` (a request meets it when its time
           to first token and the p99 of its token gaps are within them); null: 2 x the run's median
           TTFT / 2 x its TBT p50."""
@@ -183,6 +185,7 @@ class BenchmarkSpec:
     serving_slots: int = 4
     serving_step_tokens: int | None = None
     serving_prefix_cache_mb: float | None = None
+    serving_prefix_cache_host_mb: float = 0.0
     serving_slo_ttft_s: float | None = None
     serving_slo_tbt_ms: float | None = None
 
@@ -217,7 +220,7 @@ POSITIVE = {"tokens", "scored_tokens", "niah_length", "niah_needles", "answer_to
             "serving_requests", "serving_rate", "serving_slots", "serving_step_tokens", "serving_slo_ttft_s",
             "serving_slo_tbt_ms"}
 NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib", "serving_shared_prefix",
-                "serving_prefix_cache_mb"}
+                "serving_prefix_cache_mb", "serving_prefix_cache_host_mb"}
 
 
 def allowed_keys() -> list[str]:

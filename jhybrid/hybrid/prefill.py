@@ -10,22 +10,26 @@ each prefill chunk, the offloaded blocks of every layer to the device and attend
   offloaded_attention(q, ...)   exact attention of the chunk's queries over them -> (o, lse)
                                 (the flash kernel `pallas_kernels.range_attention` on the GPU)
 
-  PrefillCopies                 the runtime's helper that attaches the copies to each layer's
-                                state (`LayerState.offloaded`) before a chunk, and EXTENDS the last
-                                chunk's copies on the device with the blocks evicted before this
-                                one (no host round trip) when chunks follow each other
+  PrefillCopies                 the runtime's helper that attaches the copies of the chunk's rows
+                                to each layer's state (`LayerState.offloaded`) before a chunk, keeps
+                                them (out of the cache) while chunks follow each other, with at most
+                                one decode step between them (the serving engine), and EXTENDS them on
+                                the device with the blocks evicted before each chunk (no host round
+                                trip); only a row whose copies are not current is copied from the host
 
-P is the largest sequence's offloaded token count rounded up to a power of two of blocks (few
-distinct shapes, so few compiles); keys at index >= n_valid[b] are masked. Every offloaded token
-precedes every query of the chunk, so there is no causal mask. The copies are transient: the
-step passes them through and the next step start drops them. Device memory: the batch's offloaded prompt KV
-of all layers at once (what full attention would hold), plus, off the GPU kernel, the scores of one
-layer [B, Hq, T, P] float32 — `OffloadConfig.prefill_upload_max_bytes` bounds the copy; above it the
-chunk uses the host path (logged).
+P is the chunk's rows' largest offloaded token count rounded up to a power of two of blocks (few
+distinct shapes, so few compiles; never below the kept copies'); keys at index >= n_valid[b] are
+masked (n_valid 0 for a row without a token in the chunk). Every offloaded token precedes every query
+of the chunk, so there is no causal mask. The step passes the copies through; the next step start
+takes them out of the cache. Device memory: [B, Hkv, P, D] K and V of all layers at once (what full
+attention would hold), plus, off the GPU kernel, the scores of one layer [B, Hq, T, P] float32 —
+`OffloadConfig.prefill_upload_max_bytes` bounds the copy; above it the chunk uses the host path
+(logged).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -57,32 +61,37 @@ def copies_bytes(store_config, blocks: np.ndarray, itemsize: int) -> int:
     return 2 * c.n_layers * len(blocks) * c.n_kv_heads * next_pow2(e) * c.block_size * c.head_dim * itemsize
 
 
-def offloaded_prompt(store, batch: int, dtype, device):
-    """The offloaded tokens of sequences 0..batch-1, every layer, on `device`.
+def offloaded_prompt(store, batch: int, dtype, device, rows: np.ndarray | None = None, tokens: int | None = None):
+    """The offloaded tokens of sequences `rows` (default 0..batch-1), every layer, on `device`.
 
-    Returns (layers, n_valid) with layers[l] = (k, v), each [B, Hkv, P, D] in `dtype` on the device
-    (rows of sequence b beyond n_valid[b] are zeros), n_valid int32 [B] NumPy; None when nothing is
-    offloaded yet. Every layer holds the same blocks per sequence (eviction is per step, all layers).
+    Returns (layers, n_valid) with layers[l] = (k, v), each [len(rows), Hkv, P, D] in `dtype` on the
+    device (rows of sequence b beyond n_valid[b] are zeros), n_valid int32 [len(rows)] NumPy; None
+    when nothing is offloaded yet. P = `tokens` (a multiple of the block size at least the largest
+    offloaded count), by default that count rounded up to a power of two of blocks. Every layer holds
+    the same blocks per sequence (eviction is per step, all layers).
     """
     c = store.config
     bs, hkv, d = c.block_size, c.n_kv_heads, c.head_dim
     dtype = np.dtype(dtype)
-    blocks = np.array([store.n_blocks(0, b) for b in range(batch)], np.int64)
-    if blocks.max() == 0:
+    rows = np.arange(batch) if rows is None else np.asarray(rows, np.int64)
+    blocks = np.array([store.n_blocks(0, int(b)) for b in rows], np.int64)
+    if blocks.max(initial=0) == 0:
         return None
-    p = next_pow2(int(blocks.max())) * bs
+    p = next_pow2(int(blocks.max())) * bs if tokens is None else tokens
+    if p < blocks.max() * bs or p % bs:
+        raise ValueError(f"offloaded_prompt: tokens={p} does not hold {int(blocks.max())} blocks of {bs} tokens")
     layers = []
     with store.lock:
         for layer in range(c.n_layers):
             arrays = store.layers[layer].arrays
             pair = []
             for name in ("k", "v"):
-                out = np.zeros((batch, hkv, p, d), dtype)
-                for b in range(batch):
-                    if blocks[b]:
-                        rows = arrays[name][store.block_slots(layer, b)]  # [e, Hkv, bs, D] storage
-                        rows = stored_as(rows, c.kv_dtype, dtype)
-                        out[b, :, :blocks[b] * bs] = rows.transpose(1, 0, 2, 3).reshape(hkv, -1, d)
+                out = np.zeros((len(rows), hkv, p, d), dtype)
+                for i, b in enumerate(rows.tolist()):
+                    if blocks[i]:
+                        stored = arrays[name][store.block_slots(layer, b)]  # [e, Hkv, bs, D] storage
+                        stored = stored_as(stored, c.kv_dtype, dtype)
+                        out[i, :, :blocks[i] * bs] = stored.transpose(1, 0, 2, 3).reshape(hkv, -1, d)
                 pair.append(to_device(out, device))
             layers.append(tuple(pair))
     return layers, (blocks * bs).astype(np.int32)
@@ -119,43 +128,78 @@ def offloaded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_valid: jax.A
 
 class PrefillCopies:
     """The device path of `prefill_offloaded` for one runtime: before a prefill chunk whose
-    sequences already have offloaded blocks, every layer gets a `DeviceCopy` of them; a chunk that
-    follows another extends the previous copies with the blocks evicted since (on the device)."""
+    sequences already have offloaded blocks, every layer gets a `DeviceCopy` of the offloaded blocks
+    of the chunk's rows (the rows with a valid position; the others attend to nothing).
+
+    The copies outlive their chunk, kept aside out of the cache, while chunks follow each other with
+    at most `DECODE_GAP` decode steps between them (the serving engine's step: prefill calls, then a
+    decode call of the other requests). The next chunk then extends them on the device with the
+    blocks evicted before it and copies from the host store only the rows whose copies are not
+    current (a row new to the device path, reset, adopted, or one whose decode steps evicted); a
+    prompt is uploaded once, not once per chunk. Per row, `_held[b]` is the number of offloaded
+    blocks its copies hold (-1: not current)."""
+
+    DECODE_GAP = 1
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self._blocks: np.ndarray | None = None  # [B] blocks per sequence the last copies hold
-        self._previous: tuple | None = None  # the last chunk's copies, kept while chunks follow
-        self._evicted: tuple | None = None  # (k, v, seq, blk, added [B]) evicted before this step
+        self._kept: tuple | None = None  # per layer (k, v) [B, Hkv, P, D]: the last chunk's copies
+        self._held: np.ndarray | None = None  # [B] int64 blocks each row's kept copies hold; -1 stale
+        self._attached = False  # the cache holds copies attach() made (the last step was a device chunk)
+        self._decode_steps = 0  # decode steps since the kept copies' chunk
+        self._evicted: tuple | None = None  # (k, v, seq, blk, added [B]) evicted at this step's start
 
     def reset(self) -> None:
-        """Forget the copies kept for extension (rows were reset: the next chunk copies from the store)."""
-        self._blocks = self._previous = self._evicted = None
+        """Forget every kept copy (the next chunk copies from the store)."""
+        self._kept = self._held = self._evicted = None
+        self._attached = False
 
-    def take_previous(self, cache, next_is_prefill: bool):
-        """At a step start: drop every layer's copies from the cache (kept aside when this step is a
-        prefill chunk that may extend them). Returns the cache without copies."""
-        self._previous = self._evicted = None
-        if next_is_prefill:
-            self._previous = tuple([(s.offloaded.k, s.offloaded.v) for s in cache.layers])
+    def forget_rows(self, rows) -> None:
+        """Rows `rows` hold another sequence now (reset, adopted): their copies are not current."""
+        if self._held is not None:
+            self._held[np.asarray(rows, np.int64)] = -1
+
+    def step_start(self, cache, prefill: bool):
+        """At every step start: take the copies out of the cache (a decode step runs without them;
+        a recall mode's copies of the last step are dropped too) and keep attach()'s aside for the
+        next chunk, or drop them after DECODE_GAP decode steps. Returns the cache without copies."""
+        self._evicted = None
+        if self._attached:
+            self._kept = tuple([(s.offloaded.k, s.offloaded.v) for s in cache.layers])
+            self._attached, self._decode_steps = False, 0
+        if not prefill and self._kept is not None:
+            self._decode_steps += 1
+            if self._decode_steps > self.DECODE_GAP:
+                self._kept = self._held = None  # frees their device memory for the decode steps
+        if cache.layers[0].offloaded is None:
+            return cache
         return cache.replace(layers=tuple([s.replace(offloaded=None) for s in cache.layers]))
 
     def note_evicted(self, k, v, seq, blk, added: np.ndarray) -> None:
         """This step start's evicted blocks, still on the device: k, v [L, N, bs, Hkv, D], seq, blk [N]."""
         self._evicted = (k, v, seq, blk, added)
 
-    def uses_device(self, cache, after: np.ndarray) -> bool:
+    def _tokens(self, blocks: np.ndarray) -> int:
+        """P of the next copies: the chunk's rows' blocks [B] padded to a power of two, never below the
+        kept copies' (they keep their rows' tokens; a shorter padding would cut them)."""
+        p = next_pow2(int(blocks.max(initial=0))) * self.runtime.config.block_size
+        return max(p, self._kept[0][0].shape[2]) if self._kept is not None else p
+
+    def uses_device(self, cache, after: np.ndarray, active: np.ndarray) -> bool:
         """Does the prefill chunk that brings the sequences to `after` [B] tokens attend to its
-        offloaded prompt on the device (copies) rather than on the host? (config.prefill_offloaded,
-        the platform, and the copies' size against prefill_upload_max_bytes; nothing offloaded
-        yet: the host path, which then attends to nothing.)"""
+        offloaded prompt on the device (copies) rather than on the host? `active` [B] bool: the rows
+        with a token in the chunk. (config.prefill_offloaded, the platform, and the copies' size
+        against prefill_upload_max_bytes; nothing offloaded yet: the host path, which then attends
+        to nothing.)"""
         runtime, cfg = self.runtime, self.runtime.config
         device = runtime.device
         if cfg.prefill_offloaded == "host" or (cfg.prefill_offloaded == "auto" and device.platform != "gpu"):
             return False
-        nbytes = copies_bytes(runtime.store.config, evicted_blocks(after, cfg), runtime.dtype.itemsize)
-        if nbytes == 0:
+        blocks = np.where(active, evicted_blocks(after, cfg), 0)
+        if blocks.max(initial=0) == 0:
             return False
+        c = runtime.store.config
+        nbytes = 2 * c.n_layers * runtime.batch * c.n_kv_heads * self._tokens(blocks) * c.head_dim * runtime.dtype.itemsize
         limit = cfg.prefill_upload_max_bytes
         if limit is not None and nbytes > limit:
             if not runtime.core_counters.n_prefill_host_chunks:
@@ -163,51 +207,52 @@ class PrefillCopies:
                             "prefill_upload_max_bytes=%d; such chunks attend to it on the CPU (slower)",
                             cfg.mode, nbytes, limit)
             runtime.core_counters.add(n_prefill_host_chunks=1)
+            self.reset()
             return False
         return True
 
-    def attach(self, cache, blocks: np.ndarray):
+    def attach(self, cache, blocks: np.ndarray, active: np.ndarray):
         """Before a prefill chunk on the device path: each layer's state gets the copies of `blocks`
-        [B] offloaded blocks per sequence (the last chunk's copies extended on the device, else
-        copied from the host store once every started eviction has landed there)."""
+        [B] offloaded blocks per sequence for the `active` [B] rows (n_valid 0 for the others). The
+        kept copies are extended on the device with the blocks evicted at this step's start; the
+        rows of the chunk whose copies are not current are copied from the host store, once every
+        started eviction has landed there."""
         runtime, cfg = self.runtime, self.runtime.config
-        device = runtime.device
+        device, batch = runtime.device, runtime.batch
         start = time.perf_counter()
         blocks = blocks.astype(np.int64)
-        layers_kv = self._extended(blocks)
-        if layers_kv is None:  # the first chunk over offloaded tokens (or after decode): from the store
+        p = self._tokens(np.where(active, blocks, 0))
+        kept, held = self._kept, self._held
+        evicted, self._evicted, self._kept = self._evicted, None, None
+        if kept is None or held is None:
+            kept, held = None, np.full(batch, -1, np.int64)
+        elif evicted is not None and runtime.store_rounds:
+            # The evicted blocks on the device are the unrounded values; the store holds (and
+            # decode attends) its rounded rows: the rows that evicted copy them from the store.
+            held = np.where(evicted[4] > 0, -1, held)
+            kept = _pad(kept, p) if kept[0][0].shape[2] != p else kept
+        elif evicted is not None:
+            held = np.where(held >= 0, held + evicted[4], -1)
+            kept = _extend(kept, *evicted[:4], p)
+            runtime.core_counters.add(n_prefill_extends=1)
+        elif kept[0][0].shape[2] != p:
+            kept = _pad(kept, p)
+        stale = active & (blocks > 0) & (held != blocks)
+        if stale.any():
             runtime.evictor.publish_all()
-            layers_kv, _ = offloaded_prompt(runtime.store, runtime.batch, runtime.dtype, device)
-            runtime.core_counters.add(bytes_to_device=copies_bytes(runtime.store.config, blocks, runtime.dtype.itemsize))
-        n_valid = (blocks * cfg.block_size).astype(np.int32)
+            rows = np.flatnonzero(stale)
+            fresh, _ = offloaded_prompt(runtime.store, batch, runtime.dtype, device, rows=rows, tokens=p)
+            kept = _set_rows(kept, tuple(fresh), jnp.asarray(rows, jnp.int32), batch)
+            held[rows] = blocks[rows]
+            runtime.core_counters.add(bytes_to_device=sum(x.nbytes for pair in fresh for x in pair),
+                                      n_prefill_row_uploads=len(rows))
+        n_valid = (np.where(active, blocks, 0) * cfg.block_size).astype(np.int32)
         # one n_valid per layer: the step donates the cache, and a buffer cannot be donated twice
         layers = tuple(state.replace(offloaded=DeviceCopy(k, v, jax.device_put(n_valid, device)))
-                       for state, (k, v) in zip(cache.layers, layers_kv))
+                       for state, (k, v) in zip(cache.layers, kept))
         runtime.core_counters.add(transfer_s=time.perf_counter() - start, n_prefill_device_chunks=1)
-        self._blocks = blocks
+        self._held, self._attached = held, True
         return cache.replace(layers=layers)
-
-    def _extended(self, blocks: np.ndarray):
-        """The last chunk's copies plus the blocks evicted before this chunk, scattered in on the
-        device; None when there are no copies to extend or they do not account for exactly
-        `blocks` [B] offloaded blocks per sequence."""
-        prev, evicted = self._previous, self._evicted
-        self._previous = self._evicted = None
-        if prev is None or self._blocks is None:
-            return None
-        if evicted is not None and self.runtime.store_rounds:
-            # The evicted blocks on the device are the unrounded values; the store holds (and
-            # decode attends) its rounded rows: copy those from the store instead.
-            return None
-        added = evicted[4] if evicted is not None else np.zeros_like(blocks)
-        if not np.array_equal(self._blocks + added, blocks):
-            log.debug("prefill copies hold %s blocks + %s evicted != %s stored: rebuilt from the store",
-                      self._blocks.tolist(), added.tolist(), blocks.tolist())
-            return None
-        if evicted is None:  # nothing evicted since: same blocks, same padding
-            return prev
-        self.runtime.core_counters.add(n_prefill_extends=1)
-        return _extend(prev, *evicted[:4], next_pow2(int(blocks.max())) * self.runtime.config.block_size)
 
 
 def _extend(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, blk: jax.Array, p: int):
@@ -235,3 +280,28 @@ def _scatter_evicted(prev: tuple, k: jax.Array, v: jax.Array, seq: jax.Array, bl
 
 _scatter_evicted_in_place = jax.jit(_scatter_evicted, static_argnums=(5,), donate_argnums=(0,))
 _scatter_evicted_padded = jax.jit(_scatter_evicted, static_argnums=(5,))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _pad(prev: tuple, p: int):
+    """prev[l] = (k, v) [B, Hkv, P0, D] padded with zeros to p >= P0 tokens."""
+    return jax.tree_util.tree_map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, p - x.shape[2]), (0, 0))), prev)
+
+
+def _set_rows(prev: tuple | None, fresh: tuple, rows: jax.Array, batch: int):
+    """prev[l] = (k, v) [B, Hkv, P, D] (None: zeros) with rows `rows` [n] replaced by fresh[l]
+    [n, Hkv, P, D] (prev donated: written in place)."""
+    if prev is None:
+        return _new_with_rows(fresh, rows, batch)
+    return _replace_rows(prev, fresh, rows)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _replace_rows(prev: tuple, fresh: tuple, rows: jax.Array):
+    return jax.tree_util.tree_map(lambda x, new: x.at[rows].set(new.astype(x.dtype)), prev, fresh)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _new_with_rows(fresh: tuple, rows: jax.Array, batch: int):
+    return jax.tree_util.tree_map(
+        lambda new: jnp.zeros((batch,) + new.shape[1:], new.dtype).at[rows].set(new), fresh)

@@ -123,7 +123,8 @@ class HostCounters(Counters):
     bytes_to_device: int = 0
     n_evicted_blocks: int = 0       # (block, layer) pairs evicted
     n_prefill_device_chunks: int = 0
-    n_prefill_extends: int = 0
+    n_prefill_extends: int = 0      # device chunks that extended the kept copies with evicted blocks
+    n_prefill_row_uploads: int = 0  # rows a device chunk copied from the host store (not current)
     n_prefill_host_chunks: int = 0
     exchange_barrier_s: float = 0.0  # before a decode step's first host layer: waiting for host work
     exchange_snapshot_s: float = 0.0  # ... and snapshotting the pages
@@ -356,7 +357,7 @@ class HostRuntime:
                              f"history of {n_tokens} tokens offloads {expected}")
         self.n_tokens[row] = n_tokens
         self.evictor.published[row] = self.evictor.started[row] = expected  # pending jobs hold 0 for it
-        self.prefill.reset()  # the next chunk's copies come from the store
+        self.prefill.forget_rows([row])  # the next chunk copies the row from the store
 
     def reset_rows(self, rows: np.ndarray) -> None:
         """Rows `rows` ([n] int, checked) hold no sequence any more: a new one starts in each at
@@ -383,7 +384,7 @@ class HostRuntime:
                 self.store.add_sequence(b)
             self.slot_tables[:, rows] = 0
         self.n_tokens[rows] = 0
-        self.prefill.reset()
+        self.prefill.forget_rows(rows)
         self.bridge.forget_rows(rows)
         if self.worker is not None:
             self.worker.forget_rows(rows)
@@ -480,8 +481,7 @@ class HostRuntime:
             raise ValueError(f"positions of shape {pos.shape}; expected [B={self.batch}, T]")
         prefill = pos.shape[1] > 1
         cache = self.mode_host.step_start(cache)
-        if cache.layers[0].offloaded is not None:  # last step's device copies (prefill, recall)
-            cache = self.prefill.take_previous(cache, prefill)
+        cache = self.prefill.step_start(cache, prefill)  # last step's device copies (prefill, recall)
         self._record_step()
         valid = pos >= 0
         n_new = valid.sum(axis=1)
@@ -498,13 +498,13 @@ class HostRuntime:
         if not prefill and self.decode_steps == 0:
             self.evictor.precompile(cache.layers)  # no timed decode step compiles an eviction
         before = self.evictor.published.copy()
-        device_prefill = prefill and self.prefill.uses_device(cache, after)
+        device_prefill = prefill and self.prefill.uses_device(cache, after, n_new > 0)
         cache, owned = self.evictor.before_step(cache, after, prefill, device_prefill, self.decode_steps)
         cache = self.mode_host.every_step(cache)
         if prefill:
             self.mode_host.before_prefill_chunk(pos)
             if device_prefill:
-                cache = self.prefill.attach(cache, owned)
+                cache = self.prefill.attach(cache, owned, n_new > 0)
         else:
             cache = self.mode_host.before_decode(cache, before)
             self.decode_steps += 1

@@ -117,6 +117,8 @@ class EngineStats:
     # prefill calls, and executables compiled (flat in the steady state).
     errors: int = 0
     steps: int = 0
+    prefix_hit_tokens_host: int = 0  # of prefix_hit_tokens, found in the host / disk tier
+    prefix_hit_tokens_disk: int = 0
     prefill_calls: int = 0
     compiles: int = 0
 

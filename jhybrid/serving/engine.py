@@ -411,7 +411,9 @@ class ServingEngine(Engine):
                 prefix_bytes_device=prefix.bytes_device if prefix else 0,
                 prefix_bytes_host=prefix.bytes_host if prefix else 0,
                 prefix_bytes_disk=prefix.bytes_disk if prefix else 0,
-                errors=c.errors, steps=c.steps, prefill_calls=c.prefill_calls, compiles=c.compiles)
+                errors=c.errors, steps=c.steps, prefill_calls=c.prefill_calls, compiles=c.compiles,
+                prefix_hit_tokens_host=prefix.hit_tokens_host if prefix else 0,
+                prefix_hit_tokens_disk=prefix.hit_tokens_disk if prefix else 0)
 
     def step_log(self) -> list[StepRecord]:
         """The latest steps' records, oldest first."""

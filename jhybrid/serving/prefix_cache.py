@@ -120,12 +120,15 @@ class CachedBlock:
 @dataclasses.dataclass(frozen=True)
 class PrefixCacheStats:
     """hits / misses: lookups (acquire) that found a cached prefix or not; hit_tokens: tokens
-    they covered; inserted / dropped: blocks added, and removed from the last tier; bytes and blocks
-    held per tier."""
+    they covered, and of those hit_tokens_host / hit_tokens_disk the tokens found in the host / disk
+    tier (brought back to the device); inserted / dropped: blocks added, and removed from the last
+    tier; bytes and blocks held per tier."""
 
     hits: int
     misses: int
     hit_tokens: int
+    hit_tokens_host: int
+    hit_tokens_disk: int
     inserted: int
     dropped: int
     bytes_device: int
@@ -160,6 +163,7 @@ class PrefixCache:
             os.makedirs(self._disk_dir, exist_ok=True)
         self._files = 0
         self._hits = self._misses = self._hit_tokens = self._inserted = self._dropped = 0
+        self._hit_tokens_from = {Tier.HOST: 0, Tier.DISK: 0}  # hit tokens brought back from a lower tier
 
     # ---- lookups and insertions ----------------------------------------------------------------
 
@@ -192,6 +196,8 @@ class PrefixCache:
             self._misses += 1
             return np.zeros(0, np.int64)
         moving = [block for block in chain if block.tier is not Tier.DEVICE]
+        for block in moving:
+            self._hit_tokens_from[block.tier] += self.block_size
         if moving:
             data = np.stack([self._take(block) for block in moving])  # out of their tiers first
             self._evict_device(len(moving) - len(self._free_slots), pinned=chain)
@@ -363,7 +369,9 @@ class PrefixCache:
     def stats(self) -> PrefixCacheStats:
         blocks = {tier: len(self._tiers[tier]) for tier in Tier}
         return PrefixCacheStats(
-            hits=self._hits, misses=self._misses, hit_tokens=self._hit_tokens, inserted=self._inserted,
+            hits=self._hits, misses=self._misses, hit_tokens=self._hit_tokens,
+            hit_tokens_host=self._hit_tokens_from[Tier.HOST], hit_tokens_disk=self._hit_tokens_from[Tier.DISK],
+            inserted=self._inserted,
             dropped=self._dropped, bytes_device=blocks[Tier.DEVICE] * self.block_bytes,
             bytes_host=self._host_bytes, bytes_disk=self._disk_bytes, blocks_device=blocks[Tier.DEVICE],
             blocks_host=blocks[Tier.HOST], blocks_disk=blocks[Tier.DISK])
