@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 
 
@@ -687,8 +688,19 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench(sub)
     _add_budget(sub)
     _add_sessions(sub)
+    parser.add_argument("--log-level", default=os.environ.get("JHYBRID_LOG_LEVEL", "WARNING").upper(),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="jhybrid's log lines on stderr at and above this level, with timestamps (default: "
+                             "$JHYBRID_LOG_LEVEL or WARNING; INFO shows a benchmark point's phases)")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in results files
+    if args.log_level != "WARNING":
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger = logging.getLogger("jhybrid")
+        logger.addHandler(handler)
+        logger.setLevel(args.log_level)
+        logger.propagate = False  # a root handler another library configured would print every line twice
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's INFO lines per checkpoint operation
     if args.command == "version":
         import jhybrid

@@ -7,7 +7,7 @@
 set -uo pipefail
 config=${1:?usage: bench_resumable.sh CONFIG [SECONDS]}
 seconds=${2:-530}
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. PYTHONUNBUFFERED=1 JHYBRID_LOG_LEVEL=${JHYBRID_LOG_LEVEL:-INFO}
 [ -n "${RESUME:-}" ] && cp "$RESUME" "$OUT"/
 bash scripts/build_native.sh python3 2>&1 | tail -1
 only=()

@@ -227,6 +227,10 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         outputs = []
         for i, handle in enumerate(handles):
             outputs.append(handle.result(RESULT_TIMEOUT_S))
+            out = outputs[-1]
+            log.info("request %d/%d done at %.1f s: %d prompt tokens (%d cached), ttft %.2f s, %d tokens", i + 1, n,
+                     time.perf_counter() - start, len(load.prompts[i]), out.cached_tokens, out.ttft or -1.0,
+                     len(out.tokens))
             if on_step:
                 on_step(i + 1, n)
         served_s = time.perf_counter() - start
