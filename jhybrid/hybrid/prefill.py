@@ -17,8 +17,9 @@ each prefill chunk, the offloaded blocks of every layer to the device and attend
                                 the device with the blocks evicted before each chunk (no host round
                                 trip); only a row whose copies are not current is copied from the host
 
-P is the chunk's rows' largest offloaded token count rounded up to a power of two of blocks (few
-distinct shapes, so few compiles; never below the kept copies'); keys at index >= n_valid[b] are
+P is the chunk's rows' largest offloaded token count rounded up to a power of two of blocks, at
+least an eighth of a row's host capacity and at most all of it (few distinct shapes, so few
+compiles of the prefill step; never below the kept copies'); keys at index >= n_valid[b] are
 masked (n_valid 0 for a row without a token in the chunk). Every offloaded token precedes every query
 of the chunk, so there is no causal mask. The step passes the copies through; the next step start
 takes them out of the cache. Device memory: [B, Hkv, P, D] K and V of all layers at once (what full
@@ -180,9 +181,13 @@ class PrefillCopies:
         self._evicted = (k, v, seq, blk, added)
 
     def _tokens(self, blocks: np.ndarray) -> int:
-        """P of the next copies: the chunk's rows' blocks [B] padded to a power of two, never below the
-        kept copies' (they keep their rows' tokens; a shorter padding would cut them)."""
-        p = next_pow2(int(blocks.max(initial=0))) * self.runtime.config.block_size
+        """P of the next copies: the chunk's rows' blocks [B] padded to a power of two of at least an
+        eighth of the row's capacity (nb_max), at most nb_max, never below the kept copies' (they keep
+        their rows' tokens; a shorter padding would cut them). Each P compiles the prefill step
+        anew: a prompt of the whole max_len meets four of them, not log2(nb_max)."""
+        nb_max = self.runtime.nb_max
+        floor = max(1, next_pow2(nb_max) // 8)
+        p = min(max(next_pow2(int(blocks.max(initial=0))), floor), nb_max) * self.runtime.config.block_size
         return max(p, self._kept[0][0].shape[2]) if self._kept is not None else p
 
     def uses_device(self, cache, after: np.ndarray, active: np.ndarray) -> bool:

@@ -824,7 +824,10 @@ class ServingEngine(Engine):
         if executable is None:
             start = time.perf_counter()
             executable = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-            self.compile_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            log.info("compiled the %s step in %.1f s (its 4-D inputs: %s)", name, seconds,
+                     sorted({tuple(a.shape) for a in leaves if getattr(a, "ndim", 0) == 4}))
             with self._cond:
                 self._counts.compiles += 1
             with _executables_lock:
