@@ -95,6 +95,7 @@ JOIN_SECONDS = 60.0
 # Compiled steps shared by engines of one model structure and one backend object (a server restarting
 # its engine, tests, benchmarks): the latest this many, keyed by everything the compiled code depends on.
 SHARED_EXECUTABLES = 32
+STEP_SUMMARY = 64  # steps per INFO summary line of step times
 _executables: collections.OrderedDict = collections.OrderedDict()
 _executables_lock = threading.Lock()
 # The backend of engines given none (full attention has no state of its own: one object serves all).
@@ -119,11 +120,13 @@ def _sample_last(model, hidden, positions, sampling: RowSampling) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """What one engine step ran: prefill ((request_id, prompt tokens prefilled), ...) in the order
-    they took the step's budget (prefill_order) and decode (request_ids that got a decode step) in slot order."""
+    they took the step's budget (prefill_order) and decode (request_ids that got a decode step) in
+    slot order; seconds: its wall time (admission, model calls, sampling; not the wait for work)."""
 
     step: int
     prefill: tuple[tuple[str, int], ...]
     decode: tuple[str, ...]
+    seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -281,6 +284,7 @@ class ServingEngine(Engine):
         self._ids = itertools.count()
         self._admissions = itertools.count()
         self._log: collections.deque[StepRecord] = collections.deque(maxlen=step_log)
+        self._step_window: list[tuple[float, int, int]] = []  # (seconds, prompt, decode tokens) since the last summary
         self._counts = _Counters()
 
     def _open_prefix_cache(self, config: PrefixCacheConfig | None, asked_for: bool):
@@ -472,17 +476,31 @@ class ServingEngine(Engine):
         for run in cancelled:
             self._finish(run, FinishReason.CANCELLED)
         self._reset_released_rows()
+        start = time.perf_counter()
         admitted = self._admit()
         prefilled, decoded = self._prefill_and_decode()
         self._reset_released_rows()
+        seconds = time.perf_counter() - start
         with self._cond:
             if prefilled or decoded:
                 self._counts.steps += 1
-                self._log.append(StepRecord(self._counts.steps, tuple(prefilled), tuple(decoded)))
+                self._log.append(StepRecord(self._counts.steps, tuple(prefilled), tuple(decoded), seconds))
+                self._log_steps(seconds, sum(n for _, n in prefilled), len(decoded))
             if self._prefix is not None:
                 self._prefix_stats = self._prefix.stats()
             self._cond.notify_all()
         return bool(cancelled or admitted or prefilled or decoded)
+
+    def _log_steps(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
+        """Every STEP_SUMMARY steps, one INFO line: their median and longest time and their tokens."""
+        window = self._step_window
+        window.append((seconds, prefill_tokens, decode_tokens))
+        if len(window) == STEP_SUMMARY:
+            times = sorted(w[0] for w in window)
+            log.info("steps %d-%d: median %.1f ms, longest %.1f ms; %d prompt and %d decode tokens",
+                     self._counts.steps - len(window) + 1, self._counts.steps, 1e3 * times[len(times) // 2],
+                     1e3 * times[-1], sum(w[1] for w in window), sum(w[2] for w in window))
+            window.clear()
 
     def _admit(self) -> list[_Run]:
         """Waiting requests into free slots (FIFO), each with its prefix-cache hit copied into its row."""
