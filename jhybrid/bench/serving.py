@@ -50,7 +50,9 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, packs_decode (
   run: 2 x the median TTFT and 2 x the pooled TBT p50 (a request that waited or stalled twice the
   typical time misses it),
   prefix_hits / prefix_misses / prefix_hit_tokens (the engine's counts over the load, warm-up
-  excluded; the offloading modes do not use the prefix cache: every request is a miss),
+  excluded; tensor-parallel offloading backends cannot use the prefix cache: every request a miss),
+  prefix_hit_tokens_host / _disk (of the hit tokens, those brought back from the host / disk tier),
+  prefix_bytes (bytes held per tier at the end of the load),
   ttft_hit_over_miss (median TTFT of the requests that hit / of those that missed; None if either
   group is empty; queueing included, and the misses are of every drawn length),
   ttft_hit_over_shared_miss (the same over the misses among the requests carrying the shared prefix,
