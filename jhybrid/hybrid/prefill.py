@@ -149,11 +149,12 @@ class PrefillCopies:
         self._attached = False  # the cache holds copies attach() made (the last step was a device chunk)
         self._decode_steps = 0  # decode steps since the kept copies' chunk
         self._evicted: tuple | None = None  # (k, v, seq, blk, added [B]) evicted at this step's start
+        self.holds_copies = False  # copies attached to the cache or kept aside: step_start has work to do
 
     def reset(self) -> None:
         """Forget every kept copy (the next chunk copies from the store)."""
         self._kept = self._held = self._evicted = None
-        self._attached = False
+        self._attached = self.holds_copies = False
 
     def forget_rows(self, rows) -> None:
         """Rows `rows` hold another sequence now (reset, adopted): their copies are not current."""
@@ -161,9 +162,10 @@ class PrefillCopies:
             self._held[np.asarray(rows, np.int64)] = -1
 
     def step_start(self, cache, prefill: bool):
-        """At every step start: take the copies out of the cache (a decode step runs without them;
-        a recall mode's copies of the last step are dropped too) and keep attach()'s aside for the
-        next chunk, or drop them after DECODE_GAP decode steps. Returns the cache without copies."""
+        """At a step start (every prefill step; a decode step when the cache has copies or
+        `holds_copies`): take the copies out of the cache (a decode step runs without them; a recall
+        mode's copies of the last step are dropped too) and keep attach()'s aside for the next chunk,
+        or drop them after DECODE_GAP decode steps. Returns the cache without copies."""
         self._evicted = None
         if self._attached:
             self._kept = tuple([(s.offloaded.k, s.offloaded.v) for s in cache.layers])
@@ -172,6 +174,7 @@ class PrefillCopies:
             self._decode_steps += 1
             if self._decode_steps > self.DECODE_GAP:
                 self._kept = self._held = None  # frees their device memory for the decode steps
+        self.holds_copies = self._kept is not None
         if cache.layers[0].offloaded is None:
             return cache
         return cache.replace(layers=tuple([s.replace(offloaded=None) for s in cache.layers]))
@@ -256,7 +259,7 @@ class PrefillCopies:
         layers = tuple(state.replace(offloaded=DeviceCopy(k, v, jax.device_put(n_valid, device)))
                        for state, (k, v) in zip(cache.layers, kept))
         runtime.core_counters.add(transfer_s=time.perf_counter() - start, n_prefill_device_chunks=1)
-        self._held, self._attached = held, True
+        self._held, self._attached, self.holds_copies = held, True, True
         return cache.replace(layers=layers)
 
 

@@ -481,7 +481,8 @@ class HostRuntime:
             raise ValueError(f"positions of shape {pos.shape}; expected [B={self.batch}, T]")
         prefill = pos.shape[1] > 1
         cache = self.mode_host.step_start(cache)
-        cache = self.prefill.step_start(cache, prefill)  # last step's device copies (prefill, recall)
+        if prefill or self.prefill.holds_copies or cache.layers[0].offloaded is not None:
+            cache = self.prefill.step_start(cache, prefill)  # last step's device copies (prefill, recall)
         self._record_step()
         valid = pos >= 0
         n_new = valid.sum(axis=1)
