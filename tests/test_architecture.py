@@ -198,12 +198,15 @@ def test_a_decode_step_runs_through_the_documented_files(mode, rng):
         logits, cache = step(params, np.ones((batch, 1), np.int32), pos, cache)
         jax.block_until_ready(logits)
 
-    decode(prompt)  # not traced: compiles the host programs the decode steps use
+    # Not traced: steps past an eviction of every sequence (spread over 16 steps), which compile the
+    # host programs the decode steps use (Numba's first compile under a profiler takes minutes).
+    for n in range(prompt, prompt + 17):
+        decode(n)
     sys.setprofile(profile)
     threading.setprofile(profile)
     try:
         step._clear_cache()  # the jitted step traces again: its Python code counts too
-        for n in range(prompt + 1, prompt + 34):  # past an eviction of every sequence (spread over 16 steps)
+        for n in range(prompt + 17, prompt + 50):  # past another eviction of every sequence
             decode(n)
     finally:
         sys.setprofile(None)

@@ -299,7 +299,7 @@ def test_device_prefill_between_decode_steps_extends_and_uploads_each_row_once(m
     """Prefill chunks with a decode step of the other row between them (the serving engine): the
     copies are kept across the decode step and extended, so each prompt is copied from the store
     once (when its row first has offloaded blocks), and a reset row is copied again; outputs equal
-    full attention (keep-all) and the host path (a top-k policy)."""
+    full attention (keep-all; a dropped or stale block would change them)."""
     want = run_interleaved(model, make_backend("full"))
     got = run_interleaved(model, make_backend(OffloadConfig(mode="hgca", beta=1e-30, prefill_offloaded="device",
                                                             **WINDOW)))
@@ -311,7 +311,3 @@ def test_device_prefill_between_decode_steps_extends_and_uploads_each_row_once(m
     # 7 chunks see offloaded blocks (3 of them a row's first); 2 extend with blocks evicted before them
     assert counters["n_prefill_device_chunks"] == 7 and counters["n_prefill_extends"] == 2
     assert counters["n_prefill_host_chunks"] == 0
-    runs = {where: run_interleaved(model, make_backend(OffloadConfig(
-        **{**WINDOW, "mode": "topk", "budget": 16, "prefill_offloaded": where}))) for where in ("host", "device")}
-    for h, d in zip(runs["host"][:2], runs["device"][:2]):
-        np.testing.assert_allclose(d, h, atol=1e-5, rtol=1e-5)
