@@ -53,13 +53,14 @@ def offloaded_prompt_bytes(store, batch: int, itemsize: int) -> int:
     return copies_bytes(store.config, blocks, itemsize)
 
 
-def copies_bytes(store_config, blocks: np.ndarray, itemsize: int) -> int:
+def copies_bytes(store_config, blocks: np.ndarray, itemsize: int, tokens: int | None = None) -> int:
     """Device bytes of copies of `blocks` [B] offloaded blocks per sequence (K and V of every
-    layer, padded to a power of two of blocks)."""
+    layer), padded to `tokens` per sequence (default: a power of two of blocks)."""
     c, e = store_config, int(blocks.max(initial=0))
     if e == 0:
         return 0
-    return 2 * c.n_layers * len(blocks) * c.n_kv_heads * next_pow2(e) * c.block_size * c.head_dim * itemsize
+    tokens = next_pow2(e) * c.block_size if tokens is None else tokens
+    return 2 * c.n_layers * len(blocks) * c.n_kv_heads * tokens * c.head_dim * itemsize
 
 
 def offloaded_prompt(store, batch: int, dtype, device, rows: np.ndarray | None = None, tokens: int | None = None):
@@ -206,8 +207,7 @@ class PrefillCopies:
         blocks = np.where(active, evicted_blocks(after, cfg), 0)
         if blocks.max(initial=0) == 0:
             return False
-        c = runtime.store.config
-        nbytes = 2 * c.n_layers * runtime.batch * c.n_kv_heads * self._tokens(blocks) * c.head_dim * runtime.dtype.itemsize
+        nbytes = copies_bytes(runtime.store.config, blocks, runtime.dtype.itemsize, self._tokens(blocks))
         limit = cfg.prefill_upload_max_bytes
         if limit is not None and nbytes > limit:
             if not runtime.core_counters.n_prefill_host_chunks:
