@@ -1,5 +1,6 @@
 """HCache storage: striped chunk files round trip (more chunks than one preadv takes), checksums,
-chained prefix hashes, truncation of uncommitted bytes."""
+chained prefix hashes, truncation of uncommitted bytes; one chunk written over in place and read
+alone (the prefix cache's disk tier slots)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,32 @@ def test_reopening_truncates_bytes_past_the_committed_chunks(tmp_path):
         f.write(b"half a chunk")  # a crash mid-append
     LayerAppender(layout, "s", 3, committed_chunks=2, chunk_bytes=chunk.nbytes).close()
     assert os.path.getsize(layout.layer_file(0, "s", 3)) == 2 * chunk.nbytes
+
+
+@pytest.mark.parametrize("num_stripes", [1, 2])
+def test_a_chunk_is_written_over_and_read_alone(tmp_path, rng, num_stripes):
+    layout = ChunkLayout(stripe_dirs=tuple(str(tmp_path / f"d{s}") for s in range(num_stripes)), chunk_tokens=2)
+    chunks = rng.standard_normal((5, 2, 3)).astype(np.float32)
+    appender = LayerAppender(layout, "s", 0, committed_chunks=5, chunk_bytes=chunks[0].nbytes)  # 5 empty slots
+    crcs = [appender.write_at(c, chunks[c]) for c in range(5)]
+    new = rng.standard_normal((2, 3)).astype(np.float32)
+    crcs[3] = appender.write_at(3, new)
+    chunks[3] = new
+    with pytest.raises(IndexError, match="chunk 5 of layer 0; expected 0 <= chunk < 5"):
+        appender.write_at(5, new)
+    assert appender.num_chunks == 5
+    appender.close()
+    for c in range(5):
+        out = np.empty((2, 3), np.float32)
+        storage.read_chunk(layout, "s", 0, c, out)
+        np.testing.assert_array_equal(out, chunks[c])
+        storage.verify_chunks(out, 2, [crcs[c]], "test")
+    os.truncate(layout.layer_file(4 % num_stripes, "s", 0), 1)
+    with pytest.raises(CorruptSession, match="is shorter than chunk 4"):
+        storage.read_chunk(layout, "s", 0, 4, np.empty((2, 3), np.float32))
+    os.remove(layout.layer_file(0, "s", 0))
+    with pytest.raises(CorruptSession, match="layer_000.bin is missing"):
+        storage.read_chunk(layout, "s", 0, 0, np.empty((2, 3), np.float32))
 
 
 def test_chain_hashes_identify_whole_prefixes():

@@ -160,15 +160,19 @@ def test_cancel_mid_run_and_while_waiting(engine, alone, rng):
     wait_idle(engine)
     before = engine.stats()
     prompts = prompts_of(rng, [10, 12, 14])
-    holder, queued_cancelled = {}, threading.Event()
+    holder, queued_cancelled, other_cancelled = {}, threading.Event(), threading.Event()
 
     def cancel_at_5(token, index):
         if index == 5:  # the engine thread waits here until the queued request's cancel is in
             assert queued_cancelled.wait(TIMEOUT)
             holder["running"].cancel()  # from the engine's own thread: ends at the next step
 
+    def hold_at_20(token, index):
+        if index == 20:  # it cannot reach max_tokens before the test cancels it
+            assert other_cancelled.wait(TIMEOUT)
+
     holder["running"] = engine.submit(Request(prompts[0], max_tokens=100), cancel_at_5)
-    other = engine.submit(Request(prompts[1], max_tokens=100))
+    other = engine.submit(Request(prompts[1], max_tokens=100), hold_at_20)
     queued = engine.submit(Request(prompts[2], max_tokens=100))  # both slots are taken: it waits
     queued.cancel()
     queued_cancelled.set()
@@ -177,6 +181,7 @@ def test_cancel_mid_run_and_while_waiting(engine, alone, rng):
     waited = queued.result(TIMEOUT)
     assert waited.finish_reason == FinishReason.CANCELLED and waited.tokens == []
     other.cancel()
+    other_cancelled.set()
     assert other.result(TIMEOUT).finish_reason == FinishReason.CANCELLED
     other.cancel()  # no-op once finished
     wait_idle(engine)

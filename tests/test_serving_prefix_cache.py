@@ -4,18 +4,25 @@
     constant hash, a hash that ignores the parent) miss instead of returning another prefix's KV;
   * LRU order at the device, host and disk tiers equals an independent OrderedDict model over
     random inserts and lookups, the blocks' data surviving device -> host -> disk and back;
+  * the disk tier (HCache-layout layer files, jhybrid/serving/disk_tier.py): random bfloat16 KV
+    comes back bit for bit; a corrupted or missing layer file ends a hit before the block (counted,
+    no exception); with a given disk_dir the tree survives close and reopen under the same
+    fingerprint, and another fingerprint discards it;
   * random shared prefixes under tiny capacities keep the index consistent (no orphan block, slots
     and bytes accounted, every hit's data the prompt's own);
   * in the engine (tiny model): a hit's output equals the miss's and the Generator's alone, with the
     right cached_tokens (whole blocks, the last prompt token always prefilled) and counters; KV
-    spilled to host and disk comes back for a hit with the same output.
+    spilled to host and disk comes back for a hit with the same output, also in a new engine opened
+    on the same disk_dir.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -23,7 +30,9 @@ from jhybrid.attention.full import FULL_ROW_KV
 from jhybrid.generation import Generator
 from jhybrid.models import create_model
 from jhybrid.serving.api import Request
+from jhybrid.serving.disk_tier import INDEX_FILE, SESSION_ID
 from jhybrid.serving.engine import ServingEngine
+from jhybrid.serving.kv_blocks import HostKVBlockPool
 from jhybrid.serving.prefix_cache import PrefixCache, PrefixCacheConfig, Tier, chain_hash
 from tests.hybrid_support import TINY
 
@@ -32,12 +41,16 @@ TIMEOUT = 120.0
 
 
 class NumpyStore:
-    """A device tier of NumPy rows: block j of a prompt is stored as its BS token ids (so a hit's
-    data can be checked against the prompt)."""
+    """A device tier of NumPy blocks [1 layer, 2, BS, 1 head, 1 value] int64: block j of a prompt
+    is stored as its BS token ids, as its K and as its V (so a hit's data can be checked against
+    the prompt)."""
+
+    block_shape = (1, 2, BS, 1, 1)
+    dtype = np.dtype(np.int64)
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.data = np.full((capacity, BS), -1, np.int64)
+        self.data = np.full((capacity,) + self.block_shape, -1, np.int64)
         self.block_bytes = self.data[0].nbytes
 
     def read(self, slots):
@@ -56,12 +69,17 @@ def make_cache(device, host=0, disk=0, disk_dir=None, hash_fn=chain_hash):
     return PrefixCache(config, store, hash_fn), store
 
 
+def as_blocks(tokens) -> np.ndarray:
+    """NumpyStore blocks of whole blocks of tokens: [n, 1, 2, BS, 1, 1] (K = V = the ids)."""
+    ids = np.asarray(tokens, np.int64).reshape(-1, 1, 1, BS, 1, 1)
+    return np.broadcast_to(ids, (len(ids), 1, 2, BS, 1, 1))
+
+
 def insert(cache, store, tokens) -> int:
-    ids = np.asarray(tokens)
+    blocks = as_blocks(np.asarray(tokens)[:len(tokens) // BS * BS])
 
     def copy(block_numbers, slots):
-        for j, slot in zip(block_numbers, slots):
-            store.data[slot] = ids[j * BS:(j + 1) * BS]
+        store.data[slots] = blocks[block_numbers]
 
     return cache.insert(tokens, copy)
 
@@ -69,7 +87,7 @@ def insert(cache, store, tokens) -> int:
 def acquire(cache, store, tokens) -> int:
     """Acquires `tokens`' cached prefix, checks its data is the prompt's own, returns its blocks."""
     slots = cache.acquire(tokens)
-    want = np.asarray(tokens)[:len(slots) * BS].reshape(-1, BS)
+    want = as_blocks(np.asarray(tokens)[:len(slots) * BS])
     assert np.array_equal(store.data[slots], want), "a hit returned another prefix's KV"
     return len(slots)
 
@@ -183,10 +201,10 @@ def test_lru_order_at_each_tier_equals_a_plain_model(capacities, tmp_path, rng):
         stats = cache.stats()
         assert (stats.blocks_device, stats.blocks_host, stats.blocks_disk) == tuple(len(t) for t in model.tiers)
         assert stats.bytes_disk == len(model.tiers[2]) * store.block_bytes
-        files = os.listdir(tmp_path / "spill") if (tmp_path / "spill").exists() else []
-        assert len(files) == len(model.tiers[2])
+        used = cache._disk.used_slots if cache._disk else []
+        assert used == sorted(b.disk_slot for b in cache._tiers[Tier.DISK].values())
     cache.close()
-    assert not (tmp_path / "spill").exists() or os.listdir(tmp_path / "spill") == []
+    assert (tmp_path / "spill" / INDEX_FILE).exists() == (capacities[2] > 0)  # a given disk_dir persists
 
 
 def test_device_only_eviction_reads_nothing_back():
@@ -215,7 +233,7 @@ def test_spill_to_disk_and_back():
         return [cache.tier_keys(tier) for tier in Tier]
 
     assert tiers() == [[key_of(prompts[3])], [key_of(prompts[2])], [key_of(prompts[0]), key_of(prompts[1])]]
-    assert len(os.listdir(folder)) == 2
+    assert cache._disk.used_slots == [0, 1]
     assert acquire(cache, store, prompts[0]) == 1
     assert tiers() == [[key_of(prompts[0])], [key_of(prompts[3])], [key_of(prompts[1]), key_of(prompts[2])]]
     insert(cache, store, prompts[4])  # p0 -> host, p3 -> disk, p1 (least recent on disk) dropped
@@ -250,7 +268,171 @@ def test_shared_prefixes_under_pressure_keep_the_index_consistent(tmp_path, rng)
         stats = cache.stats()
         assert stats.bytes_host == stats.blocks_host * store.block_bytes <= 3 * store.block_bytes
         assert stats.bytes_disk == stats.blocks_disk * store.block_bytes
-        assert stats.blocks_disk == len(os.listdir(tmp_path))
+        disk_slots = sorted(b.disk_slot for b in cache._tiers[Tier.DISK].values())
+        assert disk_slots == cache._disk.used_slots and len(disk_slots) + cache._disk.free_slots == 2
+
+
+# ----------------------------------------------------------------------------- the disk tier (HCache files)
+
+
+LAYERS, HEADS, DIM = 2, 2, 8  # the KV tests' block: [2 layers, 2, BS, 2 heads, 8]
+
+
+def kv_cache(device, host=0, disk=0, disk_dir=None, dtype=ml_dtypes.bfloat16, fingerprint=None):
+    """A PrefixCache over a HostKVBlockPool of KV blocks [LAYERS, 2, BS, HEADS, DIM]; capacities in blocks."""
+    pool = HostKVBlockPool(device, LAYERS, BS, HEADS, DIM, dtype)
+    size = pool.block_bytes
+    config = PrefixCacheConfig(block_size=BS, device_bytes=device * size, host_bytes=host * size,
+                               disk_bytes=disk * size, disk_dir=disk_dir)
+    return PrefixCache(config, pool, fingerprint=fingerprint), pool
+
+
+def kv_blocks(pool, tokens) -> np.ndarray:
+    """The KV of the whole blocks of a prompt, [n, LAYERS, 2, BS, HEADS, DIM] in the pool's dtype:
+    random, seeded by each block's chained key (so equal prefixes have equal KV)."""
+    ids = np.asarray(tokens, np.int32)
+    blocks, key = [], 0
+    for begin in range(0, len(ids) // BS * BS, BS):
+        key = chain_hash(key, ids[begin:begin + BS].tobytes())
+        blocks.append(np.random.default_rng(key).standard_normal(pool.block_shape).astype(pool.dtype))
+    return np.stack(blocks)
+
+
+def kv_insert(cache, pool, tokens) -> int:
+    blocks = kv_blocks(pool, tokens)
+
+    def copy(block_numbers, slots):
+        pool.write(slots, blocks[block_numbers])
+
+    return cache.insert(tokens, copy)
+
+
+def kv_acquire(cache, pool, tokens) -> int:
+    """Acquires a prompt's cached prefix, checks its KV bit for bit, returns its blocks."""
+    slots = cache.acquire(tokens)
+    assert pool.read(slots).tobytes() == kv_blocks(pool, tokens)[:len(slots)].tobytes(), "a hit's KV differs"
+    return len(slots)
+
+
+def layer_file(folder, layer) -> str:
+    return os.path.join(folder, SESSION_ID, f"layer_{layer:03d}.bin")
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+def test_random_kv_through_host_and_disk_comes_back_bit_for_bit(dtype, rng):
+    """Tiers of 2 / 2 / 4 blocks: four 2-block prompts push the first two to disk; hits on them bring
+    their random KV back from the HCache-layout files unchanged, and the tiers shift down."""
+    cache, pool = kv_cache(device=2, host=2, disk=4, dtype=dtype)
+    prompts = [rng.integers(0, 1000, 2 * BS + 1).tolist() for _ in range(4)]
+    for prompt in prompts:
+        assert kv_insert(cache, pool, prompt) == 2
+    stats = cache.stats()
+    assert (stats.blocks_device, stats.blocks_host, stats.blocks_disk) == (2, 2, 4)
+    assert sorted(os.listdir(os.path.join(cache.disk_dir, SESSION_ID))) == ["layer_000.bin", "layer_001.bin"]
+    assert kv_acquire(cache, pool, prompts[0]) == 2 and kv_acquire(cache, pool, prompts[1]) == 2
+    assert kv_acquire(cache, pool, prompts[2]) == 2 and kv_acquire(cache, pool, prompts[3]) == 2
+    stats = cache.stats()
+    assert (stats.hit_tokens_disk, stats.hit_tokens_host, stats.disk_read_errors) == (8 * BS, 0, 0)  # each hit pushes
+    # the device tier's blocks to the host and the host's to disk: the next prompt is always on disk
+    assert (stats.blocks_device, stats.blocks_host, stats.blocks_disk, stats.dropped) == (2, 2, 4, 0)
+    cache.close()
+
+
+@pytest.mark.parametrize("damage, block", [("flip", 1), ("flip", 0), ("truncate", 0), ("remove", 0)])
+def test_a_damaged_layer_file_ends_the_hit_before_that_block(damage, block, tmp_path, rng, caplog):
+    """A flipped byte, a short file or a missing file under a disk block: the hit stops before it
+    (block 1: a 1-block hit; block 0: a miss), the block and its child are dropped, one warning is
+    logged and counted, nothing raises; the cache goes on working."""
+    cache, pool = kv_cache(device=2, disk=4, disk_dir=str(tmp_path))
+    first, second = rng.integers(0, 1000, 2 * BS).tolist(), rng.integers(1000, 2000, 2 * BS).tolist()
+    kv_insert(cache, pool, first)
+    kv_insert(cache, pool, second)  # first's two blocks -> disk
+    assert cache.stats().blocks_disk == 2
+    slot = cache.match(first)[block].disk_slot
+    path = layer_file(tmp_path, 1 - block)
+    chunk_bytes = BS * 2 * HEADS * DIM * 2  # one layer of one block, bfloat16
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(slot * chunk_bytes + 7)
+            byte = f.read(1)[0]
+            f.seek(slot * chunk_bytes + 7)
+            f.write(bytes([byte ^ 0x40]))
+    elif damage == "truncate":  # the file's last slot loses its last byte
+        assert slot == max(cache._disk.used_slots)
+        os.truncate(path, (slot + 1) * chunk_bytes - 1)
+    else:
+        os.remove(path)
+    with caplog.at_level(logging.WARNING, logger="jhybrid.serving"):
+        assert kv_acquire(cache, pool, first) == block
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"slot {slot}" in warnings[0].getMessage()
+    stats = cache.stats()
+    assert (stats.disk_read_errors, stats.dropped, stats.hit_tokens_disk) == (1, 2 - block, block * BS)
+    assert (stats.hits, stats.misses) == ((1, 0) if block else (0, 1))
+    assert len(cache.match(first)) == block  # the damaged block is gone, not kept for another try
+    assert kv_insert(cache, pool, first) == 2 - block and kv_acquire(cache, pool, first) == 2
+    cache.close()
+
+
+def test_the_disk_tier_survives_close_and_reopen(tmp_path, caplog):
+    """device 3, host 1, disk 3 blocks: A (3 blocks), then B (1) pushes A's last block to the host.
+    close writes the most recent 3 blocks (B, A1, A2; A3 would not fit) to the disk tier; a cache
+    opened on the folder with the same fingerprint hits them from disk with the same KV; one with
+    another fingerprint logs both, discards the files and misses."""
+    a, b = list(range(100, 100 + 3 * BS)), list(range(500, 500 + BS))
+    cache, pool = kv_cache(device=3, host=1, disk=3, disk_dir=str(tmp_path), fingerprint="model-a")
+    kv_insert(cache, pool, a)
+    kv_insert(cache, pool, b)
+    assert cache.stats().blocks_host == 1
+    cache.close()
+    assert os.path.exists(tmp_path / INDEX_FILE)
+
+    cache, pool = kv_cache(device=3, host=1, disk=3, disk_dir=str(tmp_path), fingerprint="model-a")
+    assert not os.path.exists(tmp_path / INDEX_FILE)  # the open cache owns the slots now
+    assert [len(cache.tier_keys(tier)) for tier in Tier] == [0, 0, 3]
+    assert cache.tier_keys(Tier.DISK)[-1] == key_of(b)  # the most recent block stays the most recent
+    assert kv_acquire(cache, pool, a) == 2 and kv_acquire(cache, pool, b) == 1
+    assert cache.stats().hit_tokens_disk == 3 * BS
+    cache.close()
+
+    with caplog.at_level(logging.INFO, logger="jhybrid.serving"):
+        cache, pool = kv_cache(device=3, host=1, disk=3, disk_dir=str(tmp_path), fingerprint="model-b")
+    assert any("'model-a'" in r.getMessage() and "'model-b'" in r.getMessage() for r in caplog.records)
+    assert cache.stats().blocks_disk == 0 and not os.path.exists(tmp_path / INDEX_FILE)
+    assert kv_acquire(cache, pool, a) == 0 and kv_acquire(cache, pool, b) == 0
+    cache.close()
+
+
+def test_a_block_whose_parent_did_not_load_is_dropped(tmp_path):
+    """An index missing a prompt's first block: its second block (an orphan) is not loaded and its
+    slot is free again; the other prompt loads."""
+    import json
+
+    a, b = list(range(100, 100 + 2 * BS)), list(range(500, 500 + BS))
+    cache, pool = kv_cache(device=3, disk=3, disk_dir=str(tmp_path), fingerprint="f")
+    kv_insert(cache, pool, a)
+    kv_insert(cache, pool, b)
+    cache.close()
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    index["blocks"] = [entry for entry in index["blocks"] if entry["key"] != key_of(a[:BS])]
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    cache, pool = kv_cache(device=3, disk=3, disk_dir=str(tmp_path), fingerprint="f")
+    assert cache.tier_keys(Tier.DISK) == [key_of(b)] and cache._disk.free_slots == 2
+    assert kv_acquire(cache, pool, b) == 1 and kv_acquire(cache, pool, a) == 0
+    cache.close()
+
+
+def test_a_temporary_disk_folder_is_removed_and_nothing_persists():
+    cache, pool = kv_cache(device=1, disk=2)
+    folder = cache.disk_dir
+    kv_insert(cache, pool, list(range(BS)))
+    kv_insert(cache, pool, list(range(BS, 2 * BS)))
+    assert os.path.isdir(folder) and cache.stats().blocks_disk == 1
+    cache.close()
+    assert not os.path.exists(folder)
+    cache, pool = kv_cache(device=1, disk=2)
+    assert cache.disk_dir != folder and cache.stats().blocks_disk == 0
+    cache.close()
 
 
 # ----------------------------------------------------------------------------- in the engine
@@ -365,7 +547,7 @@ def test_kv_spilled_to_host_and_disk_comes_back_for_a_hit(model, alone, rng, tmp
         stats = engine.stats()
         assert (stats.prefix_bytes_device, stats.prefix_bytes_host, stats.prefix_bytes_disk) == (
             2 * block_bytes, 2 * block_bytes, 4 * block_bytes)
-        assert len(os.listdir(tmp_path)) == 4
+        assert len(engine._prefix._disk.used_slots) == 4
         out = engine.submit(Request(extended, max_tokens=12)).result(TIMEOUT)
         assert out.cached_tokens == 32 and out.tokens == alone(extended, 12)
         # prompts[0]'s blocks: disk -> device; prompts[3]'s: device -> host; prompts[2]'s: host -> disk
@@ -374,4 +556,14 @@ def test_kv_spilled_to_host_and_disk_comes_back_for_a_hit(model, alone, rng, tmp
             2 * block_bytes, 2 * block_bytes, 4 * block_bytes)
         again = engine.submit(Request(prompts[2] + [5], max_tokens=12)).result(TIMEOUT)
         assert again.cached_tokens == 32 and again.tokens == alone(prompts[2] + [5], 12)
-    assert os.listdir(tmp_path) == []  # close() removed the spilled blocks
+    assert os.path.exists(tmp_path / INDEX_FILE)  # close() wrote every tier down to the disk tier
+
+    # A new engine on the same folder: the blocks come back from the disk tier with the same output.
+    engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=config)
+    # the 4 most recent of the 8 blocks held at close: prompts[2]'s (device), prompts[0]'s (host)
+    assert engine._prefix.stats().blocks_disk == 4
+    with engine:
+        engine.start()
+        out = engine.submit(Request(extended, max_tokens=12)).result(TIMEOUT)
+        assert out.cached_tokens == 32 and out.tokens == alone(extended, 12)
+        assert engine.stats().prefix_hit_tokens_disk == 32

@@ -288,6 +288,17 @@ class LayerAppender:
         self.num_chunks += 1
         return zlib.crc32(data)
 
+    def write_at(self, chunk: int, rows: np.ndarray) -> int:
+        """Writes one full chunk [chunk_tokens, row] over chunk `chunk` (0 <= chunk < num_chunks: a
+        slot the files already hold, e.g. a slot store's reused slot; sessions only `append`) and
+        returns its crc32. num_chunks is unchanged."""
+        if not 0 <= chunk < self.num_chunks:
+            raise IndexError(f"chunk {chunk} of layer {self.layer}; expected 0 <= chunk < {self.num_chunks}")
+        data = memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8))
+        assert data.nbytes == self.chunk_bytes
+        self._write(chunk, data)
+        return zlib.crc32(data)
+
     def _write(self, chunk: int, data) -> None:
         fd, offset = self._where(chunk)
         done = 0
@@ -355,6 +366,26 @@ def read_layer_chunks(layout: ChunkLayout, session_id: str, layer: int, num_chun
                     raise CorruptSession(f"session {session_id}: short read from {path}")
         finally:
             os.close(fd)
+
+
+def read_chunk(layout: ChunkLayout, session_id: str, layer: int, chunk: int, out: np.ndarray) -> None:
+    """Reads the one full chunk `chunk` of a layer (from stripe chunk % S) into out.
+
+    out: [chunk_tokens, row] C-contiguous host buffer. CorruptSession when the stripe file is
+    missing or too short to hold the chunk (as read_layer_chunks)."""
+    num_stripes = len(layout.stripe_dirs)
+    path = layout.layer_file(chunk % num_stripes, session_id, layer)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    offset = (chunk // num_stripes) * view.nbytes
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptSession(f"session {session_id}: {path} is missing; chunk {chunk} is recorded in it") from None
+    try:
+        if os.preadv(fd, [view], offset) != view.nbytes:
+            raise CorruptSession(f"session {session_id}: {path} is shorter than chunk {chunk} it should hold")
+    finally:
+        os.close(fd)
 
 
 _crc_pool = ThreadPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 1))),

@@ -98,6 +98,9 @@ SHARED_EXECUTABLES = 32
 STEP_SUMMARY = 64  # steps per INFO summary line of step times
 _executables: collections.OrderedDict = collections.OrderedDict()
 _executables_lock = threading.Lock()
+# Each distinct model structure (graphdef) and parameter signature as a small int, found once per
+# engine: hashing a graphdef walks the whole module tree, too slow for every step's lookup.
+_structure_ids: dict = {}
 # The backend of engines given none (full attention has no state of its own: one object serves all).
 _FULL = FullAttention()
 _DEFAULT_PREFIX_CACHE = PrefixCacheConfig()
@@ -255,8 +258,10 @@ class ServingEngine(Engine):
         self.step_token_budget = step_token_budget
         self.prefill_order = prefill_order
         self.graphdef, self.params = nnx.split(model)
-        self._params_signature = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
-                                       for x in jax.tree_util.tree_leaves(self.params))
+        params_signature = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
+                                 for x in jax.tree_util.tree_leaves(self.params))
+        with _executables_lock:
+            self._structure_id = _structure_ids.setdefault((self.graphdef, params_signature), len(_structure_ids))
         self.compile_seconds = 0.0
 
         backend.open(config, slots, max_len)
@@ -320,7 +325,11 @@ class ServingEngine(Engine):
             from jhybrid.hybrid import ingest  # imported when used: full attention needs none of it
 
             self._hybrid, self._ingest = True, ingest
-        return PrefixCache(config, pool), pool
+        from jhybrid.hcache.storage import config_hash, weights_fingerprint  # what a saved disk tier's KV needs
+
+        fingerprint = (f"config {config_hash(c)} weights {weights_fingerprint(nnx.merge(self.graphdef, self.params))}"
+                       f" kv {pool.dtype.name}" if config.disk_dir is not None and config.disk_bytes > 0 else None)
+        return PrefixCache(config, pool, fingerprint=fingerprint), pool
 
     def _hybrid_problem(self) -> str | None:
         """Why the prefix cache cannot place hits into this backend's rows (None: it can)."""
@@ -831,7 +840,7 @@ class ServingEngine(Engine):
         The object, not an equal one: an offloading backend's compiled host calls reach its own runtime."""
         varying = [a for a in args if a is not self.params]
         leaves, treedef = jax.tree_util.tree_flatten(varying)
-        key = (name, self.graphdef, id(self.backend), self._params_signature, treedef) + tuple(
+        key = (name, self._structure_id, id(self.backend), treedef) + tuple(
             (a.shape, str(a.dtype)) for a in leaves)
         with _executables_lock:
             backend, executable = _executables.get(key, (None, None))

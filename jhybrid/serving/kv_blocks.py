@@ -99,7 +99,8 @@ class _BlockSlots:
         self.capacity = capacity
         self.block_size = block_size
         self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
-        self.block_bytes = int(np.prod(self.block_shape)) * jnp.dtype(dtype).itemsize
+        self.dtype = np.dtype(jnp.dtype(dtype))  # the blocks' NumPy dtype (bfloat16: ml_dtypes')
+        self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
 
 
 class KVBlockPool(_BlockSlots):

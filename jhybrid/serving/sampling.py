@@ -62,11 +62,10 @@ def seed_key_data(seed: int) -> np.ndarray:
     return np.asarray(_seed_key_data(int(seed)), np.uint32)
 
 
-def _sample_one(logits, key_data, index, temperature, top_k, top_p):
-    """One row: logits [V] float32 -> token int32 (the arithmetic of `sample_tokens`, per row)."""
-    vocab = logits.shape[-1]
-    greedy = jnp.argmax(logits).astype(jnp.int32)
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+def _filter_one(scaled, top_k, top_p):
+    """One row's top-k, then top-p filter: scaled logits [V] float32 -> the same with the cut ones -inf
+    (the arithmetic of `sample_tokens`; top_k 0 and top_p 1.0 leave the row as it is)."""
+    vocab = scaled.shape[-1]
     sorted_desc = jnp.sort(scaled)[::-1]
     use_k = (top_k > 0) & (top_k < vocab)
     kth_largest = sorted_desc[jnp.clip(top_k - 1, 0, vocab - 1)]
@@ -77,17 +76,33 @@ def _sample_one(logits, key_data, index, temperature, top_k, top_p):
     mass_before = jnp.cumsum(probs) - probs
     num_kept = jnp.sum(mass_before < top_p)
     threshold = kept_sorted[num_kept - 1]
-    scaled = jnp.where((top_p < 1.0) & (scaled < threshold), -jnp.inf, scaled)
+    return jnp.where((top_p < 1.0) & (scaled < threshold), -jnp.inf, scaled)
+
+
+def _draw_one(scaled, key_data, index):
+    """One row's draw from scaled logits [V] with key fold_in(key, index) -> token int32: a [1, V]
+    draw, as the Generator's batch of one draws it (the same Gumbel noise)."""
     key = jax.random.fold_in(jax.random.wrap_key_data(key_data), index)
-    # A [1, V] draw, as the Generator's batch of one draws it (the same Gumbel noise).
-    drawn = jax.random.categorical(key, scaled[None], axis=-1)[0].astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return jax.random.categorical(key, scaled[None], axis=-1)[0].astype(jnp.int32)
 
 
 def sample_rows(logits: jax.Array, sampling: RowSampling) -> jax.Array:
-    """logits [B, V] float32 -> tokens [B] int32, row b sampled with row b's parameters (jittable)."""
-    return jax.vmap(_sample_one)(logits, sampling.key_data, sampling.index, sampling.temperature,
-                                 sampling.top_k, sampling.top_p)
+    """logits [B, V] float32 -> tokens [B] int32, row b sampled with row b's parameters (jittable).
+
+    The sort of the filters and the random draw run only when some row needs them (`lax.cond`
+    outside the per-row map: under vmap a cond would run both branches). A vocabulary sort costs
+    more than a decode step's attention on a small batch, and serving is mostly greedy."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(logits):
+        scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        filters = jnp.any((temperature > 0) & (((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0)))
+        scaled = jax.lax.cond(filters, jax.vmap(_filter_one), lambda s, k, p: s, scaled, top_k, top_p)
+        drawn = jax.vmap(_draw_one)(scaled, sampling.key_data, sampling.index)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda logits: greedy, logits)
 
 
 __all__ = ["RowSampling", "sample_rows", "seed_key_data"]
