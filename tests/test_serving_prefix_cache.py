@@ -56,6 +56,10 @@ class NumpyStore:
     def read(self, slots):
         return self.data[slots].copy()
 
+    def read_start(self, slots):
+        blocks = self.read(slots)
+        return lambda: blocks
+
     def write(self, slots, blocks):
         self.data[slots] = blocks
 
@@ -213,7 +217,7 @@ def test_device_only_eviction_reads_nothing_back():
     into a small tier keeps its first blocks, and a hit then returns them."""
     cache, store = make_cache(device=4)
     reads = []
-    store.read = lambda slots: reads.append(len(slots))  # any read would be recorded (and fail below)
+    store.read = store.read_start = lambda slots: reads.append(len(slots))  # any read recorded (and fails below)
     prompts = [list(range(100 * i, 100 * i + 3 * BS)) for i in range(4)]  # 3 blocks each
     for p in prompts:
         insert(cache, store, p)

@@ -52,7 +52,9 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, packs_decode (
   prefix_hits / prefix_misses / prefix_hit_tokens (the engine's counts over the load, warm-up
   excluded; tensor-parallel offloading backends cannot use the prefix cache: every request a miss),
   prefix_hit_tokens_host / _disk (of the hit tokens, those brought back from the host / disk tier),
-  prefix_bytes (bytes held per tier at the end of the load),
+  prefix_bytes (bytes held per tier at the end of the load), prefix_step_s (the load's steps' seconds
+  in the prefix cache: hits placed, prompts inserted, spill waits), prefix_spill_wait_s (of those,
+  waiting for spills' device-to-host copies), slow_steps (the load's steps of 1 s or more),
   ttft_hit_over_miss (median TTFT of the requests that hit / of those that missed; None if either
   group is empty; queueing included, and the misses are of every drawn length),
   ttft_hit_over_shared_miss (the same over the misses among the requests carrying the shared prefix,
@@ -172,6 +174,7 @@ def _ratio(a, b):
 
 def run_serving(model, pretrained, point, on_step: PointProgress | None = None, deadline=None) -> list[dict]:
     from jhybrid.serving import PrefixCacheConfig, Request, ServingEngine
+    from jhybrid.serving.engine import SLOW_STEP_S
 
     bench, offload = point.benchmark, point.offload
     if not mode_class(offload.mode).offloads and longest_prompt(bench) + bench.decode_tokens >= \
@@ -256,6 +259,9 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "prefix_hit_tokens_disk": after.prefix_hit_tokens_disk - before.prefix_hit_tokens_disk,
            "prefix_bytes": {"device": after.prefix_bytes_device, "host": after.prefix_bytes_host,
                             "disk": after.prefix_bytes_disk},
+           "prefix_spill_wait_s": round(after.prefix_spill_wait_seconds - before.prefix_spill_wait_seconds, 3),
+           "prefix_step_s": round(sum(r.prefix_seconds for r in records if r.step > before.steps), 3),
+           "slow_steps": sum(r.seconds >= SLOW_STEP_S for r in records if r.step > before.steps),
            "compiles_timed": after.compiles - before.compiles, "warmup_s": round(warmup_s, 2),
            "served_s": round(served_s, 2), "host_rss_bytes": rss,
            "saturated_tok_s": None if saturated is None else saturated[0],

@@ -121,6 +121,7 @@ class EngineStats:
     prefix_hit_tokens_disk: int = 0
     prefill_calls: int = 0
     compiles: int = 0
+    prefix_spill_wait_seconds: float = 0.0  # steps' time waiting for the prefix cache's spills to the host
 
 
 class Engine(abc.ABC):

@@ -52,6 +52,8 @@ first request; a request is admitted when prompt + max_tokens fits `max_len`, so
 admitted fits memory. The prefix cache's first tier is one more preallocated array (its bytes; on
 the host for an offloading backend, whose prefilling rows also stage the K, V of their prompt's
 new blocks on the host until their prefill ends: at most the prompt's whole blocks, every layer).
+Its spills to a host tier are asynchronous: their gathered copies, up to half the device tier's
+bytes, are transient device memory (`PrefixCache` max_spill_blocks).
 
 Threading: `submit`, `cancel`, `stats` from any thread; the steps run on the engine's thread
 (`start`) or the caller's (`step`), one at a time. Callbacks run on the stepping thread. A step that
@@ -96,6 +98,7 @@ JOIN_SECONDS = 60.0
 # its engine, tests, benchmarks): the latest this many, keyed by everything the compiled code depends on.
 SHARED_EXECUTABLES = 32
 STEP_SUMMARY = 64  # steps per INFO summary line of step times
+SLOW_STEP_S = 1.0  # a step this long gets an INFO line of its own
 _executables: collections.OrderedDict = collections.OrderedDict()
 _executables_lock = threading.Lock()
 # Each distinct model structure (graphdef) and parameter signature as a small int, found once per
@@ -124,12 +127,15 @@ def _sample_last(model, hidden, positions, sampling: RowSampling) -> jax.Array:
 class StepRecord:
     """What one engine step ran: prefill ((request_id, prompt tokens prefilled), ...) in the order
     they took the step's budget (prefill_order) and decode (request_ids that got a decode step) in
-    slot order; seconds: its wall time (admission, model calls, sampling; not the wait for work)."""
+    slot order; seconds: its wall time (admission, model calls, sampling; not the wait for work), of
+    which prefix_seconds in the prefix cache (hits copied into rows, finished prompts inserted, and
+    the spills' waits those caused)."""
 
     step: int
     prefill: tuple[tuple[str, int], ...]
     decode: tuple[str, ...]
     seconds: float = 0.0
+    prefix_seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -290,6 +296,7 @@ class ServingEngine(Engine):
         self._admissions = itertools.count()
         self._log: collections.deque[StepRecord] = collections.deque(maxlen=step_log)
         self._step_window: list[tuple[float, int, int]] = []  # (seconds, prompt, decode tokens) since the last summary
+        self._prefix_seconds = 0.0  # the current step's time in the prefix cache (StepRecord.prefix_seconds)
         self._counts = _Counters()
 
     def _open_prefix_cache(self, config: PrefixCacheConfig | None, asked_for: bool):
@@ -426,7 +433,8 @@ class ServingEngine(Engine):
                 prefix_bytes_disk=prefix.bytes_disk if prefix else 0,
                 errors=c.errors, steps=c.steps, prefill_calls=c.prefill_calls, compiles=c.compiles,
                 prefix_hit_tokens_host=prefix.hit_tokens_host if prefix else 0,
-                prefix_hit_tokens_disk=prefix.hit_tokens_disk if prefix else 0)
+                prefix_hit_tokens_disk=prefix.hit_tokens_disk if prefix else 0,
+                prefix_spill_wait_seconds=prefix.spill_wait_seconds if prefix else 0.0)
 
     def step_log(self) -> list[StepRecord]:
         """The latest steps' records, oldest first."""
@@ -486,6 +494,7 @@ class ServingEngine(Engine):
             self._finish(run, FinishReason.CANCELLED)
         self._reset_released_rows()
         start = time.perf_counter()
+        self._prefix_seconds = 0.0
         admitted = self._admit()
         prefilled, decoded = self._prefill_and_decode()
         self._reset_released_rows()
@@ -493,7 +502,8 @@ class ServingEngine(Engine):
         with self._cond:
             if prefilled or decoded:
                 self._counts.steps += 1
-                self._log.append(StepRecord(self._counts.steps, tuple(prefilled), tuple(decoded), seconds))
+                self._log.append(StepRecord(self._counts.steps, tuple(prefilled), tuple(decoded), seconds,
+                                            self._prefix_seconds))
                 self._log_steps(seconds, sum(n for _, n in prefilled), len(decoded))
             if self._prefix is not None:
                 self._prefix_stats = self._prefix.stats()
@@ -501,7 +511,11 @@ class ServingEngine(Engine):
         return bool(cancelled or admitted or prefilled or decoded)
 
     def _log_steps(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
-        """Every STEP_SUMMARY steps, one INFO line: their median and longest time and their tokens."""
+        """Every STEP_SUMMARY steps, one INFO line: their median and longest time and their tokens;
+        and one for a step of SLOW_STEP_S or more, with its prefix-cache share."""
+        if seconds >= SLOW_STEP_S:
+            log.info("step %d took %.2f s (%.2f s in the prefix cache); %d prompt and %d decode tokens",
+                     self._counts.steps, seconds, self._prefix_seconds, prefill_tokens, decode_tokens)
         window = self._step_window
         window.append((seconds, prefill_tokens, decode_tokens))
         if len(window) == STEP_SUMMARY:
@@ -528,6 +542,13 @@ class ServingEngine(Engine):
         return admitted
 
     def _use_prefix_cache(self, run: _Run) -> None:
+        start = time.perf_counter()
+        try:
+            self._use_prefix_cache_timed(run)
+        finally:
+            self._prefix_seconds += time.perf_counter() - start
+
+    def _use_prefix_cache_timed(self, run: _Run) -> None:
         if self._prefix is None:
             if self._prefix_unusable:
                 with self._cond:
@@ -709,6 +730,13 @@ class ServingEngine(Engine):
         what was staged as it was prefilled)."""
         if self._prefix is None:
             return
+        start = time.perf_counter()
+        try:
+            self._store_prefix_timed(run)
+        finally:
+            self._prefix_seconds += time.perf_counter() - start
+
+    def _store_prefix_timed(self, run: _Run) -> None:
         if self._hybrid:
             staged, run.staged = run.staged, []
             bs, first = self._prefix.block_size, run.capture_from // self._prefix.block_size

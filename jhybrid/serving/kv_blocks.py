@@ -16,14 +16,23 @@ Block j of a row holds positions j*bs .. j*bs + bs - 1. Copies between the pool 
 pieces of one fixed block count (`piece_blocks`, the last piece padded; padding is dropped by the
 scatters), so each copy compiles once, at its first use (the engine's warm-up), never while serving:
 a count padded to a power of two instead compiled a new program (~2 s on the H100 at 32 layers) for
-each count first seen under load. The host copies (`read` / `write`: the spill tiers) pad to powers
-of two. The pool implements the
-`prefix_cache.BlockStore` protocol (host copies in and out for the host and disk tiers).
+each count first seen under load. The host copies (`read` / `read_start` / `write`: the spill tiers)
+pad to powers of two. The pool implements the `prefix_cache.BlockStore` protocol (host copies in
+and out for the host and disk tiers).
+
+`read_start` is the prefix cache's asynchronous spill: it dispatches the gather of the slots into a
+new device array (on the caller's thread, so before any later write into those slots: `_scatter`
+and `_from_row` donate the pool, and the runtime starts a computation that reuses a donated buffer
+only after the reads already dispatched on it; the gathered copy is a buffer of its own anyway)
+and returns a `PendingRead` that the cache's worker thread calls: the device-to-host copy starts
+there. Not `copy_to_host_async` on the caller's thread: on the H100 that call took 2.2-3.0 s for
+4 GiB (`benchmarks/probe_spill.py`), the whole stall the asynchronous spill exists to remove.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +97,36 @@ def block_bytes_of(config, block_size: int, dtype=None) -> int:
             * jnp.dtype(config.dtype if dtype is None else dtype).itemsize)
 
 
+HOST_COPY_PIECE_BYTES = 64 << 20  # a spill's device-to-host copy, per np.asarray (PendingRead)
+
+
+class PendingRead:
+    """Blocks to copy off the device: a dispatched gather [size, L, 2, bs, Hkv, D] (size >= n,
+    padded). Called once (on any thread: the prefix cache's worker) it copies them to the host and
+    returns the host blocks [n, L, 2, bs, Hkv, D] (the pool's dtype), dropping its reference to the
+    device copy so that its device memory is freed."""
+
+    def __init__(self, gathered: jax.Array, count: int):
+        self._gathered: jax.Array | None = gathered
+        self.count = count
+
+    def __call__(self) -> np.ndarray:
+        gathered, self._gathered = self._gathered, None
+        if gathered is None:
+            raise RuntimeError(f"a PendingRead of {self.count} KV blocks was called twice; it returns its blocks once")
+        # In pieces of about HOST_COPY_PIECE_BYTES: np.asarray of one device array holds the GIL for
+        # its whole device-to-host copy (on the H100 a 4 GiB one let the thread dispatching the
+        # engine's steps run twice in 2.6 s; in 128 MiB pieces its longest step was 82 ms:
+        # benchmarks/probe_spill.py).
+        per_block = int(np.prod(gathered.shape[1:])) * gathered.dtype.itemsize
+        step = max(1, HOST_COPY_PIECE_BYTES // per_block)
+        host = np.empty((self.count,) + gathered.shape[1:], np.dtype(gathered.dtype))
+        for first in range(0, self.count, step):
+            last = min(first + step, self.count)
+            host[first:last] = np.asarray(gathered[first:last])
+        return host
+
+
 class _BlockSlots:
     """`capacity` slots of one KV block each, a block = [num_layers, 2, block_size, Hkv, D]: the shape
     both pools share (each allocates its own storage)."""
@@ -119,6 +158,14 @@ class KVBlockPool(_BlockSlots):
         """[n, L, 2, bs, Hkv, D] host copies of the blocks in slots [n]."""
         n = len(slots)
         return np.asarray(_gather(self.pool, _padded(slots, _bucket(n), 0)))[:n]
+
+    def read_start(self, slots: np.ndarray) -> Callable[[], np.ndarray]:
+        """Dispatches the copy of the blocks in slots [n] and returns a `PendingRead` that gives them,
+        [n, L, 2, bs, Hkv, D] on the host, when called (module doc: the slots may be written as soon
+        as this returns)."""
+        n = len(slots)
+        gathered = _gather(self.pool, _padded(slots, _bucket(n), 0))
+        return PendingRead(gathered, n)  # its host copy starts on the thread that calls it (module doc)
 
     def write(self, slots: np.ndarray, blocks: np.ndarray) -> None:
         """Stores host blocks [n, L, 2, bs, Hkv, D] into slots [n]."""
@@ -164,6 +211,12 @@ class HostKVBlockPool(_BlockSlots):
         """[n, L, 2, bs, Hkv, D] copies of the blocks in slots [n]."""
         return self.data[np.asarray(slots, np.int64)]
 
+    def read_start(self, slots: np.ndarray) -> Callable[[], np.ndarray]:
+        """The blocks in slots [n] copied now (host memory: nothing to wait for; the slots may be
+        written as soon as this returns), returned by the callable [n, L, 2, bs, Hkv, D]."""
+        blocks = self.read(slots)
+        return lambda: blocks
+
     def write(self, slots: np.ndarray, blocks: np.ndarray) -> None:
         """Stores blocks [n, L, 2, bs, Hkv, D] into slots [n]."""
         self.data[np.asarray(slots, np.int64)] = blocks
@@ -183,4 +236,4 @@ class HostKVBlockPool(_BlockSlots):
         self.write(slots, blocks.transpose(2, 0, 1, 3, 4, 5))
 
 
-__all__ = ["KVBlockPool", "HostKVBlockPool", "block_bytes_of"]
+__all__ = ["KVBlockPool", "HostKVBlockPool", "PendingRead", "block_bytes_of"]
