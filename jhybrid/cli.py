@@ -59,6 +59,13 @@ def _add_serve(sub) -> None:
                         "fewest tokens left first (prefix-cache hits and short prompts answer sooner)")
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="MiB of KV the prefix cache keeps across requests (0 = off; default: the engine's)")
+    p.add_argument("--prefix-cache-host-mb", type=float, default=0.0,
+                   help="MiB of host memory the prefix cache spills its first tier's blocks to (default 0: none)")
+    p.add_argument("--prefix-cache-disk-mb", type=float, default=0.0,
+                   help="MiB of disk the prefix cache spills its host tier's blocks to (default 0: none)")
+    p.add_argument("--prefix-cache-disk-dir", default=None,
+                   help="folder of the prefix cache's disk tier, kept across restarts (default: a temporary "
+                        "folder removed at shutdown); needs --prefix-cache-disk-mb")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after Ctrl-C / SIGTERM before they are "
                         "cancelled (default 30)")
@@ -81,9 +88,17 @@ def check_serve_args(args) -> None:
             raise ValueError(f"{flag} {value}; expected an integer >= {least}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}; expected 0..65535 (0 = a free port)")
-    for flag, value in (("--prefix-cache-mb", args.prefix_cache_mb), ("--drain-timeout", args.drain_timeout)):
+    for flag, value in (("--prefix-cache-mb", args.prefix_cache_mb), ("--drain-timeout", args.drain_timeout),
+                        ("--prefix-cache-host-mb", args.prefix_cache_host_mb),
+                        ("--prefix-cache-disk-mb", args.prefix_cache_disk_mb)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{flag} {value}; expected a number >= 0")
+    if args.prefix_cache_disk_dir is not None and not args.prefix_cache_disk_mb:
+        raise ValueError(f"--prefix-cache-disk-dir {args.prefix_cache_disk_dir} needs --prefix-cache-disk-mb > 0 "
+                         "(the disk tier's size)")
+    if args.prefix_cache_mb == 0 and (args.prefix_cache_host_mb or args.prefix_cache_disk_mb):
+        raise ValueError("--prefix-cache-mb 0 turns the prefix cache off; expected no --prefix-cache-host-mb / "
+                         "--prefix-cache-disk-mb with it")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty; expected a name")
     if not args.host.strip():
@@ -161,6 +176,12 @@ def _serving_engine(model, backend, args, max_len: int):
         settings["step_token_budget"] = args.step_token_budget
     if args.prefix_cache_mb is not None:
         settings["prefix_cache_bytes"] = int(args.prefix_cache_mb * 2**20)
+    if args.prefix_cache_host_mb or args.prefix_cache_disk_mb:
+        from jhybrid.serving.prefix_cache import PrefixCacheConfig
+
+        settings["prefix_cache"] = PrefixCacheConfig(host_bytes=int(args.prefix_cache_host_mb * 2**20),
+                                                     disk_bytes=int(args.prefix_cache_disk_mb * 2**20),
+                                                     disk_dir=args.prefix_cache_disk_dir)
     return ServingEngine(model, **settings)
 
 
@@ -678,7 +699,8 @@ def _sessions(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `jhybrid` command line: every subcommand and its flags."""
     parser = argparse.ArgumentParser(prog="jhybrid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version")
@@ -692,7 +714,11 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="jhybrid's log lines on stderr at and above this level, with timestamps (default: "
                              "$JHYBRID_LOG_LEVEL or WARNING; INFO shows a benchmark point's phases)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in results files
     if args.log_level != "WARNING":
         handler = logging.StreamHandler(sys.stderr)

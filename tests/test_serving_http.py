@@ -575,6 +575,9 @@ def test_shutdown_cancels_what_outlives_the_drain_timeout():
     (["--max-len", "-3"], "--max-len -3; expected an integer >= 1"),
     (["--step-token-budget", "0"], "--step-token-budget 0"),
     (["--prefix-cache-mb", "-1"], "--prefix-cache-mb -1.0; expected a number >= 0"),
+    (["--prefix-cache-host-mb", "-2"], "--prefix-cache-host-mb -2.0; expected a number >= 0"),
+    (["--prefix-cache-disk-dir", "/tmp/x"], "--prefix-cache-disk-dir /tmp/x needs --prefix-cache-disk-mb > 0"),
+    (["--prefix-cache-mb", "0", "--prefix-cache-host-mb", "8"], "--prefix-cache-mb 0 turns the prefix cache off"),
     (["--port", "70000"], "--port 70000; expected 0..65535"),
     (["--served-model-name", " "], "--served-model-name is empty"),
     (["--dtype", "float7"], "float7"),
@@ -587,6 +590,23 @@ def test_serve_rejects_bad_values_before_loading(argv, message, capsys, monkeypa
     assert cli.main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_serve_prefix_cache_tiers_reach_the_engine(tmp_path):
+    from jhybrid import cli
+    from jhybrid.models import create_model
+    from tests.hybrid_support import TINY
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--slots", "2", "--prefix-cache-mb", "1", "--prefix-cache-host-mb", "2",
+                              "--prefix-cache-disk-mb", "3", "--prefix-cache-disk-dir", str(tmp_path / "tier")])
+    engine = cli._serving_engine(create_model(TINY, seed=0), None, args, max_len=64)
+    try:
+        config = engine._prefix.config
+        assert (config.device_bytes, config.host_bytes, config.disk_bytes) == (2**20, 2 * 2**20, 3 * 2**20)
+        assert config.disk_dir == str(tmp_path / "tier") and engine._prefix.disk_dir == str(tmp_path / "tier")
+    finally:
+        engine.close(drain=False)
 
 
 def test_serve_reports_a_port_in_use_before_loading(capsys, monkeypatch):
