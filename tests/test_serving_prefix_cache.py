@@ -478,6 +478,36 @@ def test_a_hit_equals_the_miss_and_running_alone(model, alone, rng):
     assert stats.prefill_tokens == sum(len(p) - out.cached_tokens for p, out in runs)
 
 
+def test_a_finished_prompt_enters_the_cache_over_the_next_steps(model, alone, rng, monkeypatch):
+    # 2 blocks a step: a 6-block prompt is cached over 3 steps while it decodes; a request that ends
+    # before that (3 tokens) has its blocks flushed before its output is visible
+    from jhybrid.serving import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFIX_INSERT_BLOCKS_PER_STEP", 2)
+    long_prompt = rng.integers(0, TINY.vocab_size, 6 * BLOCK + 3).tolist()
+    short_lived = rng.integers(0, TINY.vocab_size, 6 * BLOCK + 1).tolist()
+    engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=6 * BLOCK + 3,
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=1 << 20))
+    with engine:
+        handle = engine.submit(Request(long_prompt, max_tokens=10))
+        cached = []
+        while not handle.done:
+            engine.step()  # the caller's thread: one step at a time
+            cached.append(engine._prefix.stats().blocks_device)
+        assert cached[:4] == [2, 4, 6, 6]  # the prefill step inserts its first 2, then 2 a step
+        assert handle.result(TIMEOUT).tokens == alone(long_prompt, 10)
+
+        ended = engine.submit(Request(short_lived, max_tokens=2))
+        while not ended.done:
+            engine.step()
+        assert engine._prefix.stats().blocks_device == 12  # all 6 of it, though it ran 2 steps
+        again = engine.submit(Request(short_lived + [3], max_tokens=8))
+        while not again.done:
+            engine.step()
+        assert again.result(TIMEOUT).cached_tokens == 6 * BLOCK
+        assert again.result(TIMEOUT).tokens == alone(short_lived + [3], 8)
+
+
 QUEST = dict(window_tokens=40, sink=8, block_size=32, budget=32)  # 32-token pages: one page of top-k
 
 
@@ -570,4 +600,4 @@ def test_kv_spilled_to_host_and_disk_comes_back_for_a_hit(model, alone, rng, tmp
         engine.start()
         out = engine.submit(Request(extended, max_tokens=12)).result(TIMEOUT)
         assert out.cached_tokens == 32 and out.tokens == alone(extended, 12)
-        assert engine.stats().prefix_hit_tokens_disk == 32
+        assert engine.stats().prefix_hit_tokens_disk == 32 and engine.stats().prefix_disk_read_errors == 0

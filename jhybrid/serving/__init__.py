@@ -5,6 +5,7 @@
   jhybrid.serving.sampling      per-row sampling (each request its own parameters in one batch)
   jhybrid.serving.prefix_cache  the prefix cache: block-hash matching, device / host / disk LRU tiers
   jhybrid.serving.kv_blocks     the prefix cache's device pool and its copies to and from cache rows
+  jhybrid.serving.disk_tier     the prefix cache's disk tier: blocks in HCache's checksummed layer files
   jhybrid.serving.server        the HTTP server (`jhybrid serve`)
 
     from jhybrid.serving import ServingEngine, Request
@@ -21,6 +22,7 @@ _LAZY = {  # the engine imports JAX and the models: loaded on first use
     "ServingEngine": "jhybrid.serving.engine",
     "StepRecord": "jhybrid.serving.engine",
     "PrefixCacheConfig": "jhybrid.serving.prefix_cache",
+    "PrefixCacheSpillError": "jhybrid.serving.prefix_cache",
 }
 
 

@@ -122,6 +122,7 @@ class EngineStats:
     prefill_calls: int = 0
     compiles: int = 0
     prefix_spill_wait_seconds: float = 0.0  # steps' time waiting for the prefix cache's spills to the host
+    prefix_disk_read_errors: int = 0  # disk-tier blocks that failed their checksum (dropped as misses)
 
 
 class Engine(abc.ABC):

@@ -15,7 +15,9 @@ each request runs in one row (slot) from admission to its end, then the row is e
      step_token_budget / R); R chosen to give the first request the most tokens, then the call the
      most) when the backend `prefills_rows` (`full`), else of [slots, prefill_chunk] (positions -1 for
      the rows not taking part: the offloading backends keep per-row host state); a request whose
-     prompt is done samples its first token and stores its prompt's blocks in the prefix cache;
+     prompt is done samples its first token, and its prompt's blocks enter the prefix cache (full
+     attention: PREFIX_INSERT_BLOCKS_PER_STEP a step from this one, copied from its row, and all
+     that are left when the request ends; an offloading backend: at once, from the staged copy);
   4. decode: one token for every request past its prefill (each row sampled with its own request's
      parameters: `jhybrid.serving.sampling`). When the backend `packs_decode` (`full`) and the step
      prefills, the decode tokens of the requests that were decoding when the step began ride in its
@@ -98,6 +100,11 @@ JOIN_SECONDS = 60.0
 # its engine, tests, benchmarks): the latest this many, keyed by everything the compiled code depends on.
 SHARED_EXECUTABLES = 32
 STEP_SUMMARY = 64  # steps per INFO summary line of step times
+# A finished prompt's blocks enter the prefix cache (full attention) this many per step, from the
+# step its prefill ends: inserting a 32K prompt's 2,048 blocks at once (the cache's bookkeeping, the
+# spill of as many, the copies out of the row) put 6-30 ms of Python into one step on the CPU
+# machine (`PrefixCache.insert` timed alone), a step the running requests' next token waits for.
+PREFIX_INSERT_BLOCKS_PER_STEP = 256
 SLOW_STEP_S = 1.0  # a step this long gets an INFO line of its own
 _executables: collections.OrderedDict = collections.OrderedDict()
 _executables_lock = threading.Lock()
@@ -178,6 +185,8 @@ class _Run(RequestHandle):
         # window as they are prefilled (staged: [L, 2, T, Hkv, D] host arrays), for the prefix cache
         self.capture_from = self.capture_to = 0
         self.staged: list[np.ndarray] = []
+        # full attention + prefix cache: the prompt's whole blocks inserted so far (None: none pending)
+        self.prefix_blocks_stored: int | None = None
         self.tokens: list[int] = []
         self.token_times: list[float] = []
         self.cancel_requested = False
@@ -297,6 +306,7 @@ class ServingEngine(Engine):
         self._log: collections.deque[StepRecord] = collections.deque(maxlen=step_log)
         self._step_window: list[tuple[float, int, int]] = []  # (seconds, prompt, decode tokens) since the last summary
         self._prefix_seconds = 0.0  # the current step's time in the prefix cache (StepRecord.prefix_seconds)
+        self._inserting: list[_Run] = []  # finished prompts whose blocks enter the prefix cache (full)
         self._counts = _Counters()
 
     def _open_prefix_cache(self, config: PrefixCacheConfig | None, asked_for: bool):
@@ -434,7 +444,8 @@ class ServingEngine(Engine):
                 errors=c.errors, steps=c.steps, prefill_calls=c.prefill_calls, compiles=c.compiles,
                 prefix_hit_tokens_host=prefix.hit_tokens_host if prefix else 0,
                 prefix_hit_tokens_disk=prefix.hit_tokens_disk if prefix else 0,
-                prefix_spill_wait_seconds=prefix.spill_wait_seconds if prefix else 0.0)
+                prefix_spill_wait_seconds=prefix.spill_wait_seconds if prefix else 0.0,
+                prefix_disk_read_errors=prefix.disk_read_errors if prefix else 0)
 
     def step_log(self) -> list[StepRecord]:
         """The latest steps' records, oldest first."""
@@ -497,6 +508,7 @@ class ServingEngine(Engine):
         self._prefix_seconds = 0.0
         admitted = self._admit()
         prefilled, decoded = self._prefill_and_decode()
+        self._insert_pending()
         self._reset_released_rows()
         seconds = time.perf_counter() - start
         with self._cond:
@@ -748,10 +760,34 @@ class ServingEngine(Engine):
                                 lambda numbers, slots: self._pool.write_history(slots, kv, numbers - first))
             return
 
-        def copy(block_numbers: np.ndarray, slots: np.ndarray) -> None:
-            self._pool.from_row(self._cache, run.slot, block_numbers, slots)
+        run.prefix_blocks_stored = 0  # inserted over the next steps (_insert_pending)
+        self._inserting.append(run)
 
-        self._prefix.insert(run.prompt, copy)
+    def _insert_pending(self, run: _Run | None = None) -> None:
+        """Finished prompts' blocks into the prefix cache (full attention): PREFIX_INSERT_BLOCKS_PER_STEP
+        of them, oldest prompt first, copied from their rows (whose prompt KV stays as it is while the
+        request decodes); with `run`, all of that request's that are left (its row is about to be reset)."""
+        if self._prefix is None:
+            return
+        start = time.perf_counter()
+        budget = PREFIX_INSERT_BLOCKS_PER_STEP
+        bs = self._prefix.block_size
+        for pending in ([run] if run is not None else list(self._inserting)):
+            if pending.prefix_blocks_stored is None or (run is None and budget <= 0):
+                continue
+            whole = len(pending.prompt) // bs
+            upto = whole if run is not None else min(whole, pending.prefix_blocks_stored + budget)
+            budget -= upto - pending.prefix_blocks_stored
+
+            def copy(block_numbers: np.ndarray, slots: np.ndarray, slot=pending.slot) -> None:
+                self._pool.from_row(self._cache, slot, block_numbers, slots)
+
+            self._prefix.insert(pending.prompt[:upto * bs], copy)
+            pending.prefix_blocks_stored = upto
+            if upto == whole:
+                pending.prefix_blocks_stored = None
+                self._inserting.remove(pending)
+        self._prefix_seconds += time.perf_counter() - start
 
     def _accept(self, run: _Run, token: int) -> None:
         """A sampled token of a request: stop, or emit (and end at max_tokens)."""
@@ -771,7 +807,9 @@ class ServingEngine(Engine):
             self._finish(run, FinishReason.LENGTH)
 
     def _finish(self, run: _Run, reason: FinishReason, error: str | None = None) -> None:
-        """Ends a request: its slot is released (reset at the step's end), its output set, on_finish called."""
+        """Ends a request: its slot is released (reset at the step's end), its output set, on_finish called.
+        Its prompt's blocks not yet in the prefix cache go in first (unless it ended with an error)."""
+        flush = False
         with self._cond:
             if run.state is _State.DONE:
                 return
@@ -780,7 +818,11 @@ class ServingEngine(Engine):
             elif run.slot >= 0:
                 self._rows[run.slot] = None
                 self._to_reset.append(run.slot)
+                flush = run.prefix_blocks_stored is not None and reason is not FinishReason.ERROR
             run.state = _State.DONE
+            if run.prefix_blocks_stored is not None and not flush:
+                run.prefix_blocks_stored = None
+                self._inserting.remove(run)
             if reason is FinishReason.CANCELLED:
                 self._counts.cancelled += 1
             elif reason is FinishReason.ERROR:
@@ -793,6 +835,8 @@ class ServingEngine(Engine):
                 ttft=run.token_times[0] if run.token_times else None, token_times=list(run.token_times),
                 error=error, queued=run.queued)
             self._cond.notify_all()
+        if flush:  # before the output is visible: a request sent after it hits the whole prompt
+            self._insert_pending(run)
         try:
             if run.on_finish is not None:
                 run.on_finish(run._output)
