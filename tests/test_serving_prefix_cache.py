@@ -508,6 +508,25 @@ def test_a_finished_prompt_enters_the_cache_over_the_next_steps(model, alone, rn
         assert again.result(TIMEOUT).tokens == alone(short_lived + [3], 8)
 
 
+def test_a_failed_insert_at_the_end_loses_only_the_caching(model, alone, rng, monkeypatch, caplog):
+    from jhybrid.serving import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFIX_INSERT_BLOCKS_PER_STEP", 1)
+    prompt = rng.integers(0, TINY.vocab_size, 4 * BLOCK + 1).tolist()
+    engine = ServingEngine(model, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=4 * BLOCK + 1,
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=1 << 20))
+    with engine:
+        handle = engine.submit(Request(prompt, max_tokens=2))
+        engine.step()  # the prefill: its first block inserted
+        monkeypatch.setattr(engine._pool, "from_row", lambda *a: (_ for _ in ()).throw(OSError("copy failed")))
+        with caplog.at_level(logging.ERROR, logger="jhybrid.serving"):
+            while not handle.done:
+                engine.step()  # its last token: the flush of its 3 other blocks fails
+        assert handle.result(TIMEOUT).tokens == alone(prompt, 2)
+        assert "not cached" in caplog.text and engine._inserting == []
+        assert engine._prefix.stats().blocks_device == 1
+
+
 QUEST = dict(window_tokens=40, sink=8, block_size=32, budget=32)  # 32-token pages: one page of top-k
 
 

@@ -836,7 +836,14 @@ class ServingEngine(Engine):
                 error=error, queued=run.queued)
             self._cond.notify_all()
         if flush:  # before the output is visible: a request sent after it hits the whole prompt
-            self._insert_pending(run)
+            try:
+                self._insert_pending(run)
+            except Exception:  # the request's output stands; only its prompt is not cached
+                log.exception("inserting the prompt of request %r into the prefix cache failed; not cached",
+                              run.request_id)
+                if run.prefix_blocks_stored is not None:  # never read from its row once it is reused
+                    run.prefix_blocks_stored = None
+                    self._inserting.remove(run)
         try:
             if run.on_finish is not None:
                 run.on_finish(run._output)
