@@ -28,34 +28,25 @@ from jhybrid.serving import kv_blocks
 from jhybrid.serving.kv_blocks import KVBlockPool
 from jhybrid.serving.prefix_cache import (SPILL_THREAD_PREFIX, PrefixCache, PrefixCacheConfig,
                                           PrefixCacheSpillError, Tier, chain_hash)
-
-BS = 4  # tokens per block
+from tests.test_serving_prefix_cache import BS, NumpyStore  # BS tokens per block
 TIMEOUT = 60.0  # the longest any wait of these tests may take
 BLOCKED = 0.3  # how long a call blocked on a closed gate is watched to still be waiting
 
 
-class GatedStore:
-    """A device tier of NumPy blocks [1 layer, 2, BS, 1 head, 1 value] int64 (block j of a prompt =
-    its BS token ids as K and V). read_start copies the blocks at once (as they are when called)
+class GatedStore(NumpyStore):
+    """test_serving_prefix_cache's NumPy device tier (block j of a prompt = its BS token ids as K
+    and V) whose read_start copies the blocks at once (as they are when called)
     and returns a finisher that, on the spill worker, waits for `gate` and raises `fail` (when set
     at read_start) or returns them."""
 
-    block_shape = (1, 2, BS, 1, 1)
-    dtype = np.dtype(np.int64)
-
     def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.data = np.full((capacity,) + self.block_shape, -1, np.int64)
-        self.block_bytes = self.data[0].nbytes
+        super().__init__(capacity)
         self.gate = threading.Event()
         self.gate.set()  # open unless a test closes it
         self.entered = threading.Semaphore(0)  # released as each finisher starts waiting
         self.reads: list[int] = []  # the block count of every read_start
         self.finished = 0  # finishers that got past the gate
         self.fail: Exception | None = None
-
-    def read(self, slots):
-        return self.data[slots].copy()
 
     def read_start(self, slots):
         blocks, error = self.read(slots), self.fail
@@ -71,9 +62,6 @@ class GatedStore:
             return blocks
 
         return finish
-
-    def write(self, slots, blocks):
-        self.data[slots] = blocks
 
 
 def make_cache(device, host=0, disk=0, disk_dir=None, max_spill_blocks=None, store=None):

@@ -66,6 +66,7 @@ requests (EngineClosed with that message).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import itertools
@@ -553,14 +554,21 @@ class ServingEngine(Engine):
             self._use_prefix_cache(run)
         return admitted
 
-    def _use_prefix_cache(self, run: _Run) -> None:
+    @contextlib.contextmanager
+    def _in_prefix_cache(self):
+        """Times its body into the step's prefix_seconds (StepRecord)."""
         start = time.perf_counter()
         try:
-            self._use_prefix_cache_timed(run)
+            yield
         finally:
             self._prefix_seconds += time.perf_counter() - start
 
-    def _use_prefix_cache_timed(self, run: _Run) -> None:
+    def _use_prefix_cache(self, run: _Run) -> None:
+        with self._in_prefix_cache():
+            self._place_cached_prefix(run)
+
+    def _place_cached_prefix(self, run: _Run) -> None:
+        """The longest cached prefix of the run's prompt copied into its row (prefill starts after it)."""
         if self._prefix is None:
             if self._prefix_unusable:
                 with self._cond:
@@ -742,22 +750,16 @@ class ServingEngine(Engine):
         what was staged as it was prefilled)."""
         if self._prefix is None:
             return
-        start = time.perf_counter()
-        try:
-            self._store_prefix_timed(run)
-        finally:
-            self._prefix_seconds += time.perf_counter() - start
-
-    def _store_prefix_timed(self, run: _Run) -> None:
         if self._hybrid:
             staged, run.staged = run.staged, []
             bs, first = self._prefix.block_size, run.capture_from // self._prefix.block_size
-            # the blocks before the staged ones must still be cached (insert copies only new ones)
-            if not staged or len(self._prefix.match(run.prompt)) < first:
-                return
-            kv = np.concatenate(staged, axis=2)  # tokens capture_from ..
-            self._prefix.insert(run.prompt[:run.capture_from + kv.shape[2] // bs * bs],
-                                lambda numbers, slots: self._pool.write_history(slots, kv, numbers - first))
+            with self._in_prefix_cache():
+                # the blocks before the staged ones must still be cached (insert copies only new ones)
+                if not staged or len(self._prefix.match(run.prompt)) < first:
+                    return
+                kv = np.concatenate(staged, axis=2)  # tokens capture_from ..
+                self._prefix.insert(run.prompt[:run.capture_from + kv.shape[2] // bs * bs],
+                                    lambda numbers, slots: self._pool.write_history(slots, kv, numbers - first))
             return
 
         run.prefix_blocks_stored = 0  # inserted over the next steps (_insert_pending)
@@ -769,7 +771,6 @@ class ServingEngine(Engine):
         request decodes); with `run`, all of that request's that are left (its row is about to be reset)."""
         if self._prefix is None:
             return
-        start = time.perf_counter()
         budget = PREFIX_INSERT_BLOCKS_PER_STEP
         bs = self._prefix.block_size
         for pending in ([run] if run is not None else list(self._inserting)):
@@ -782,12 +783,12 @@ class ServingEngine(Engine):
             def copy(block_numbers: np.ndarray, slots: np.ndarray, slot=pending.slot) -> None:
                 self._pool.from_row(self._cache, slot, block_numbers, slots)
 
-            self._prefix.insert(pending.prompt[:upto * bs], copy)
+            with self._in_prefix_cache():
+                self._prefix.insert(pending.prompt[:upto * bs], copy)
             pending.prefix_blocks_stored = upto
             if upto == whole:
                 pending.prefix_blocks_stored = None
                 self._inserting.remove(pending)
-        self._prefix_seconds += time.perf_counter() - start
 
     def _accept(self, run: _Run, token: int) -> None:
         """A sampled token of a request: stop, or emit (and end at max_tokens)."""
