@@ -9,6 +9,9 @@ the host on a worker thread, in one of these ways:
   asarray        np.asarray of the gathered array (the host copy only)
   asarray+split  the same, then each block's own np.array copy (what the prefix cache's worker does)
   pieces         np.asarray of 128 MiB slices, each its own copy
+  pinned         jhybrid.hybrid.transfer.to_host of the whole array (device -> pinned_host -> NumPy)
+  pinned-pieces  to_host of 64 MiB slices
+  product        the prefix cache's own copy: jhybrid.serving.kv_blocks.PendingRead
 Per variant: the seconds the main thread spent dispatching the gather (and, for the `+async`
 variants, `copy_to_host_async` after it, on the main thread), the worker's seconds, the main thread's
 longest step during the copy and its median step before it.
@@ -25,6 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jhybrid.hybrid.transfer import to_host
+from jhybrid.serving.kv_blocks import PendingRead
+
 BLOCK = (32, 2, 16, 8, 128)
 
 
@@ -37,7 +43,14 @@ def run(variant: str, pool, count: int) -> dict:
 
     def worker(gathered):
         start = time.perf_counter()
-        if variant.startswith("pieces"):
+        if variant == "product":
+            PendingRead(gathered, count)()
+        elif variant.startswith("pinned"):
+            per = max(1, (64 << 20) // (np.prod(BLOCK) * 2)) if variant == "pinned-pieces" else count
+            host = np.empty(gathered.shape, np.dtype(gathered.dtype))
+            for first in range(0, count, per):
+                host[first:first + per] = to_host(gathered[first:first + per])
+        elif variant.startswith("pieces"):
             per = max(1, (128 << 20) // (np.prod(BLOCK) * 2))
             blocks = []
             for first in range(0, count, per):
@@ -78,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     count = int(args.gib * 2**30 // (np.prod(BLOCK) * 2))
     pool = jax.random.normal(jax.random.key(0), (count * 2,) + BLOCK, jnp.bfloat16)
-    variants = ("asarray", "asarray", "asarray+split", "pieces", "asarray+split+async", "asarray+split")
+    variants = ("asarray", "asarray", "pieces", "pinned", "pinned", "pinned-pieces", "product", "product")
     rows = [run(v, pool, count) for v in variants]  # the first: compiles included
     for row in rows:
         print(row)

@@ -126,3 +126,37 @@ def test_bad_serving_settings_are_one_line_config_errors(setting, words):
     assert "\n" not in message
     for word in words:
         assert word in message, message
+
+
+def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_request():
+    """_gaps_during_prefill / _longest_gaps against a hand-built step log: request "a" decodes in
+    steps 2-4; "b" prefills in steps 3 and 4 (step 4 also admits one, starts 20 ms after step 3 ended and is the long one). Only a's
+    gaps ended by steps 3 and 4 count, the longest first, each with its step's record."""
+    from jhybrid.bench.serving import _gaps_during_prefill, _longest_gaps
+    from jhybrid.serving.api import FinishReason, RequestOutput
+    from jhybrid.serving.engine import StepRecord
+
+    a = RequestOutput("a", [1, 2, 3, 4], FinishReason.LENGTH, 8, token_times=[1.0, 1.02, 1.05, 1.15])
+    b = RequestOutput("b", [5], FinishReason.LENGTH, 64, token_times=[1.3])
+    records = [StepRecord(1, (("a", 8),), (), 0.01, 0.0, 0.99, 1),
+               StepRecord(2, (), ("a",), 0.02, 0.0, 1.0),
+               StepRecord(3, (("b", 32),), ("a",), 0.03, 0.0, 1.02),
+               StepRecord(4, (("b", 32),), ("a",), 0.08, 0.05, 1.07, 1)]
+    gaps = _gaps_during_prefill([a, b], records)
+    assert [round(g, 6) for g, _, _ in gaps] == [0.03, 0.1]
+    assert [r.step for _, r, _ in gaps] == [3, 4] and [p.step for _, _, p in gaps] == [2, 3]
+    longest = _longest_gaps(gaps, n=1)
+    assert longest == [{"gap_ms": 100.0, "step": 4, "step_ms": 80.0, "prefix_ms": 50.0, "between_ms": 20.0,
+                        "prefill_tokens": 32, "decode_rows": 1, "admitted": 1}]
+
+
+def test_saturation_phase_can_be_left_out(tmp_path):
+    text = CONFIG.replace("serving_slots: 2}", "serving_slots: 2, serving_saturation: false, serving_requests: 2}")
+    text = text.replace("serving_requests: 6, ", "")
+    path = tmp_path / "serving.yaml"
+    path.write_text(text)
+    outcome = runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path / "results"), argv=[],
+                               show_progress=False)
+    (row,) = outcome.rows
+    assert row["completed"] == 2 and row["saturated_tok_s"] is None and row["saturated_over_fixed"] is None
+    assert row["fixed_decode_tok_s"] > 0  # the fixed batches still ran

@@ -20,7 +20,7 @@ The run, per point (its mode: the offload section, through `backend_for` like th
      steps), then `engine.compile_steps()` (every prefill, packed and decode shape);
   3. the load: each request submitted at its arrival time to the started engine; per request its
      TTFT (submit -> first token), its token times, whether it hit the prefix cache (cached_tokens > 0);
-  4. saturation, on the same warm engine: prompts of the load's lengths with fresh random tokens (no
+  4. saturation (unless `serving_saturation` is false), on the same warm engine: prompts of the load's lengths with fresh random tokens (no
      shared prefix, so no prefix-cache hit) all submitted at once; every token / seconds from the
      submit to the last token;
   5. the engine closed and freed, then THE SAME prompts as fixed batches of `serving_slots` (in arrival
@@ -65,6 +65,8 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, packs_decode (
   tbt_prefill_p99_ms (p99 of the token gaps that ended in an engine step that also prefilled another
   request's chunk: what a running request sees while a long prompt is prefilled, from the engine's
   step log), tbt_p99_over_p50 (tbt_prefill_p99_ms / tbt_p50_ms; None without such gaps),
+  prefill_gaps (how many such gaps), prefill_gap_longest (the GAPS_SHOWN longest, each with its
+  step's record: `_longest_gaps`),
   compiles_timed (executables compiled during the load: 0 when the warm-up covered every shape),
   warmup_s, served_s, fixed_s (wall seconds of each phase), host_rss_bytes (after the load).
 """
@@ -77,6 +79,8 @@ import logging
 import math
 import time
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from jhybrid.bench.offload import PointSkipped, backend_for
@@ -84,10 +88,14 @@ from jhybrid.bench.progress import PointProgress, report_phase
 from jhybrid.bench.throughput import host_rss_bytes
 from jhybrid.hybrid.registry import mode_class
 
+if TYPE_CHECKING:
+    from jhybrid.serving.engine import StepRecord
+
 log = logging.getLogger(__name__)
 
 SEED = 0
 RESULT_TIMEOUT_S = 3600.0  # waiting for one request of the load (an engine that stopped raises sooner)
+GAPS_SHOWN = 8  # prefill_gap_longest: the longest token gaps while a prompt prefills, with their steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +251,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         records = engine.step_log()
         rss = host_rss_bytes()
         saturated = None
-        if deadline is None or time.perf_counter() < deadline:
+        if bench.serving_saturation and (deadline is None or time.perf_counter() < deadline):
             report_phase(on_step, f"saturation: {n} requests at once")
             saturated = _run_saturated(engine, Request, load, bench, vocab)
     finally:
@@ -325,7 +333,7 @@ def _served_fields(outputs, submitted, records, bench, shared) -> dict:
     hit_over_shared_miss_admitted = (_ratio(float(np.median(hits_admitted)), float(np.median(shared_misses_admitted)))
                                      if hits_admitted and shared_misses_admitted else None)
     prefill_gaps = _gaps_during_prefill(outputs, records)
-    prefill_p99 = _pct(prefill_gaps, 99)
+    prefill_p99 = _pct([g for g, _, _ in prefill_gaps], 99)
     decode_span = last - first
     return {"completed": int(completed), "lost": n - int(completed),
             "ttft_p50_s": _round(_pct(ttft, 50), 4), "ttft_p99_s": _round(_pct(ttft, 99), 4),
@@ -343,16 +351,19 @@ def _served_fields(outputs, submitted, records, bench, shared) -> dict:
                              "queued_s": _round(o.queued, 4), "ttft_s": _round(o.ttft, 4)}
                             for o, s in zip(outputs, shared)],
             "tbt_prefill_p99_ms": _round(None if prefill_p99 is None else prefill_p99 * 1e3, 3),
-            "tbt_p99_over_p50": _round(_ratio(prefill_p99, tbt_p50), 3)}
+            "tbt_p99_over_p50": _round(_ratio(prefill_p99, tbt_p50), 3),
+            "prefill_gaps": len(prefill_gaps), "prefill_gap_longest": _longest_gaps(prefill_gaps)}
 
 
-def _gaps_during_prefill(outputs, records) -> list[float]:
+def _gaps_during_prefill(outputs, records) -> list[tuple[float, StepRecord, StepRecord | None]]:
     """Token gaps of requests whose token came from an engine step that also prefilled another
-    request. A request's k-th decode step (k >= 1) emits its token k (token 0 comes from its
-    prefill), so the step log maps each gap token[k-1] -> token[k] to the step that ended it."""
+    request, each with that step's record and the record before it. A request's k-th decode step
+    (k >= 1) emits its token k (token 0 comes from its prefill), so the step log maps each gap
+    token[k-1] -> token[k] to the step that ended it."""
     by_id = {o.request_id: o for o in outputs}
     seen: dict[str, int] = {}
     gaps = []
+    previous = None
     for record in records:
         prefilling = {rid for rid, _ in record.prefill}
         for rid in record.decode:
@@ -361,8 +372,24 @@ def _gaps_during_prefill(outputs, records) -> list[float]:
             k = seen[rid] = seen.get(rid, 0) + 1
             times = by_id[rid].token_times
             if k < len(times) and prefilling - {rid}:
-                gaps.append(times[k] - times[k - 1])
+                gaps.append((times[k] - times[k - 1], record, previous))
+        previous = record
     return gaps
+
+
+def _longest_gaps(gaps, n: int = GAPS_SHOWN) -> list[dict]:
+    """The n longest gaps of `_gaps_during_prefill`, each with what its step did (what sets the p99):
+    gap_ms, step_ms (the step that ended it), prefix_ms (of which in the prefix cache), between_ms
+    (from the previous step's end to this one's start), prefill_tokens, decode_rows, admitted."""
+    rows = []
+    for gap, record, previous in sorted(gaps, key=lambda g: -g[0])[:n]:
+        between = None if previous is None else record.started - previous.started - previous.seconds
+        rows.append({"gap_ms": round(gap * 1e3, 2), "step": record.step, "step_ms": round(record.seconds * 1e3, 2),
+                     "prefix_ms": round(record.prefix_seconds * 1e3, 2),
+                     "between_ms": None if between is None else round(between * 1e3, 2),
+                     "prefill_tokens": sum(t for _, t in record.prefill), "decode_rows": len(record.decode),
+                     "admitted": record.admitted})
+    return rows
 
 
 def _run_fixed(model, backend, load: Load, bench, slots: int, max_len: int) -> dict:

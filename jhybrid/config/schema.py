@@ -144,7 +144,9 @@ class BenchmarkSpec:
           0: no host tier).
       serving_slo_ttft_s / serving_slo_tbt_ms: the SLO of `goodput` (a request meets it when its time
           to first token and the p99 of its token gaps are within them); null: 2 x the run's median
-          TTFT / 2 x its TBT p50."""
+          TTFT / 2 x its TBT p50.
+      serving_saturation: run the saturation phase (every request at once; saturated_over_fixed);
+          false for points that only measure latency under the load."""
 
     task: str = dataclasses.field(default="perplexity", metadata=_choices(*TASKS))
     text: str = "paul_graham"  # a built-in text (TEXTS) or the path of a UTF-8 text file
@@ -188,6 +190,7 @@ class BenchmarkSpec:
     serving_prefix_cache_host_mb: float = 0.0
     serving_slo_ttft_s: float | None = None
     serving_slo_tbt_ms: float | None = None
+    serving_saturation: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,13 +137,16 @@ class StepRecord:
     they took the step's budget (prefill_order) and decode (request_ids that got a decode step) in
     slot order; seconds: its wall time (admission, model calls, sampling; not the wait for work), of
     which prefix_seconds in the prefix cache (hits copied into rows, finished prompts inserted, and
-    the spills' waits those caused)."""
+    the spills' waits those caused); started: its start (time.perf_counter); admitted: requests it
+    took into slots."""
 
     step: int
     prefill: tuple[tuple[str, int], ...]
     decode: tuple[str, ...]
     seconds: float = 0.0
     prefix_seconds: float = 0.0
+    started: float = 0.0
+    admitted: int = 0
 
 
 @dataclasses.dataclass
@@ -516,7 +519,7 @@ class ServingEngine(Engine):
             if prefilled or decoded:
                 self._counts.steps += 1
                 self._log.append(StepRecord(self._counts.steps, tuple(prefilled), tuple(decoded), seconds,
-                                            self._prefix_seconds))
+                                            self._prefix_seconds, start, len(admitted)))
                 self._log_steps(seconds, sum(n for _, n in prefilled), len(decoded))
             if self._prefix is not None:
                 self._prefix_stats = self._prefix.stats()

@@ -40,6 +40,7 @@ import numpy as np
 
 from jhybrid.attention.base import RowKV
 from jhybrid.attention.full import FULL_ROW_KV
+from jhybrid.hybrid.transfer import to_host
 
 
 PIECE_BLOCKS = 64  # blocks per copy between the pool and a row (the last piece padded)
@@ -97,7 +98,7 @@ def block_bytes_of(config, block_size: int, dtype=None) -> int:
             * jnp.dtype(config.dtype if dtype is None else dtype).itemsize)
 
 
-HOST_COPY_PIECE_BYTES = 64 << 20  # a spill's device-to-host copy, per np.asarray (PendingRead)
+HOST_COPY_PIECE_BYTES = 64 << 20  # a spill's device-to-host copy, per `to_host` call (PendingRead)
 
 
 class PendingRead:
@@ -114,16 +115,16 @@ class PendingRead:
         gathered, self._gathered = self._gathered, None
         if gathered is None:
             raise RuntimeError(f"a PendingRead of {self.count} KV blocks was called twice; it returns its blocks once")
-        # In pieces of about HOST_COPY_PIECE_BYTES: np.asarray of one device array holds the GIL for
-        # its whole device-to-host copy (on the H100 a 4 GiB one let the thread dispatching the
-        # engine's steps run twice in 2.6 s; in 128 MiB pieces its longest step was 82 ms:
-        # benchmarks/probe_spill.py).
+        # In pieces of about HOST_COPY_PIECE_BYTES, each through pinned host memory (`to_host`):
+        # np.asarray of a device array copies at ~1-2 GB/s holding the GIL the whole time (on the
+        # H100 a 4 GiB one let the thread dispatching the engine's steps run twice in 2.6 s; in
+        # 128 MiB pieces its longest step was 82 ms: benchmarks/probe_spill.py).
         per_block = int(np.prod(gathered.shape[1:])) * gathered.dtype.itemsize
         step = max(1, HOST_COPY_PIECE_BYTES // per_block)
         host = np.empty((self.count,) + gathered.shape[1:], np.dtype(gathered.dtype))
         for first in range(0, self.count, step):
             last = min(first + step, self.count)
-            host[first:last] = np.asarray(gathered[first:last])
+            host[first:last] = to_host(gathered[first:last])
         return host
 
 
