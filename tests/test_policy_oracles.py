@@ -298,3 +298,34 @@ def test_topk_selection_matches_numpy_top_k(model):
             assert list(got) == list(want), f"step {t} head {h}: selected {got} != top-k {want} of {scores.round(3)}"
             checked += 1
     assert checked > 50 and max(published) >= 4
+
+
+def test_hgca_rescores_a_turn_only_at_a_step_where_its_row_decodes():
+    """HgcaHost._reevaluate: of the rows whose new turn awaits its re-scoring and that have offloaded
+    blocks, only those with a token in the step are re-scored (a row still prefilling while the
+    others decode waits for its own first decode step); each re-scored row once, with its queries."""
+    from types import SimpleNamespace
+
+    from jhybrid.hybrid.modes.hgca import HgcaHost
+
+    queued = []
+    step_rows = np.array([True, False, True, True])
+    ctx = SimpleNamespace(shape=SimpleNamespace(n_layers=2, batch=4, scale=1.0),
+                          config=SimpleNamespace(beta=1.0, keep_after=0, max_keep_share=None, reevaluate_queries=4),
+                          store=object(), published=lambda: np.array([3, 5, 0, 2]),
+                          step_rows=lambda: step_rows.copy(),
+                          background=lambda fn, store, layer, seqs, q, *rest: queued.append((layer, seqs, q.shape)),
+                          wait_background=lambda: None)
+    host = HgcaHost(ctx)
+    host.new_turn[:] = [True, True, True, False]
+    for layer in range(2):
+        for b in range(4):
+            host.turn_queries[layer][b] = np.ones((4, 2, 8), np.float32)
+    host._reevaluate()
+    # row 0: due; row 1: prefilling (no token this step); row 2: nothing offloaded; row 3: no new turn
+    assert queued == [(0, [0], (1, 4, 2, 8)), (1, [0], (1, 4, 2, 8))]
+    assert host.new_turn.tolist() == [False, True, True, False]
+    step_rows[1] = True  # row 1's own first decode step
+    host._reevaluate()
+    assert queued[2:] == [(0, [1], (1, 4, 2, 8)), (1, [1], (1, 4, 2, 8))]
+    assert host.new_turn.tolist() == [False, False, True, False]

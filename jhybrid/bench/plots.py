@@ -253,8 +253,8 @@ def plot_serving(rows: list[dict], path: str) -> str | None:
     rows = [r for r in _ok(rows, "serving") if r.get("ttft_p50_s") is not None]
     if not rows:
         return None
-    labels = [f"{r['mode']}\nbudget {r.get('step_tokens')}" + (" + host tier" if (r.get("prefix_bytes") or {}).get("host")
-                                                                  else "") for r in rows]
+    labels = [f"{r['mode']}\nbudget {r.get('step_tokens')}" + ("\n+ host tier" if (r.get("prefix_bytes") or {}).get("host")
+                                                                    else "") for r in rows]
     x = np.arange(len(rows))
     panels = [("time to first token (s)", [("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")]),
               ("token gaps (ms)", [("tbt_p50_ms", "p50"), ("tbt_p99_ms", "p99"),

@@ -350,7 +350,7 @@ def read_tokens(backend, cache, row: int, start: int, count: int, width: int) ->
         raise ValueError(f"read_tokens: {count} tokens in a read of width {width}")
     positions = np.full(width, start, np.int32)
     positions[:count] = np.arange(start, start + count)
-    return np.asarray(_read_tokens(backend.config, cache.layers, np.int32(row), positions))[:, :, :count]
+    return to_host(_read_tokens(backend.config, cache.layers, np.int32(row), positions))[:, :, :count]
 
 
 __all__ = ["HybridCacheWriter", "place_history", "reusable_prefix", "read_tokens"]

@@ -163,6 +163,7 @@ class ModeHostContext:
                      device's values, are what the CPU attends
     published()      [B] blocks each sequence's host side owns (a copy)
     tokens()         [B] tokens each sequence holds (a copy)
+    step_rows()      [B] bool: the rows with a token in the step being started (a copy)
     decode_steps     decode steps run so far
     slot_tables      [L, B, nb_max] int64 the store slot of each block (read only)
     last_block_ids(layer)   the block ids [B, Hkv, k] the CPU attended at the last decode step
@@ -197,6 +198,11 @@ class ModeHostContext:
 
     def tokens(self) -> np.ndarray:
         return self._runtime.n_tokens.copy()
+
+    def step_rows(self) -> np.ndarray:
+        """[B] bool: the rows with a token in the step being started (a copy; valid from its
+        eviction on, e.g. in `before_prefill_chunk` / `before_decode`)."""
+        return self._runtime.step_rows.copy()
 
     def last_block_ids(self, layer: int) -> np.ndarray | None:
         return self._runtime.last_block_ids(layer)
@@ -246,6 +252,7 @@ class HostRuntime:
         self._host_error: BaseException | None = None  # the first error inside a host callback
         self._start_workers()
         self.n_tokens = np.zeros(batch, np.int64)  # tokens per sequence (= the cache's lengths)
+        self.step_rows = np.zeros(batch, bool)  # rows with a token in the step being started
         self.decode_steps = 0
         self.core_counters = HostCounters()
         self.evictor = Evictor(self)
@@ -486,6 +493,7 @@ class HostRuntime:
         self._record_step()
         valid = pos >= 0
         n_new = valid.sum(axis=1)
+        self.step_rows = n_new > 0
         first = np.where(valid.any(axis=1), np.where(valid, pos, np.iinfo(np.int64).max).min(axis=1), self.n_tokens)
         if np.any(first != self.n_tokens):
             raise ValueError(f"positions start at {first.tolist()} but the sequences hold {self.n_tokens.tolist()} "

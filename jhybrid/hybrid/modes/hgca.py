@@ -116,8 +116,12 @@ class HgcaHost(ModeHost):
     """Sparsification at eviction and re-evaluation after each new turn (both on the eviction thread).
 
     Per row (sequence): the last `reevaluate_queries` queries of its current turn and whether its
-    turn awaits re-evaluation. A row's turn is re-scored at the first decode step at which the row
-    has offloaded blocks (published): what the row would see alone, whichever rows share its batch."""
+    turn awaits re-evaluation. A row's turn is re-scored at the first decode step in which the row
+    decodes (has a position) and has offloaded blocks (published): what the row would see alone,
+    whichever rows share its batch. A row still prefilling while others decode (the serving
+    engine) is not re-scored at their decode steps (its CPU part is not attended there): re-scoring
+    every offloaded token of a growing prompt at every step was O(prompt) host work per step,
+    waited for, and its last chunks' queries replace what such a re-scoring chose anyway."""
 
     def __init__(self, context):
         self.ctx = context
@@ -230,11 +234,11 @@ class HgcaHost(ModeHost):
         self.chunk_pending = False
 
     def _reevaluate(self) -> None:
-        """Re-score the offloaded tokens of the rows whose new turn awaits it and that have offloaded
-        blocks (the others wait for their first published block), rows of equal query counts in one
-        call per layer."""
+        """Re-score the offloaded tokens of the rows whose new turn awaits it, that decode in this
+        step and that have offloaded blocks (the others wait for their first such step), rows of
+        equal query counts in one call per layer."""
         self._collect_turn_queries()
-        due = np.flatnonzero(self.new_turn & (self.ctx.published() > 0))
+        due = np.flatnonzero(self.new_turn & (self.ctx.published() > 0) & self.ctx.step_rows())
         if due.size == 0:
             return
         queued = False
