@@ -92,24 +92,45 @@ class HostBridge:
             ids[rows] = -1
 
     # ---- work --------------------------------------------------------------------------------
-    def _timed_attention(self, target: HostTarget, layer, queries, block_ids):
+    def _timed_attention(self, target: HostTarget, layer, queries, block_ids, rows=None):
         start = time.perf_counter()
         published = None if self.published_tokens is None else self.published_tokens()
-        out = target.attend(self.store, layer, self.seq_ids, queries, self.scale, block_ids, published)
+        if rows is None or rows.all():
+            out = target.attend(self.store, layer, self.seq_ids, queries, self.scale, block_ids, published)
+        else:  # only the rows with a query in the step: the others attend nothing (o = 0, lse = -inf)
+            b, tq, hq, d = queries.shape
+            o = np.zeros((b, tq, hq, d), np.float32)
+            lse = np.full((b, tq, hq), -np.inf, np.float32)
+            idx = np.flatnonzero(rows)
+            if idx.size:
+                o_r, lse_r = target.attend(self.store, layer, [self.seq_ids[i] for i in idx.tolist()],
+                                           np.ascontiguousarray(queries[idx]), self.scale,
+                                           None if block_ids is None else block_ids[idx],
+                                           None if published is None else np.asarray(published)[idx])
+                o[idx], lse[idx] = o_r, lse_r
+            out = o, lse
         self.stats.cpu_attn_s += time.perf_counter() - start
         return out
 
-    def submit(self, layer: int, queries: np.ndarray, target: HostTarget, block_ids: np.ndarray | None = None) -> int:
-        """Queue attention of queries [B, Tq, Hq, D] float32 over `target` for `layer`; returns a ticket (int > 0)."""
+    def submit(self, layer: int, queries: np.ndarray, target: HostTarget, block_ids: np.ndarray | None = None,
+               rows: np.ndarray | None = None) -> int:
+        """Queue attention of queries [B, Tq, Hq, D] float32 over `target` for `layer`; returns a ticket (int > 0).
+        rows [B] bool (optional): attend only these rows (the others: o = 0, lse = -inf), e.g. the
+        rows of a prefill chunk, not the ones decoding in their own call."""
         cfg = self.store.config
         queries = check_queries(np.array(queries, np.float32), len(self.seq_ids), cfg.n_kv_heads, cfg.head_dim)
+        if rows is not None:
+            rows = np.asarray(rows, bool).reshape(-1)
+            if rows.shape[0] != len(self.seq_ids):
+                raise ValueError(f"rows of shape {rows.shape}; expected [B={len(self.seq_ids)}]")
         if target.needs_block_ids:
             if block_ids is None:
                 raise ValueError(f"{target.name} attention needs block_ids [B, Hkv, k]")
             block_ids = np.array(block_ids, np.int64)
             self.last_block_ids[layer] = block_ids
-            self.stats.cpu_tokens += int((block_ids >= 0).sum()) * cfg.block_size
-        handle = self.executor.submit_task(self._timed_attention, target, layer, queries, block_ids,
+            attended = block_ids if rows is None else block_ids[rows]
+            self.stats.cpu_tokens += int((attended >= 0).sum()) * cfg.block_size
+        handle = self.executor.submit_task(self._timed_attention, target, layer, queries, block_ids, rows,
                                            what=f"host attention over {target.name} (layer {layer})")
         ticket = next(self._tickets)
         with self._lock:
@@ -153,9 +174,9 @@ class HostBridge:
             self.stats.callback_s += time.perf_counter() - start
             self.stats.n_callbacks += 1
 
-    def cb_submit(self, layer: int, target: HostTarget, queries, block_ids=None):
+    def cb_submit(self, layer: int, target: HostTarget, queries, block_ids=None, rows=None):
         """-> int32 ticket (a 0-d array)."""
-        return self._guard(lambda: np.int32(self.submit(layer, queries, target, block_ids)))
+        return self._guard(lambda: np.int32(self.submit(layer, queries, target, block_ids, rows)))
 
     def cb_collect(self, ticket, *_dependencies):
         """-> (o, lse). Extra operands only order the callback after the GPU work that made them."""

@@ -181,6 +181,34 @@ def test_bridge_submit_collect_matches_reference(rng):
     assert counters["cpu_tokens"] == 3 * bs
 
 
+def test_bridge_rows_attend_only_the_chosen_rows(rng):
+    """submit(rows=...): the rows left out (a prefill chunk's decoding rows) are not attended
+    (o = 0, lse = -inf); the chosen ones get what a submit of the whole batch gives them."""
+    bs, hkv, d = 16, 2, 64
+    store = KVStore(StoreConfig(n_layers=1, n_kv_heads=hkv, head_dim=d, block_size=bs, kv_dtype="fp32"))
+    for seq, n_blocks in ((0, 3), (1, 2), (2, 0)):
+        store.add_sequence(seq)
+        if n_blocks:
+            k = rng.standard_normal((n_blocks, bs, hkv, d)).astype(np.float32)
+            v = rng.standard_normal((n_blocks, bs, hkv, d)).astype(np.float32)
+            store.append_blocks(0, seq, k, v, np.ones((n_blocks, bs, hkv), np.float32),
+                                np.arange(n_blocks * bs).reshape(n_blocks, bs))
+    q = rng.standard_normal((3, 5, 4, d)).astype(np.float32)
+    with HostExecutor(store, n_threads=1) as executor:
+        bridge = HostBridge(store, executor, [0, 1, 2], scale=d ** -0.5)
+        o_all, lse_all = bridge.collect(bridge.submit(0, q, ALL_OFFLOADED))
+        o, lse = bridge.cb_collect(bridge.cb_submit(0, ALL_OFFLOADED, q, None, np.array([False, True, True])))
+        o_none, lse_none = bridge.collect(bridge.submit(0, q, ALL_OFFLOADED, rows=np.zeros(3, bool)))
+        with pytest.raises(ValueError, match="rows of shape"):
+            bridge.submit(0, q, ALL_OFFLOADED, rows=np.ones(2, bool))
+    np.testing.assert_array_equal(o[0], 0.0)
+    assert np.isneginf(lse[0]).all() and np.isneginf(lse[2]).all()
+    np.testing.assert_allclose(o[1], o_all[1], atol=1e-6)
+    np.testing.assert_allclose(lse[1], lse_all[1], atol=1e-6)
+    np.testing.assert_array_equal(o_none, 0.0)
+    assert np.isneginf(lse_none).all()
+
+
 def test_cli_unknown_mode_is_reported(capsys):
     from jhybrid.cli import main
 

@@ -262,8 +262,9 @@ class HybridAttention(AttentionBackend):
                 cpu = offloaded_attention(q, copy.k, copy.v, copy.n_valid, context.scale, positions,
                                           cfg.kernel_backend)
                 gpu_q = q
-            else:  # ... or on the CPU, over every offloaded token
-                ticket = exchange.submit(layer_idx, ALL_OFFLOADED, q)
+            else:  # ... or on the CPU, over every offloaded token of the chunk's rows (a row
+                # without a query in the chunk, e.g. one decoding in its own call, is not attended)
+                ticket = exchange.submit(layer_idx, ALL_OFFLOADED, q, rows=jnp.any(positions >= 0, axis=1))
                 gpu_q = after(q, ticket)
             o_g, lse_g, probs = exact_window_attention(cfg, gpu_q, state.window, positions, lengths, offloaded,
                                                        context.scale)

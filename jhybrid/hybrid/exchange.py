@@ -93,11 +93,19 @@ class CallbackExchange:
         shard = jax.lax.axis_index(handle.axis).astype(jnp.int32)
         return jax.pure_callback(lambda s, *a: fn(handle.open_runtime(int(s)), *a), shapes, shard, *args)
 
-    def submit(self, layer: int, target, q: jax.Array, block_ids: jax.Array | None = None):
-        """Queue host attention of q [B, Tq, Hq, D] over `target`; returns an int32 ticket (scalar)."""
-        args = (q.astype(jnp.float32),) + (() if block_ids is None else (block_ids.astype(jnp.int32),))
-        return self._call(lambda runtime, *a: runtime.bridge.cb_submit(layer, target, *a),
-                          jax.ShapeDtypeStruct((), jnp.int32), *args)
+    def submit(self, layer: int, target, q: jax.Array, block_ids: jax.Array | None = None,
+               rows: jax.Array | None = None):
+        """Queue host attention of q [B, Tq, Hq, D] over `target`; returns an int32 ticket (scalar).
+        rows [B] bool (optional): the rows with a query in the step; the host attends only those
+        (the others get o = 0, lse = -inf: a prefill chunk's rows that do not prefill)."""
+        has_ids, has_rows = block_ids is not None, rows is not None
+        args = ((q.astype(jnp.float32),) + ((block_ids.astype(jnp.int32),) if has_ids else ())
+                + ((rows.astype(jnp.bool_),) if has_rows else ()))
+
+        def fn(runtime, queries, *rest):
+            return runtime.bridge.cb_submit(layer, target, queries, rest[0] if has_ids else None,
+                                            rest[-1] if has_rows else None)
+        return self._call(fn, jax.ShapeDtypeStruct((), jnp.int32), *args)
 
     def collect(self, layer: int, ticket: jax.Array, q_shape, *dependencies):
         """(o float32 [B, Tq, Hq, D], lse float32 [B, Tq, Hq]) of a ticket, after `dependencies`."""
@@ -173,11 +181,12 @@ class FfiExchange:
     def _attrs(self, layer: int) -> dict:
         return {"exchange": np.int64(self.id), "slot": np.int64(layer)}  # "slot": the layer's mailbox
 
-    def submit(self, layer: int, target, q: jax.Array, block_ids: jax.Array | None = None):
+    def submit(self, layer: int, target, q: jax.Array, block_ids: jax.Array | None = None,
+               rows: jax.Array | None = None):
         """Decode: the native worker attends what the mode's `exchange_pages` gives it (`target` is
-        the mode's host_target); prefill chunks go through the callback fallback."""
+        the mode's host_target); prefill chunks go through the callback fallback (with `rows`)."""
         if q.shape[1] != 1:
-            return self.fallback.submit(layer, target, q, block_ids)
+            return self.fallback.submit(layer, target, q, block_ids, rows)
         args = (q.astype(jnp.float32),) + (() if block_ids is None else (block_ids.astype(jnp.int32),))
         # Not marked side-effecting: every result is consumed (the ticket by the barrier and the
         # collect, the collect's outputs by the merge) and each call's (slot, operands) are unique in
