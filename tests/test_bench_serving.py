@@ -143,8 +143,8 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
                StepRecord(3, (("b", 32),), ("a",), 0.03, 0.0, 1.02),
                StepRecord(4, (("b", 32),), ("a",), 0.08, 0.05, 1.07, 1)]
     gaps = _gaps_during_prefill([a, b], records)
-    assert [round(g, 6) for g, _, _ in gaps] == [0.03, 0.1]
-    assert [r.step for _, r, _ in gaps] == [3, 4] and [p.step for _, _, p in gaps] == [2, 3]
+    assert [round(g.seconds, 6) for g in gaps] == [0.03, 0.1]
+    assert [g.step.step for g in gaps] == [3, 4] and [g.previous.step for g in gaps] == [2, 3]
     longest = _longest_gaps(gaps, n=1)
     assert longest == [{"gap_ms": 100.0, "step": 4, "step_ms": 80.0, "prefix_ms": 50.0, "between_ms": 20.0,
                         "prefill_tokens": 32, "decode_rows": 1, "admitted": 1}]

@@ -20,9 +20,9 @@ The run, per point (its mode: the offload section, through `backend_for` like th
      steps), then `engine.compile_steps()` (every prefill, packed and decode shape);
   3. the load: each request submitted at its arrival time to the started engine; per request its
      TTFT (submit -> first token), its token times, whether it hit the prefix cache (cached_tokens > 0);
-  4. saturation (unless `serving_saturation` is false), on the same warm engine: prompts of the load's lengths with fresh random tokens (no
-     shared prefix, so no prefix-cache hit) all submitted at once; every token / seconds from the
-     submit to the last token;
+  4. saturation (unless `serving_saturation` is false), on the same warm engine: prompts of the
+     load's lengths with fresh random tokens (no shared prefix, so no prefix-cache hit) all
+     submitted at once; every token / seconds from the submit to the last token;
   5. the engine closed and freed, then THE SAME prompts as fixed batches of `serving_slots` (in arrival
      order, all arriving at once) through `Generator` with the same max_len and chunk (one untimed
      warm-up batch first; Generator excludes compile time from its prefill and decode seconds).
@@ -78,8 +78,7 @@ import gc
 import logging
 import math
 import time
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -96,6 +95,15 @@ log = logging.getLogger(__name__)
 SEED = 0
 RESULT_TIMEOUT_S = 3600.0  # waiting for one request of the load (an engine that stopped raises sooner)
 GAPS_SHOWN = 8  # prefill_gap_longest: the longest token gaps while a prompt prefills, with their steps
+
+
+class PrefillGap(NamedTuple):
+    """A token gap that ended in an engine step which also prefilled another request: its length,
+    that step's record and the record before it (None for the log's first)."""
+
+    seconds: float
+    step: StepRecord
+    previous: StepRecord | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +341,7 @@ def _served_fields(outputs, submitted, records, bench, shared) -> dict:
     hit_over_shared_miss_admitted = (_ratio(float(np.median(hits_admitted)), float(np.median(shared_misses_admitted)))
                                      if hits_admitted and shared_misses_admitted else None)
     prefill_gaps = _gaps_during_prefill(outputs, records)
-    prefill_p99 = _pct([g for g, _, _ in prefill_gaps], 99)
+    prefill_p99 = _pct([g.seconds for g in prefill_gaps], 99)
     decode_span = last - first
     return {"completed": int(completed), "lost": n - int(completed),
             "ttft_p50_s": _round(_pct(ttft, 50), 4), "ttft_p99_s": _round(_pct(ttft, 99), 4),
@@ -355,9 +363,9 @@ def _served_fields(outputs, submitted, records, bench, shared) -> dict:
             "prefill_gaps": len(prefill_gaps), "prefill_gap_longest": _longest_gaps(prefill_gaps)}
 
 
-def _gaps_during_prefill(outputs, records) -> list[tuple[float, StepRecord, StepRecord | None]]:
+def _gaps_during_prefill(outputs, records) -> list[PrefillGap]:
     """Token gaps of requests whose token came from an engine step that also prefilled another
-    request, each with that step's record and the record before it. A request's k-th decode step
+    request. A request's k-th decode step
     (k >= 1) emits its token k (token 0 comes from its prefill), so the step log maps each gap
     token[k-1] -> token[k] to the step that ended it."""
     by_id = {o.request_id: o for o in outputs}
@@ -372,17 +380,17 @@ def _gaps_during_prefill(outputs, records) -> list[tuple[float, StepRecord, Step
             k = seen[rid] = seen.get(rid, 0) + 1
             times = by_id[rid].token_times
             if k < len(times) and prefilling - {rid}:
-                gaps.append((times[k] - times[k - 1], record, previous))
+                gaps.append(PrefillGap(times[k] - times[k - 1], record, previous))
         previous = record
     return gaps
 
 
-def _longest_gaps(gaps, n: int = GAPS_SHOWN) -> list[dict]:
-    """The n longest gaps of `_gaps_during_prefill`, each with what its step did (what sets the p99):
-    gap_ms, step_ms (the step that ended it), prefix_ms (of which in the prefix cache), between_ms
-    (from the previous step's end to this one's start), prefill_tokens, decode_rows, admitted."""
+def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
+    """The n longest gaps, each with what its step did (what sets the p99): gap_ms, step_ms (the
+    step that ended it), prefix_ms (of which in the prefix cache), between_ms (from the previous
+    step's end to this one's start), prefill_tokens, decode_rows, admitted."""
     rows = []
-    for gap, record, previous in sorted(gaps, key=lambda g: -g[0])[:n]:
+    for gap, record, previous in sorted(gaps, key=lambda g: -g.seconds)[:n]:
         between = None if previous is None else record.started - previous.started - previous.seconds
         rows.append({"gap_ms": round(gap * 1e3, 2), "step": record.step, "step_ms": round(record.seconds * 1e3, 2),
                      "prefix_ms": round(record.prefix_seconds * 1e3, 2),
