@@ -225,3 +225,57 @@ def test_a_hit_with_sliding_window_layers(rng):
     with alone:
         for prompt, out in zip(prompts, outs):
             assert out.tokens == run_all(alone, [alone.submit(Request(prompt, max_tokens=16))])[0].tokens
+
+
+def test_a_prompt_enters_the_prefix_cache_as_it_is_prefilled(model, rng):
+    """An offloading backend stores each prefill call's whole blocks in the prefix cache after the
+    call (not the whole prompt when its prefill ends: one 2 s step at 16K on the 8B shape): after the
+    k-th call of 16 tokens the cache holds k blocks; the 4-token last call adds none (96 of 100
+    tokens are whole blocks). A second request of the same prompt then hits all 6 blocks' worth the
+    hgca bound allows, and both give the tokens of the prompt run alone."""
+    prompt = rng.integers(0, TINY.vocab_size, 100).tolist()
+    backend = backend_of("hgca")
+    engine = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=64 * BLOCK_BYTES))
+    with engine:
+        handle = engine.submit(Request(prompt, max_tokens=6))
+        blocks = []
+        while len(blocks) < 7:  # the 7 prefill steps (6 x 16 tokens + 4)
+            engine.step()
+            blocks.append(engine.stats().prefix_bytes_device // BLOCK_BYTES)
+        first = run_all(engine, [handle])[0]
+        again = run_all(engine, [engine.submit(Request(prompt, max_tokens=6))])[0]
+    assert blocks == [1, 2, 3, 4, 5, 6, 6]
+    assert again.cached_tokens == reusable_prefix(backend, len(prompt), 96, CHUNK, BLOCK) > 0
+    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    with alone:
+        want = run_all(alone, [alone.submit(Request(prompt, max_tokens=6))])[0]
+    assert first.tokens == want.tokens and again.tokens == want.tokens
+
+
+def test_a_prompt_whose_cached_blocks_are_evicted_mid_prefill_stops_being_stored(model, rng):
+    """Two prompts prefilled side by side into a 4-block tier: each call's insert evicts the other
+    prompt's least recent blocks, so a prompt's earlier blocks vanish while it is still prefilled.
+    Its later blocks are then not stored (they could never be matched: the engine stops capturing
+    it, so the prompt asked again hits at most its first block); nothing fails, the tier never holds more than its 4 blocks, and the outputs are those of each
+    prompt run alone."""
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (90, 70)]
+    backend = backend_of("scout")
+    engine = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           step_token_budget=SLOTS * CHUNK,  # both rows prefill in every step
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=4 * BLOCK_BYTES))
+    with engine:
+        handles = [engine.submit(Request(p, max_tokens=6)) for p in prompts]
+        held = []
+        while not all(h.done for h in handles):
+            engine.step()
+            held.append(engine.stats().prefix_bytes_device // BLOCK_BYTES)
+        outs = [h.result(0) for h in handles]
+        # the second prompt lost its first blocks' chain at 32 tokens: at most its first block is left
+        again = run_all(engine, [engine.submit(Request(prompts[1], max_tokens=6))])[0]
+    assert max(held) == 4
+    assert again.cached_tokens <= BLOCK and again.tokens == outs[1].tokens
+    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    with alone:
+        for prompt, out in zip(prompts, outs):
+            assert out.tokens == run_all(alone, [alone.submit(Request(prompt, max_tokens=6))])[0].tokens

@@ -17,7 +17,8 @@ each request runs in one row (slot) from admission to its end, then the row is e
      the rows not taking part: the offloading backends keep per-row host state); a request whose
      prompt is done samples its first token, and its prompt's blocks enter the prefix cache (full
      attention: PREFIX_INSERT_BLOCKS_PER_STEP a step from this one, copied from its row, and all
-     that are left when the request ends; an offloading backend: at once, from the staged copy);
+     that are left when the request ends; an offloading backend: each call's whole blocks after the
+     call, read from the device window as they are prefilled);
   4. decode: one token for every request past its prefill (each row sampled with its own request's
      parameters: `jhybrid.serving.sampling`). When the backend `packs_decode` (`full`) and the step
      prefills, the decode tokens of the requests that were decoding when the step began ride in its
@@ -186,8 +187,9 @@ class _Run(RequestHandle):
         self.cached_tokens = 0
         self.queued: float | None = None  # submit -> admission (s)
         # offloading backend + prefix cache: prompt tokens [capture_from, capture_to) are read from the
-        # window as they are prefilled (staged: [L, 2, T, Hkv, D] host arrays), for the prefix cache
-        self.capture_from = self.capture_to = 0
+        # window as they are prefilled and their whole blocks stored in the prefix cache after each
+        # prefill call; staged: the tokens from staged_from not stored yet ([L, 2, T, Hkv, D] host arrays)
+        self.capture_from = self.capture_to = self.staged_from = 0
         self.staged: list[np.ndarray] = []
         # full attention + prefix cache: the prompt's whole blocks inserted so far (None: none pending)
         self.prefix_blocks_stored: int | None = None
@@ -590,7 +592,7 @@ class ServingEngine(Engine):
                 self._cache = self._pool.into_row(self._cache, run.slot, slots)
             run.prefilled = run.cached_tokens = int(slots.size) * bs
         if self._hybrid:  # the whole blocks the cache could take: read as they are prefilled
-            run.capture_from = run.prefilled
+            run.capture_from = run.staged_from = run.prefilled
             run.capture_to = min(len(run.prompt) // bs, self._pool.capacity) * bs
 
     def _prefill_and_decode(self) -> tuple[list[tuple[str, int]], list[str]]:
@@ -707,6 +709,7 @@ class ServingEngine(Engine):
         for run, n in taken:
             if self._hybrid:
                 self._capture(run, n)
+                self._store_staged(run)
             run.prefilled += n
             done[run.request_id] += n
             if run.prefilled == len(run.prompt):
@@ -748,23 +751,46 @@ class ServingEngine(Engine):
             run.staged.append(self._ingest.read_tokens(self.backend, self._cache, run.slot, lo, hi - lo,
                                                        self.prefill_chunk))
 
-    def _store_prefix(self, run: _Run) -> None:
-        """A finished prefill's prompt blocks into the prefix cache (copied from its row, or from
-        what was staged as it was prefilled)."""
-        if self._prefix is None:
+    def _store_staged(self, run: _Run) -> None:
+        """The whole blocks staged so far into the prefix cache (an offloading backend, after each
+        prefill call): a prompt's KV enters the cache a call's tokens at a time, not all at once when
+        its prefill ends (a 16K prompt of the 32-layer Llama-3-8B shape is 2 GiB: one 2 s step).
+        Stops capturing the request when the cache no longer holds every block before the staged
+        ones (evicted meanwhile) or did not take all of them (a full tier, a hash collision): the
+        blocks after a gap could never be matched."""
+        if self._prefix is None or not run.staged:
             return
-        if self._hybrid:
-            staged, run.staged = run.staged, []
-            bs, first = self._prefix.block_size, run.capture_from // self._prefix.block_size
-            with self._in_prefix_cache():
-                # the blocks before the staged ones must still be cached (insert copies only new ones)
-                if not staged or len(self._prefix.match(run.prompt)) < first:
-                    return
-                kv = np.concatenate(staged, axis=2)  # tokens capture_from ..
-                self._prefix.insert(run.prompt[:run.capture_from + kv.shape[2] // bs * bs],
-                                    lambda numbers, slots: self._pool.write_history(slots, kv, numbers - first))
+        bs = self._prefix.block_size
+        kv = run.staged[0] if len(run.staged) == 1 else np.concatenate(run.staged, axis=2)
+        whole, first = kv.shape[2] // bs, run.staged_from // bs
+        if whole == 0:
+            run.staged = [kv]
             return
+        upto = run.staged_from + whole * bs
+        with self._in_prefix_cache():
+            if len(self._prefix.match(run.prompt[:run.staged_from])) < first:
+                stored = False
+            else:
+                def write(numbers: np.ndarray, slots: np.ndarray) -> None:
+                    if numbers.min(initial=first) < first:  # the match above rules it out
+                        raise RuntimeError(f"prefix cache: block {numbers.min()} asked of a request whose "
+                                           f"staged KV starts at block {first}")
+                    self._pool.write_history(slots, kv, numbers - first)
 
+                self._prefix.insert(run.prompt[:upto], write)
+                stored = len(self._prefix.match(run.prompt[:upto])) == upto // bs
+        if not stored:
+            run.staged, run.capture_to = [], 0
+            return
+        run.staged = [kv[:, :, whole * bs:]] if kv.shape[2] > whole * bs else []
+        run.staged_from = upto
+
+    def _store_prefix(self, run: _Run) -> None:
+        """A finished prefill's prompt blocks into the prefix cache: full attention, copied from its
+        row over the next steps; an offloading backend stored them as they were prefilled
+        (`_store_staged`)."""
+        if self._prefix is None or self._hybrid:
+            return
         run.prefix_blocks_stored = 0  # inserted over the next steps (_insert_pending)
         self._inserting.append(run)
 
