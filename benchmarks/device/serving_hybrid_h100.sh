@@ -2,26 +2,44 @@
 # Issue 32's offloading modes on one H100, one device call, the bench run under the stack sampler:
 #   MODE=hgca bash benchmarks/device/serving_hybrid_h100.sh [extra jhybrid bench args, e.g. --set ...]
 # 1. the mode's Numba host kernels compiled for bf16 (the CPU serving point reaches the kernels the
-#    H100 run uses; a fresh machine has no cache), the native exchange built;
+#    H100 run uses; a fresh machine has no cache, a warm one keeps host/__pycache__ between calls, so a
+#    second call skips the compile), the native exchange built;
+#    BG_WARM=<other mode> compiles that mode's kernels too, in the background while the bench loads the
+#    model and compiles its steps (both untimed; the log says when it ended, to check it ended before
+#    the timed load), so that the next call on the same warm machine finds them;
 # 2. configs/serving-h100-hybrid.yaml --only $MODE under benchmarks/stack_sample.py
 #    ($OUT/serving-h100-$MODE-stacks.txt), cut by SIGINT at BENCH_S (default 520) seconds after the
 #    script's start: a process killed mid-run holding ~35 GiB of pinned host memory took over a minute
 #    to exit (a call ran past its 600 s and returned no row), so the margin is wide.
+# JHYBRID_PROFILE=START:SECONDS:DIR traces SECONDS of the load (START s after its first request) and
+# sums the trace into $OUT/serving-h100-$MODE-trace.{txt,json} (benchmarks/trace_summary.py).
+# JAX's compilation cache lives in /tmp/jhybrid-jax-cache: a second call on the same warm machine
+# reuses the step compiles of the first.
 set -uo pipefail
 mode=${MODE:?MODE=hgca or scout}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. PYTHONUNBUFFERED=1 JHYBRID_LOG_LEVEL=INFO
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jhybrid-jax-cache}
-start=$(date +%s)
+start=$(date +%s); SECONDS=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bash scripts/build_native.sh python3 2>&1 | tail -1
-JAX_PLATFORMS=cpu JHYBRID_LOG_LEVEL=WARNING timeout 300 python3 -m jhybrid.cli bench configs/serving-cpu.yaml \
-  --output-dir /tmp/numba-warm --only "$mode" --set model.dtype=bfloat16 --set offload.prefill_offloaded=host \
-  > /tmp/numba-warm.log 2>&1
-rc=$?
-echo "host kernels compiled in $(( $(date +%s) - start )) s (rc $rc)"
+warm_kernels() {  # $1: mode; compiles its bf16 host kernels into host/__pycache__ through the CPU serving point
+  JAX_PLATFORMS=cpu JHYBRID_LOG_LEVEL=WARNING timeout 300 python3 -m jhybrid.cli bench configs/serving-cpu.yaml \
+    --output-dir "/tmp/numba-warm-$1" --only "$1" --set model.dtype=bfloat16 --set offload.prefill_offloaded=host \
+    > "/tmp/numba-warm-$1.log" 2>&1
+  local rc=$?
+  echo "host kernels of $1 compiled $(( $(date +%s) - start )) s after the start (rc $rc)"
+}
+warm_kernels "$mode"
+if [ -n "${BG_WARM:-}" ]; then warm_kernels "$BG_WARM" & fi
 left=$(( ${BENCH_S:-520} - ($(date +%s) - start) ))
 timeout -s INT -k 10 "$left" python3 benchmarks/stack_sample.py --out "$OUT/serving-h100-$mode-stacks.txt" --every 0.5 -- \
   jhybrid.cli bench configs/serving-h100-hybrid.yaml --output-dir "$OUT" --only "$mode" "$@" 2>&1 \
-  | tee -a "$OUT/bench.log" | grep -E "^done|^skipped|rror|resumed|slow step|Traceback" | head -40
+  | while IFS= read -r line; do echo "${SECONDS}s $line"; done \
+  | tee -a "$OUT/bench.log" | grep -E "s (done|skipped)|rror|resumed|slow step|Traceback|request [0-9]+/|step [0-9]+ took" | awk 'NR <= 80'  # reads to the end: head would close the pipe and kill the bench
 echo "bench ended after $(( $(date +%s) - start )) s"
+if [ -n "${JHYBRID_PROFILE:-}" ]; then  # START:SECONDS:DIR, a trace of the load (jhybrid/bench/serving.py)
+  python3 benchmarks/trace_summary.py "${JHYBRID_PROFILE#*:*:}" --top 30 --json "$OUT/serving-h100-$mode-trace.json" \
+    > "$OUT/serving-h100-$mode-trace.txt" 2>&1; head -c 6000 "$OUT/serving-h100-$mode-trace.txt"
+fi
+wait
 rm -f "$OUT"/*.lock

@@ -237,6 +237,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         before = engine.stats()
         report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
         handles, submitted = [], []
+        profile = _profile_window()
         start = time.perf_counter()
         for i, (prompt, at) in enumerate(zip(load.prompts, load.arrivals)):
             delay = start + at - time.perf_counter()
@@ -255,6 +256,8 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             if on_step:
                 on_step(i + 1, n)
         served_s = time.perf_counter() - start
+        if profile is not None:
+            profile.join()
         after = engine.stats()
         records = engine.step_log()
         rss = host_rss_bytes()
@@ -294,6 +297,33 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     row["served_over_fixed_e2e"] = _round(_ratio(row["served_tok_s"], fixed["fixed_tok_s"]), 4)
     row["saturated_over_fixed"] = _round(_ratio(row["saturated_tok_s"], fixed["fixed_tok_s"]), 4)
     return [row]
+
+
+def _profile_window():
+    """JHYBRID_PROFILE="START:SECONDS:DIR" (a device call's diagnosis): a JAX profiler trace of SECONDS
+    of the load, START seconds after its first request, written to DIR in Perfetto JSON as well
+    (`benchmarks/trace_summary.py` sums it). The thread to join, or None without the variable."""
+    import os
+    import threading
+
+    spec = os.environ.get("JHYBRID_PROFILE")
+    if not spec:
+        return None
+    start_s, seconds, out = spec.split(":", 2)
+
+    def trace():
+        import jax
+
+        time.sleep(float(start_s))
+        jax.profiler.start_trace(out, create_perfetto_trace=True)
+        log.info("profiling %s s of the load into %s", seconds, out)
+        time.sleep(float(seconds))
+        jax.profiler.stop_trace()
+        log.info("profile written")
+
+    thread = threading.Thread(target=trace, name="jhybrid-profile", daemon=True)
+    thread.start()
+    return thread
 
 
 def _run_saturated(engine, request_type, load: Load, bench, vocab: int) -> tuple[float, float]:
