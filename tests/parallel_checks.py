@@ -25,7 +25,7 @@ TOL = 2e-4
 TP_CONFIG = TINY.replace(num_heads=8, num_kv_heads=4, head_dim=16, mlp_dim=256, vocab_size=96)
 TP_HYBRID = TP_CONFIG.replace(head_dim=64)  # the hybrid kernels' head dims are 64 / 128 / 256
 # Each offloading mode with its real policy (HGCA's threshold at beta 1, top-k budgets of 2 of the
-# 4-5 offloaded blocks, scout's recalls), not keep-everything: the shards must decide as TP 1 does.
+# 2-4 offloaded blocks, scout's recalls), not keep-everything: the shards must decide as TP 1 does.
 MODE_SETTINGS = {"recall": {}, "hgca": {}, "topk": {"budget": 32}, "scout": dict(budget=32, **SCOUT_RECALLS),
                  "streaming": {}}
 
@@ -128,14 +128,16 @@ def forced_tp(model, backend, tp, prompt, continuation):
 
 
 def check_tensor_parallel_offload(rng, every_degree=False):
-    """Every offloading mode at TP 2 == the single-device backend, over a 40-token prefill and 64
-    forced decode steps that cross evictions, with each mode's real policy; at TP 4 (one KV head
-    per device) hgca and scout, whose host sides are the exchange's two paths (context pages, chosen
-    blocks + recalls), or every mode (every_degree: the slow check below); a Gemma-3-like model
-    (sliding + global layers) in hgca and scout at TP 2."""
+    """Every offloading mode at TP 2 == the single-device backend, over a 72-token prefill (whose
+    last chunks attend blocks already offloaded) and 32 forced decode steps that cross evictions
+    (2 -> 4 offloaded blocks per row and layer: every decode step has offloaded blocks to select
+    from, as many as a 40-token prompt and 64 steps reach), with each mode's real policy; at TP 4
+    (one KV head per device) hgca and scout, whose host sides are the exchange's two paths (context
+    pages, chosen blocks + recalls), or every mode (every_degree: the slow check below); a
+    Gemma-3-like model (sliding + global layers) in hgca and scout at TP 2."""
     model = create_model(TP_HYBRID, seed=1)
-    prompt = rng.integers(0, 96, (2, 40)).astype(np.int32)
-    continuation = rng.integers(0, 96, (2, 64)).astype(np.int32)
+    prompt = rng.integers(0, 96, (2, 72)).astype(np.int32)
+    continuation = rng.integers(0, 96, (2, 32)).astype(np.int32)
     for mode, settings in MODE_SETTINGS.items():
         config = dict(WINDOW, **settings)
         reference, backend, _, _ = run_forced(model, make_backend(mode, **config), prompt, continuation)

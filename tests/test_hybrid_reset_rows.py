@@ -274,8 +274,8 @@ def test_tensor_parallel_forwards_to_every_shard():
     """ShardedOffload.reset_rows at TP 2 == the single-device backend (tests/reset_rows_tp_check.py,
     in a subprocess with 2 virtual CPU devices)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": root}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()  # conftest's too
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
     result = subprocess.run([sys.executable, os.path.join(root, "tests", "reset_rows_tp_check.py")], cwd=root,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "OK reset_rows tp" in result.stdout, result.stderr[-5000:]
