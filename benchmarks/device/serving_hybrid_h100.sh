@@ -11,7 +11,8 @@
 #    ($OUT/serving-h100-$MODE-stacks.txt), cut by SIGINT at BENCH_S (default 520) seconds after the
 #    script's start: a process killed mid-run holding ~35 GiB of pinned host memory took over a minute
 #    to exit (a call ran past its 600 s and returned no row), so the margin is wide.
-# JHYBRID_PROFILE=START:SECONDS:DIR traces SECONDS of the load (START s after its first request) and
+# JHYBRID_PROFILE=START:SECONDS:DIR traces SECONDS of the load (JHYBRID_PROFILE_PHASE=warmup or saturation:
+# of that phase; START s after its first request) and
 # sums the trace into $OUT/serving-h100-$MODE-trace.{txt,json} (benchmarks/trace_summary.py).
 # JAX's compilation cache lives in /tmp/jhybrid-jax-cache: a second call on the same warm machine
 # reuses the step compiles of the first.

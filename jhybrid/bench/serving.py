@@ -226,18 +226,21 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         engine.start()
         t0 = time.perf_counter()
         report_phase(on_step, "warm-up requests: compiling the engine's steps")
+        warm_profile = _profile_window("warmup")
         for w, wave in enumerate(warmup_waves(bench, vocab)):
             warm = [engine.submit(Request(prompt=p.tolist(), max_tokens=min(4, bench.decode_tokens),
                                           request_id=f"warm-{w}-{i}")) for i, p in enumerate(wave)]
             for handle in warm:
                 handle.result(RESULT_TIMEOUT_S)
         del warm
+        if warm_profile is not None:
+            warm_profile.join()
         engine.compile_steps()  # the step shapes the waves did not reach (e.g. packed calls of 2 rows)
         warmup_s = time.perf_counter() - t0
         before = engine.stats()
         report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
         handles, submitted = [], []
-        profile = _profile_window()
+        profile = _profile_window("load")
         start = time.perf_counter()
         for i, (prompt, at) in enumerate(zip(load.prompts, load.arrivals)):
             delay = start + at - time.perf_counter()
@@ -299,15 +302,16 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     return [row]
 
 
-def _profile_window():
+def _profile_window(phase: str):
     """JHYBRID_PROFILE="START:SECONDS:DIR" (a device call's diagnosis): a JAX profiler trace of SECONDS
-    of the load, START seconds after its first request, written to DIR in Perfetto JSON as well
-    (`benchmarks/trace_summary.py` sums it). The thread to join, or None without the variable."""
+    of `phase` ("load", or "warmup" / "saturation" where JHYBRID_PROFILE_PHASE says so), START seconds
+    after its first request, written to DIR in Perfetto JSON as well (`benchmarks/trace_summary.py` sums it).
+    The thread to join, or None without the variable or in the other phase."""
     import os
     import threading
 
     spec = os.environ.get("JHYBRID_PROFILE")
-    if not spec:
+    if not spec or os.environ.get("JHYBRID_PROFILE_PHASE", "load") != phase:
         return None
     start_s, seconds, out = spec.split(":", 2)
 
@@ -316,7 +320,7 @@ def _profile_window():
 
         time.sleep(float(start_s))
         jax.profiler.start_trace(out, create_perfetto_trace=True)
-        log.info("profiling %s s of the load into %s", seconds, out)
+        log.info("profiling %s s of the %s into %s", seconds, phase, out)
         time.sleep(float(seconds))
         jax.profiler.stop_trace()
         log.info("profile written")
@@ -329,11 +333,14 @@ def _profile_window():
 def _run_saturated(engine, request_type, load: Load, bench, vocab: int) -> tuple[float, float]:
     """Phase 4 (module docstring): (every token / seconds, seconds)."""
     rng = np.random.default_rng(SEED + 3)
+    profile = _profile_window("saturation")
     start = time.perf_counter()
     handles = [engine.submit(request_type(prompt=_random(rng, vocab, len(p)).tolist(), max_tokens=bench.decode_tokens,
                                           request_id=f"sat-{i}")) for i, p in enumerate(load.prompts)]
     tokens = sum(len(h.result(RESULT_TIMEOUT_S).tokens) for h in handles)
     seconds = time.perf_counter() - start
+    if profile is not None:
+        profile.join()
     return round(tokens / seconds, 2), round(seconds, 2)
 
 
