@@ -3,6 +3,8 @@ teacher-forced runner through any backend (imported by the test modules; not a t
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from jhybrid.generation import make_step
@@ -25,6 +27,12 @@ GEMMA3_LIKE = ModelConfig(
     layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
     rope_theta=1e6, rope_local_theta=1e4, qk_norm=True, sandwich_norm=True, embed_scale=128 ** 0.5,
     query_pre_attn_scalar=64.0, final_logit_softcap=30.0)
+
+
+def xla_flags(devices: int) -> str:
+    """This run's XLA_FLAGS (tests/conftest.py's compile setting) with `devices` virtual CPU devices,
+    for a subprocess."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
 
 
 def wait_recalls(backend) -> None:

@@ -29,7 +29,7 @@ import pytest
 from jhybrid.generation import make_step
 from jhybrid.hybrid import make_backend
 from jhybrid.models import create_model
-from tests.hybrid_support import TINY as CONFIG, TOL
+from tests.hybrid_support import TINY as CONFIG, TOL, xla_flags
 
 CHUNK, MAX_LEN = 16, 128
 POLICY = dict(window_tokens=40, block_size=16, sink=8, host_threads=1, eviction_spread=False, eviction_lag_steps=0)
@@ -274,8 +274,7 @@ def test_tensor_parallel_forwards_to_every_shard():
     """ShardedOffload.reset_rows at TP 2 == the single-device backend (tests/reset_rows_tp_check.py,
     in a subprocess with 2 virtual CPU devices)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()  # conftest's too
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
     result = subprocess.run([sys.executable, os.path.join(root, "tests", "reset_rows_tp_check.py")], cwd=root,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "OK reset_rows tp" in result.stdout, result.stderr[-5000:]

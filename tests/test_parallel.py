@@ -9,12 +9,9 @@ import sys
 
 import pytest
 
+from tests.hybrid_support import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def xla_flags(devices: int) -> str:
-    """This run's XLA_FLAGS (tests/conftest.py's compile setting) with `devices` virtual CPU devices."""
-    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
 
 
 CHECKS = ["ring_attention", "ring_prefill", "ring_prefill_into_modes", "tensor_parallel", "tensor_parallel_offload",

@@ -73,10 +73,13 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, packs_decode (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import math
+import os
+import threading
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -226,41 +229,37 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         engine.start()
         t0 = time.perf_counter()
         report_phase(on_step, "warm-up requests: compiling the engine's steps")
-        warm_profile = _profile_window("warmup")
-        for w, wave in enumerate(warmup_waves(bench, vocab)):
-            warm = [engine.submit(Request(prompt=p.tolist(), max_tokens=min(4, bench.decode_tokens),
-                                          request_id=f"warm-{w}-{i}")) for i, p in enumerate(wave)]
-            for handle in warm:
-                handle.result(RESULT_TIMEOUT_S)
+        with _profile_window("warmup"):
+            for w, wave in enumerate(warmup_waves(bench, vocab)):
+                warm = [engine.submit(Request(prompt=p.tolist(), max_tokens=min(4, bench.decode_tokens),
+                                              request_id=f"warm-{w}-{i}")) for i, p in enumerate(wave)]
+                for handle in warm:
+                    handle.result(RESULT_TIMEOUT_S)
         del warm
-        if warm_profile is not None:
-            warm_profile.join()
         engine.compile_steps()  # the step shapes the waves did not reach (e.g. packed calls of 2 rows)
         warmup_s = time.perf_counter() - t0
         before = engine.stats()
         report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
         handles, submitted = [], []
-        profile = _profile_window("load")
-        start = time.perf_counter()
-        for i, (prompt, at) in enumerate(zip(load.prompts, load.arrivals)):
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            submitted.append(time.perf_counter())
-            handles.append(engine.submit(Request(prompt=prompt.tolist(), max_tokens=bench.decode_tokens,
-                                                 request_id=f"r-{i}")))
-        outputs = []
-        for i, handle in enumerate(handles):
-            outputs.append(handle.result(RESULT_TIMEOUT_S))
-            out = outputs[-1]
-            log.info("request %d/%d done at %.1f s: %d prompt tokens (%d cached), ttft %.2f s, %d tokens", i + 1, n,
-                     time.perf_counter() - start, len(load.prompts[i]), out.cached_tokens, out.ttft or -1.0,
-                     len(out.tokens))
-            if on_step:
-                on_step(i + 1, n)
-        served_s = time.perf_counter() - start
-        if profile is not None:
-            profile.join()
+        with _profile_window("load"):
+            start = time.perf_counter()
+            for i, (prompt, at) in enumerate(zip(load.prompts, load.arrivals)):
+                delay = start + at - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                submitted.append(time.perf_counter())
+                handles.append(engine.submit(Request(prompt=prompt.tolist(), max_tokens=bench.decode_tokens,
+                                                     request_id=f"r-{i}")))
+            outputs = []
+            for i, handle in enumerate(handles):
+                outputs.append(handle.result(RESULT_TIMEOUT_S))
+                out = outputs[-1]
+                log.info("request %d/%d done at %.1f s: %d prompt tokens (%d cached), ttft %.2f s, %d tokens", i + 1, n,
+                         time.perf_counter() - start, len(load.prompts[i]), out.cached_tokens, out.ttft or -1.0,
+                         len(out.tokens))
+                if on_step:
+                    on_step(i + 1, n)
+            served_s = time.perf_counter() - start
         after = engine.stats()
         records = engine.step_log()
         rss = host_rss_bytes()
@@ -302,17 +301,16 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     return [row]
 
 
+@contextlib.contextmanager
 def _profile_window(phase: str):
     """JHYBRID_PROFILE="START:SECONDS:DIR" (a device call's diagnosis): a JAX profiler trace of SECONDS
-    of `phase` ("load", or "warmup" / "saturation" where JHYBRID_PROFILE_PHASE says so), START seconds
-    after its first request, written to DIR in Perfetto JSON as well (`benchmarks/trace_summary.py` sums it).
-    The thread to join, or None without the variable or in the other phase."""
-    import os
-    import threading
-
+    of the phase this wraps ("load", or "warmup" / "saturation" where JHYBRID_PROFILE_PHASE says so),
+    START seconds after it begins, written to DIR in Perfetto JSON as well (`benchmarks/trace_summary.py`
+    sums it); the phase's normal end waits for the trace. Nothing without the variable or in another phase."""
     spec = os.environ.get("JHYBRID_PROFILE")
     if not spec or os.environ.get("JHYBRID_PROFILE_PHASE", "load") != phase:
-        return None
+        yield
+        return
     start_s, seconds, out = spec.split(":", 2)
 
     def trace():
@@ -327,20 +325,20 @@ def _profile_window(phase: str):
 
     thread = threading.Thread(target=trace, name="jhybrid-profile", daemon=True)
     thread.start()
-    return thread
+    yield  # an error in the phase propagates without waiting for the trace (a daemon thread)
+    thread.join()
 
 
 def _run_saturated(engine, request_type, load: Load, bench, vocab: int) -> tuple[float, float]:
     """Phase 4 (module docstring): (every token / seconds, seconds)."""
     rng = np.random.default_rng(SEED + 3)
-    profile = _profile_window("saturation")
-    start = time.perf_counter()
-    handles = [engine.submit(request_type(prompt=_random(rng, vocab, len(p)).tolist(), max_tokens=bench.decode_tokens,
-                                          request_id=f"sat-{i}")) for i, p in enumerate(load.prompts)]
-    tokens = sum(len(h.result(RESULT_TIMEOUT_S).tokens) for h in handles)
-    seconds = time.perf_counter() - start
-    if profile is not None:
-        profile.join()
+    with _profile_window("saturation"):
+        start = time.perf_counter()
+        handles = [engine.submit(request_type(prompt=_random(rng, vocab, len(p)).tolist(),
+                                              max_tokens=bench.decode_tokens, request_id=f"sat-{i}"))
+                   for i, p in enumerate(load.prompts)]
+        tokens = sum(len(h.result(RESULT_TIMEOUT_S).tokens) for h in handles)
+        seconds = time.perf_counter() - start
     return round(tokens / seconds, 2), round(seconds, 2)
 
 
