@@ -54,6 +54,19 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
     assert row["saturated_tok_s"] > 0 and row["saturated_over_fixed"] > 0
     assert 0 <= row["slo_met"] <= 6
     assert row["compiles_timed"] == 0  # the warm-up compiled every shape of the load
+    # where the steps' time went: every uncached prompt token prefilled in the load's steps, and the
+    # timed parts of a step within its wall time
+    load = row["load_steps"]["prefill"]
+    assert load["prompt_tokens"] == sum(r["prompt"] - r["cached"] for r in row["per_request"])
+    for phase in ("load_steps", "saturated_steps"):
+        for kind in ("prefill", "decode"):
+            steps = row[phase][kind]
+            if steps is None:
+                continue
+            assert steps["calls"] >= steps["steps"] > 0
+            parts = steps["host_s"] + steps["call_s"] + steps["capture_s"] + steps["prefix_s"]
+            assert 0 < parts <= steps["seconds"] + 1e-3, (phase, kind, steps)
+            assert steps["median_ms"] <= steps["p90_ms"] <= steps["max_ms"]
 
 
 def test_shared_prefix_load_hits_the_prefix_cache(rows):

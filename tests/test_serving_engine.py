@@ -340,6 +340,44 @@ def test_prefill_calls_are_sized_by_the_prefilling_rows(model, alone, rng):
         engine.close(drain=False)
 
 
+class WholeRowCalls(FullAttention):
+    """`full` as a backend that cannot prefill some rows alone (the offloading backends): its
+    prefill calls are [slots, prefill_chunk] over every row, its decode tokens a call of their own."""
+
+    prefills_rows = False
+    packs_decode = False
+
+
+@pytest.mark.parametrize("budget, first_step", [
+    (16, (("a", 16), ("b", 16), ("c", 16))),   # below one call's 4 x 16 positions: one call a step
+    (100, (("a", 32), ("b", 32), ("c", 20))),  # ceil(100 / 64) = 2 calls a step
+])
+def test_whole_row_calls_carry_a_chunk_of_every_prefilling_request(model, alone, rng, budget, first_step):
+    """A [slots, chunk] call computes every row whether it carries tokens or not, so each call takes
+    a chunk of every prefilling request and spends slots x chunk of the step's budget (a call
+    carrying one prompt at a time prefilled at 1/slots of a fixed batch's rate). Outputs equal
+    running alone."""
+    engine = ServingEngine(model, WholeRowCalls("jnp"), slots=4, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           step_token_budget=budget, prefix_cache=None, prefill_order="arrival")
+    try:
+        prompts = prompts_of(rng, [40, 40, 20])
+        handles = [engine.submit(Request(p, max_tokens=3, request_id=r)) for p, r in zip(prompts, "abc")]
+        for _ in range(20):  # bounded
+            if not engine.step():
+                break
+        assert [h.result(0).tokens for h in handles] == [alone(p, 3)[0] for p in prompts]
+        log = engine.step_log()
+        assert log[0].prefill == first_step
+        assert sum(t for r in log for _, t in r.prefill) == 100
+        for record in log:  # a step's calls: one per chunk of its most prefilled request, one decode
+            prefill_calls = -(-max((t for _, t in record.prefill), default=0) // CHUNK)
+            assert prefill_calls <= -(-budget // (4 * CHUNK))
+            assert record.times.calls == prefill_calls + bool(record.decode), record
+            assert record.times.host_seconds + record.times.call_seconds <= record.seconds
+    finally:
+        engine.close(drain=False)
+
+
 def test_compile_steps_compiles_every_step_shape_up_front(model, alone, rng):
     """4 slots: decode, and prefill of 1, 2 and 4 rows alone and packed with decode tokens = 7
     executables, compiled without running; a second call compiles nothing; a load of requests

@@ -68,6 +68,9 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, packs_decode (
   prefill_gaps (how many such gaps), prefill_gap_longest (the GAPS_SHOWN longest, each with its
   step's record: `_longest_gaps`),
   compiles_timed (executables compiled during the load: 0 when the warm-up covered every shape),
+  load_steps / saturated_steps (where the steps' time went, per phase: `_step_breakdown` of the
+  engine's step log: the engine's host work before calls, the compiled calls, captures, the prefix
+  cache), load_counters / saturated_counters (the backend's counters that changed over the phase),
   warmup_s, served_s, fixed_s (wall seconds of each phase), host_rss_bytes (after the load).
 """
 
@@ -239,6 +242,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         engine.compile_steps()  # the step shapes the waves did not reach (e.g. packed calls of 2 rows)
         warmup_s = time.perf_counter() - t0
         before = engine.stats()
+        counters_before = backend.counters()
         report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
         handles, submitted = [], []
         with _profile_window("load"):
@@ -262,11 +266,15 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             served_s = time.perf_counter() - start
         after = engine.stats()
         records = engine.step_log()
+        load_counters = _counter_delta(counters_before, backend.counters())
         rss = host_rss_bytes()
         saturated = None
         if bench.serving_saturation and (deadline is None or time.perf_counter() < deadline):
             report_phase(on_step, f"saturation: {n} requests at once")
+            counters_before = backend.counters()
             saturated = _run_saturated(engine, Request, load, bench, vocab)
+            saturated_records = [r for r in engine.step_log() if r.step > after.steps]
+            saturated_counters = _counter_delta(counters_before, backend.counters())
     finally:
         engine.close(drain=False)
     del engine, handles  # the engine holds its cache and prefix pool until it is freed
@@ -286,7 +294,11 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "compiles_timed": after.compiles - before.compiles, "warmup_s": round(warmup_s, 2),
            "served_s": round(served_s, 2), "host_rss_bytes": rss,
            "saturated_tok_s": None if saturated is None else saturated[0],
-           "saturated_s": None if saturated is None else saturated[1]}
+           "saturated_s": None if saturated is None else saturated[1],
+           "load_steps": _step_breakdown([r for r in records if r.step > before.steps]),
+           "load_counters": load_counters,
+           "saturated_steps": None if saturated is None else _step_breakdown(saturated_records),
+           "saturated_counters": None if saturated is None else saturated_counters}
     if deadline is not None and time.perf_counter() >= deadline:
         row.update(fixed_decode_tok_s=None, fixed_tok_s=None, served_over_fixed=None, served_over_fixed_e2e=None,
                    saturated_over_fixed=None, fixed_note="time budget: the fixed batches were not run")
@@ -340,6 +352,41 @@ def _run_saturated(engine, request_type, load: Load, bench, vocab: int) -> tuple
         tokens = sum(len(h.result(RESULT_TIMEOUT_S).tokens) for h in handles)
         seconds = time.perf_counter() - start
     return round(tokens / seconds, 2), round(seconds, 2)
+
+
+def _step_breakdown(records) -> dict:
+    """{"prefill": ..., "decode": ...}: the steps that prefilled (with or without decode tokens) and
+    those that only decoded, each {steps, median_ms, p90_ms, max_ms, and the sums seconds, host_s,
+    call_s, capture_s, prefix_s (StepRecord's breakdown), calls, prompt_tokens}; None for a kind
+    without steps."""
+    out = {}
+    for kind, chosen in (("prefill", [r for r in records if r.prefill]),
+                         ("decode", [r for r in records if not r.prefill and r.decode])):
+        if not chosen:
+            out[kind] = None
+            continue
+        times = np.array([r.seconds for r in chosen])
+        out[kind] = {"steps": len(chosen), "median_ms": round(float(np.median(times)) * 1e3, 2),
+                     "p90_ms": round(_pct(times, 90) * 1e3, 2), "max_ms": round(float(times.max()) * 1e3, 2),
+                     "seconds": round(float(times.sum()), 3),
+                     "host_s": round(sum(r.times.host_seconds for r in chosen), 3),
+                     "call_s": round(sum(r.times.call_seconds for r in chosen), 3),
+                     "capture_s": round(sum(r.times.capture_seconds for r in chosen), 3),
+                     "prefix_s": round(sum(r.prefix_seconds for r in chosen), 3),
+                     "calls": sum(r.times.calls for r in chosen),
+                     "prompt_tokens": sum(t for r in chosen for _, t in r.prefill)}
+    return out
+
+
+def _counter_delta(before: dict, after: dict) -> dict:
+    """The backend's counters (`counters()`) that changed between two reads: after - before, rounded."""
+    delta = {}
+    for key, value in after.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            change = value - before.get(key, 0)
+            if change:
+                delta[key] = round(change, 4) if isinstance(change, float) else change
+    return delta
 
 
 def _served_fields(outputs, submitted, records, bench, shared) -> dict:

@@ -21,6 +21,7 @@ from jhybrid.serving.api import (AdmissionError, Engine, EngineClosed, EngineSta
 _LAZY = {  # the engine imports JAX and the models: loaded on first use
     "ServingEngine": "jhybrid.serving.engine",
     "StepRecord": "jhybrid.serving.engine",
+    "StepTimes": "jhybrid.serving.engine",
     "PrefixCacheConfig": "jhybrid.serving.prefix_cache",
     "PrefixCacheSpillError": "jhybrid.serving.prefix_cache",
 }

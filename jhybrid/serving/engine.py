@@ -14,7 +14,9 @@ each request runs in one row (slot) from admission to its end, then the row is e
      taking part (R a power of two or slots, padded with idle rows; W = min(prefill_chunk,
      step_token_budget / R); R chosen to give the first request the most tokens, then the call the
      most) when the backend `prefills_rows` (`full`), else of [slots, prefill_chunk] (positions -1 for
-     the rows not taking part: the offloading backends keep per-row host state); a request whose
+     the rows not taking part: the offloading backends keep per-row host state), each taking a chunk
+     of every prefilling request and spending slots x prefill_chunk of the budget (it computes every
+     row: a step makes ceil(budget / (slots x prefill_chunk)) of them, at least one); a request whose
      prompt is done samples its first token, and its prompt's blocks enter the prefix cache (full
      attention: PREFIX_INSERT_BLOCKS_PER_STEP a step from this one, copied from its row, and all
      that are left when the request ends; an offloading backend: each call's whole blocks after the
@@ -139,7 +141,7 @@ class StepRecord:
     slot order; seconds: its wall time (admission, model calls, sampling; not the wait for work), of
     which prefix_seconds in the prefix cache (hits copied into rows, finished prompts inserted, and
     the spills' waits those caused); started: its start (time.perf_counter); admitted: requests it
-    took into slots."""
+    took into slots; times: where the rest went (`StepTimes`)."""
 
     step: int
     prefill: tuple[tuple[str, int], ...]
@@ -148,6 +150,21 @@ class StepRecord:
     prefix_seconds: float = 0.0
     started: float = 0.0
     admitted: int = 0
+    times: StepTimes = dataclasses.field(default_factory=lambda: StepTimes())
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """One step's model calls and their time: host_seconds in the backend's `before_step` (an
+    offloading backend's host work before a call: evictions published, prefill copies, a mode's
+    recalls or re-scoring), call_seconds from each compiled call's dispatch to its tokens on the host
+    (the device work and the host attention the call waits for), capture_seconds reading prefilled
+    K, V from the device window for the prefix cache (offloading backends); calls: how many."""
+
+    host_seconds: float = 0.0
+    call_seconds: float = 0.0
+    capture_seconds: float = 0.0
+    calls: int = 0
 
 
 @dataclasses.dataclass
@@ -224,7 +241,9 @@ class ServingEngine(Engine):
     prefill_chunk: the most tokens of one row in one prefill call (bounded by the backend's
         max_prefill_chunk); a backend that `prefills_rows` runs R rows in calls of
         min(prefill_chunk, step_token_budget // R) tokens each, any other [slots, prefill_chunk].
-    step_token_budget: prompt tokens prefilled per engine step over all rows (default: prefill_chunk).
+    step_token_budget: prompt tokens prefilled per engine step over all rows (default: prefill_chunk);
+        with a backend that does not `prefills_rows`, the token positions its calls compute: each
+        [slots, prefill_chunk] call counts whole, carrying a chunk of every prefilling request.
     prefix_cache: a PrefixCacheConfig, or None for no prefix cache. Used with a backend that says
         how a row's tokens lie (`backend.row_kv()`: full, quest) and with a single-device
         offloading backend (HybridAttention: its first tier lives on the host, module docstring); with any other
@@ -312,6 +331,7 @@ class ServingEngine(Engine):
         self._log: collections.deque[StepRecord] = collections.deque(maxlen=step_log)
         self._step_window: list[tuple[float, int, int]] = []  # (seconds, prompt, decode tokens) since the last summary
         self._prefix_seconds = 0.0  # the current step's time in the prefix cache (StepRecord.prefix_seconds)
+        self._times = StepTimes()  # the current step's calls (StepRecord.times)
         self._inserting: list[_Run] = []  # finished prompts whose blocks enter the prefix cache (full)
         self._counts = _Counters()
 
@@ -370,9 +390,10 @@ class ServingEngine(Engine):
     @property
     def _chunk_period(self) -> int:
         """A request prefilling alone has its prefill calls end at multiples of this many tokens
-        (chunks of prefill_chunk, as many as each step's budget takes, the last one cut by it)."""
+        (chunks of prefill_chunk, as many as each step's budget takes, the last one cut by it; a
+        backend that does not `prefills_rows`: chunks of prefill_chunk, `_take`)."""
         chunk, budget = self.prefill_chunk, self.step_token_budget
-        return chunk if budget % chunk == 0 else budget
+        return chunk if budget % chunk == 0 or not self.backend.prefills_rows else budget
 
     # ---- the caller's side ---------------------------------------------------------------------------
 
@@ -511,7 +532,7 @@ class ServingEngine(Engine):
             self._finish(run, FinishReason.CANCELLED)
         self._reset_released_rows()
         start = time.perf_counter()
-        self._prefix_seconds = 0.0
+        self._prefix_seconds, self._times = 0.0, StepTimes()
         admitted = self._admit()
         prefilled, decoded = self._prefill_and_decode()
         self._insert_pending()
@@ -521,7 +542,7 @@ class ServingEngine(Engine):
             if prefilled or decoded:
                 self._counts.steps += 1
                 self._log.append(StepRecord(self._counts.steps, tuple(prefilled), tuple(decoded), seconds,
-                                            self._prefix_seconds, start, len(admitted)))
+                                            self._prefix_seconds, start, len(admitted), self._times))
                 self._log_steps(seconds, sum(n for _, n in prefilled), len(decoded))
             if self._prefix is not None:
                 self._prefix_stats = self._prefix.stats()
@@ -567,6 +588,21 @@ class ServingEngine(Engine):
             yield
         finally:
             self._prefix_seconds += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def _timed(self, field: str):
+        """Adds its body's seconds to the step's `field` (StepTimes)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self._times, field, getattr(self._times, field) + time.perf_counter() - start)
+
+    def _before_step(self, positions: np.ndarray) -> None:
+        """The backend's host work before a call (`AttentionBackend.before_step`), timed; counts the call."""
+        self._times.calls += 1
+        with self._timed("host_seconds"):
+            self._cache = self.backend.before_step(self._cache, positions)
 
     def _use_prefix_cache(self, run: _Run) -> None:
         with self._in_prefix_cache():
@@ -617,7 +653,7 @@ class ServingEngine(Engine):
             if not runs:
                 break
             taken, size = self._take(runs, budget)
-            budget -= sum(n for _, n in taken)
+            budget -= self._call_cost(taken)
             self._prefill_call(taken, size, done, packed)
             packed = []  # the decode tokens ride with the first call only
         if not packs:  # a request whose prefill just ended decodes in this step too
@@ -625,6 +661,14 @@ class ServingEngine(Engine):
         if decoding and not (packs and done):
             self._decode_call(decoding)
         return list(done.items()), [run.request_id for run in decoding]
+
+    def _call_cost(self, taken: list[tuple[_Run, int]]) -> int:
+        """What a prefill call of `taken` spends of the step's budget: its prompt tokens when the
+        backend `prefills_rows`; else the [slots, prefill_chunk] positions it computes whichever rows
+        carry tokens (a step of such a backend makes ceil(budget / (slots x prefill_chunk)) calls)."""
+        if self.backend.prefills_rows:
+            return sum(n for _, n in taken)
+        return self.slots * self.prefill_chunk
 
     def _call_width(self, rows: int) -> int:
         """Tokens per row of a prefill call over `rows` rows (a backend that `prefills_rows`): the
@@ -635,9 +679,12 @@ class ServingEngine(Engine):
         """The next prefill call from `runs` (in prefill order) within `budget` tokens: ((request,
         prompt tokens) each, the call's row count R). A backend that `prefills_rows` gets the row
         count R (a power of two) that gives the first request the most tokens, then the call the most
-        (one shape per R: [R, _call_width(R)]); any other backend [slots, prefill_chunk] calls."""
-        def greedy(width, rows):
-            taken, left = [], budget
+        (one shape per R: [R, _call_width(R)]); any other backend [slots, prefill_chunk] calls, each
+        taking up to prefill_chunk tokens of every prefilling request: such a call computes all its
+        rows whether they carry tokens or not (`_call_cost`), so a row left empty saves nothing (a
+        [4, 256] call carrying two rows prefilled at half a fixed batch's rate)."""
+        def greedy(width, rows, left):
+            taken = []
             for run in runs[:rows]:
                 n = min(width, len(run.prompt) - run.prefilled, left)
                 if n <= 0:
@@ -647,10 +694,10 @@ class ServingEngine(Engine):
             return taken
 
         if not self.backend.prefills_rows:
-            return greedy(self.prefill_chunk, self.slots), self.slots
+            return greedy(self.prefill_chunk, self.slots, self.slots * self.prefill_chunk), self.slots
         best = None
         for rows in self._row_counts():
-            taken = greedy(self._call_width(rows), rows)
+            taken = greedy(self._call_width(rows), rows, budget)
             score = (taken[0][1], sum(n for _, n in taken))
             if best is None or score > best[0]:
                 best = (score, taken, rows)
@@ -686,18 +733,19 @@ class ServingEngine(Engine):
         positions = batch_positions[rows]
         decode_tokens, decode_positions = self._decode_inputs(packed)
         batch_positions[:, 0] = np.where(decode_positions >= 0, decode_positions, batch_positions[:, 0])
-        self._cache = self.backend.before_step(self._cache, batch_positions)
-        if packed:
-            (sampled, decoded), self._cache = self._run(
-                "packed", self._packed_fn, (6,), self.params, tokens, positions, rows, decode_tokens,
-                decode_positions, self._cache, self._row_sampling())
-        elif self.backend.prefills_rows:
-            sampled, self._cache = self._run("prefill_rows", self._prefill_rows_fn, (4,), self.params, tokens,
-                                             positions, rows, self._cache, self._row_sampling())
-        else:
-            sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
-                                             positions, self._cache, self._row_sampling())
-        sampled = np.asarray(sampled)
+        self._before_step(batch_positions)
+        with self._timed("call_seconds"):
+            if packed:
+                (sampled, decoded), self._cache = self._run(
+                    "packed", self._packed_fn, (6,), self.params, tokens, positions, rows, decode_tokens,
+                    decode_positions, self._cache, self._row_sampling())
+            elif self.backend.prefills_rows:
+                sampled, self._cache = self._run("prefill_rows", self._prefill_rows_fn, (4,), self.params, tokens,
+                                                 positions, rows, self._cache, self._row_sampling())
+            else:
+                sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
+                                                 positions, self._cache, self._row_sampling())
+            sampled = np.asarray(sampled)
         with self._cond:
             self._counts.prefill_calls += 1
             self._counts.prefill_tokens += sum(n for _, n in taken)
@@ -729,10 +777,11 @@ class ServingEngine(Engine):
     def _decode_call(self, runs: list[_Run]) -> None:
         """One token for each of `runs` (one [slots, 1] call)."""
         tokens, positions = self._decode_inputs(runs)
-        self._cache = self.backend.before_step(self._cache, positions[:, None])
-        sampled, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
-                                         self._cache, self._row_sampling())
-        sampled = np.asarray(sampled)
+        self._before_step(positions[:, None])
+        with self._timed("call_seconds"):
+            sampled, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
+                                             self._cache, self._row_sampling())
+            sampled = np.asarray(sampled)
         with self._cond:
             self._counts.decode_steps += 1
         for run in runs:
@@ -748,8 +797,9 @@ class ServingEngine(Engine):
         run.prefilled) that the prefix cache may take, read from the device window."""
         lo, hi = max(run.prefilled, run.capture_from), min(run.prefilled + n, run.capture_to)
         if hi > lo:
-            run.staged.append(self._ingest.read_tokens(self.backend, self._cache, run.slot, lo, hi - lo,
-                                                       self.prefill_chunk))
+            with self._timed("capture_seconds"):
+                run.staged.append(self._ingest.read_tokens(self.backend, self._cache, run.slot, lo, hi - lo,
+                                                           self.prefill_chunk))
 
     def _store_staged(self, run: _Run) -> None:
         """The whole blocks staged so far into the prefix cache (an offloading backend, after each
@@ -1059,4 +1109,4 @@ class ServingEngine(Engine):
                 return
 
 
-__all__ = ["ServingEngine", "StepRecord"]
+__all__ = ["ServingEngine", "StepRecord", "StepTimes"]
