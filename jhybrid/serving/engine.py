@@ -134,6 +134,20 @@ def _sample_last(model, hidden, positions, sampling: RowSampling) -> jax.Array:
     return sample_rows(model.logits(last_hidden), sampling)
 
 
+@dataclasses.dataclass
+class StepTimes:
+    """One step's model calls and their time: host_seconds in the backend's `before_step` (an
+    offloading backend's host work before a call: evictions published, prefill copies, a mode's
+    recalls or re-scoring), call_seconds from each compiled call's dispatch to its tokens on the host
+    (the device work and the host attention the call waits for), capture_seconds reading prefilled
+    K, V from the device window for the prefix cache (offloading backends); calls: how many."""
+
+    host_seconds: float = 0.0
+    call_seconds: float = 0.0
+    capture_seconds: float = 0.0
+    calls: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """What one engine step ran: prefill ((request_id, prompt tokens prefilled), ...) in the order
@@ -150,21 +164,7 @@ class StepRecord:
     prefix_seconds: float = 0.0
     started: float = 0.0
     admitted: int = 0
-    times: StepTimes = dataclasses.field(default_factory=lambda: StepTimes())
-
-
-@dataclasses.dataclass
-class StepTimes:
-    """One step's model calls and their time: host_seconds in the backend's `before_step` (an
-    offloading backend's host work before a call: evictions published, prefill copies, a mode's
-    recalls or re-scoring), call_seconds from each compiled call's dispatch to its tokens on the host
-    (the device work and the host attention the call waits for), capture_seconds reading prefilled
-    K, V from the device window for the prefix cache (offloading backends); calls: how many."""
-
-    host_seconds: float = 0.0
-    call_seconds: float = 0.0
-    capture_seconds: float = 0.0
-    calls: int = 0
+    times: StepTimes = dataclasses.field(default_factory=StepTimes)
 
 
 @dataclasses.dataclass
