@@ -266,6 +266,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             served_s = time.perf_counter() - start
         after = engine.stats()
         records = engine.step_log()
+        load_records = [r for r in records if r.step > before.steps]  # the warm-up's left out
         load_counters = _counter_delta(counters_before, backend.counters())
         rss = host_rss_bytes()
         saturated = None
@@ -289,13 +290,13 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "prefix_bytes": {"device": after.prefix_bytes_device, "host": after.prefix_bytes_host,
                             "disk": after.prefix_bytes_disk},
            "prefix_spill_wait_s": round(after.prefix_spill_wait_seconds - before.prefix_spill_wait_seconds, 3),
-           "prefix_step_s": round(sum(r.prefix_seconds for r in records if r.step > before.steps), 3),
-           "slow_steps": sum(r.seconds >= SLOW_STEP_S for r in records if r.step > before.steps),
+           "prefix_step_s": round(sum(r.prefix_seconds for r in load_records), 3),
+           "slow_steps": sum(r.seconds >= SLOW_STEP_S for r in load_records),
            "compiles_timed": after.compiles - before.compiles, "warmup_s": round(warmup_s, 2),
            "served_s": round(served_s, 2), "host_rss_bytes": rss,
            "saturated_tok_s": None if saturated is None else saturated[0],
            "saturated_s": None if saturated is None else saturated[1],
-           "load_steps": _step_breakdown([r for r in records if r.step > before.steps]),
+           "load_steps": _step_breakdown(load_records),
            "load_counters": load_counters,
            "saturated_steps": None if saturated is None else _step_breakdown(saturated_records),
            "saturated_counters": None if saturated is None else saturated_counters}
