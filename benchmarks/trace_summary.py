@@ -3,7 +3,11 @@ JSON (`jax.profiler.start_trace(dir, create_perfetto_trace=True)` writes
 dir/plugins/profile/<run>/perfetto_trace.json.gz), per thread of each process (the GPU's streams, the host's
 threads), the longest first.
 
-  python3 benchmarks/trace_summary.py TRACE_DIR_OR_FILE [--top 25] [--json OUT.json]
+  python3 benchmarks/trace_summary.py TRACE_DIR_OR_FILE [--top 25] [--json OUT.json] [--detail REGEX]
+
+--detail REGEX: for the device events whose name matches (e.g. "Memcpy"), the totals per argument set
+(the XLA program `hlo_module`, the instruction `hlo_op`, the copy's size and kinds: what issued them),
+and the GPU streams' time per program.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import glob
 import gzip
 import json
 import os
+import re
 
 
 def load_events(path: str) -> tuple[list[dict], dict[int, str], dict[tuple[int, int], str]]:
@@ -57,17 +62,63 @@ def summarize(events, processes, threads, top: int) -> dict:
     return out
 
 
+IGNORED_ARGS = ("correlation", "group_id", "context_id", "stream", "device_id", "run_id", "ts", "scope_range")
+
+
+def _arg_key(args: dict) -> str:
+    """An event's arguments without the per-event ids: what the same kind of event shares."""
+    kept = {k: v for k, v in sorted(args.items()) if not any(word in k for word in IGNORED_ARGS)}
+    return "; ".join(f"{k}={str(v)[:160]}" for k, v in kept.items())
+
+
+def detail(events, processes, threads, pattern: str, top: int) -> dict:
+    """{"events": [(argument set, total ms, count)] of device events whose name matches `pattern`,
+    "programs": {stream: [(hlo_module, total ms, count)]}} (the GPU streams' time per XLA program)."""
+    regex = re.compile(pattern)
+    by_args, counts = collections.Counter(), collections.Counter()
+    programs: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    program_counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in events:
+        proc = processes.get(e["pid"], str(e["pid"]))
+        if not proc.startswith("/device:"):
+            continue
+        args = e.get("args", {})
+        stream = f"{proc} / {threads.get((e['pid'], e.get('tid')), '')}"
+        module = str(args.get("hlo_module", "(none)"))
+        programs[stream][module] += e["dur"] / 1e3
+        program_counts[stream][module] += 1
+        if regex.search(e["name"]):
+            key = f"{e['name']}: {_arg_key(args)}"
+            by_args[key] += e["dur"] / 1e3
+            counts[key] += 1
+    return {"events": [(k, round(ms, 2), counts[k]) for k, ms in by_args.most_common(top)],
+            "programs": {s: [(m, round(ms, 2), program_counts[s][m]) for m, ms in c.most_common(top)]
+                         for s, c in programs.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json")
+    parser.add_argument("--detail", help="regex of device event names to break down by their arguments")
     args = parser.parse_args()
-    summary = summarize(*load_events(args.trace), top=args.top)
+    loaded = load_events(args.trace)
+    summary = summarize(*loaded, top=args.top)
     for key, s in summary.items():
         print(f"\n{key}: span {s['span_ms']} ms, events total {s['busy_ms']} ms")
         for name, ms, n in s["names"]:
             print(f"  {ms:10.2f} ms {n:7d}x  {name}")
+    if args.detail:
+        found = detail(*loaded, args.detail, args.top)
+        print(f"\ndevice events matching {args.detail!r}, per argument set:")
+        for key, ms, n in found["events"]:
+            print(f"  {ms:10.2f} ms {n:7d}x  {key}")
+        for stream, rows in found["programs"].items():
+            print(f"\n{stream}: time per XLA program")
+            for module, ms, n in rows:
+                print(f"  {ms:10.2f} ms {n:7d}x  {module}")
+        summary["detail"] = found
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -21,7 +21,7 @@ from jhybrid.generation import make_step
 from jhybrid.hybrid import OffloadConfig, make_backend
 from jhybrid.hybrid.prefill import offloaded_attention, offloaded_prompt, offloaded_prompt_bytes
 from jhybrid.models import create_model
-from tests.hybrid_support import MAX_LEN, TINY as CONFIG, TOL, WINDOW, run_forced
+from tests.hybrid_support import CHUNK, MAX_LEN, TINY as CONFIG, TOL, WINDOW, run_forced
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -311,3 +311,44 @@ def test_device_prefill_between_decode_steps_extends_and_uploads_each_row_once(m
     # 7 chunks see offloaded blocks (3 of them a row's first); 2 extend with blocks evicted before them
     assert counters["n_prefill_device_chunks"] == 7 and counters["n_prefill_extends"] == 2
     assert counters["n_prefill_host_chunks"] == 0
+    # the other 6 chunks (each prompt's first two: <= window_tokens=40 tokens) attend to the window alone
+    assert counters["n_prefill_window_chunks"] == 6
+
+
+def window_chunks(lengths, chunk=CHUNK) -> int:
+    """Oracle: the chunks of prompts of `lengths` tokens (all rows chunked together) after which
+    every row that took part holds at most window_tokens tokens (nothing offloaded yet)."""
+    count = 0
+    for end in range(chunk, max(lengths) + chunk, chunk):
+        held = [min(end, n) for n in lengths if end - chunk < n]
+        count += max(held) <= WINDOW["window_tokens"]
+    return count
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_chunks_inside_the_window_make_no_host_call(model, full_logits, where):
+    """A chunk whose rows hold at most window_tokens tokens once it has run has nothing offloaded: it
+    attends to the window alone (`NothingOffloaded`), with no host call, on either path; the chunks
+    after it attend to their offloaded part as before (outputs equal full attention)."""
+    backend = make_backend(OffloadConfig(mode="topk", prefill_offloaded=where, **WINDOW))
+    logits, backend, _, _ = forced(model, backend)
+    np.testing.assert_allclose(logits, full_logits, atol=TOL, rtol=TOL)
+    assert backend.counters()["n_prefill_window_chunks"] == window_chunks([72, 72]) == 2
+
+    backend = make_backend(OffloadConfig(mode="topk", prefill_offloaded=where, **WINDOW))
+    step, params = make_step(model, backend)
+    backend.open(model.config, 2, MAX_LEN)
+    cache = model.init_cache(2, MAX_LEN, backend)
+    prompt = np.random.default_rng(3).integers(0, 97, (2, 48)).astype(np.int32)
+    for start in range(0, 40, CHUNK):  # 40 tokens, exactly the window: nothing is offloaded
+        pos = start + np.arange(CHUNK, dtype=np.int32)[None].repeat(2, 0)
+        pos = np.where(pos < 40, pos, -1).astype(np.int32)
+        cache = backend.before_step(cache, pos)
+        _, cache = step(params, prompt[:, start:start + CHUNK], pos, cache)
+    counters = backend.counters()
+    assert counters["n_prefill_window_chunks"] == window_chunks([40, 40]) == 3
+    assert counters["n_tasks"] == counters["n_callbacks"] == 0  # the host was never asked
+    assert counters["n_prefill_device_chunks"] == 0
+    assert type(cache.layers[0].offloaded).__name__ == "NothingOffloaded"  # passed through the step ...
+    cache = backend.before_step(cache, np.full((2, 1), 40, np.int32))
+    assert cache.layers[0].offloaded is None  # ... and dropped at the next step start

@@ -15,14 +15,28 @@
 # of that phase; START s after its first request) and
 # sums the trace into $OUT/serving-h100-$MODE-trace.{txt,json} (benchmarks/trace_summary.py).
 # JAX's compilation cache lives in /tmp/jhybrid-jax-cache: a second call on the same warm machine
-# reuses the step compiles of the first.
+# reuses the step compiles of the first. A fresh machine reuses a former call's compiles (Numba's and
+# JAX's) when they travel with the tree (benchmarks/device/device_cache.sh): SAVE_CACHE=1 writes them
+# to $OUT/device-cache.tgz.part*; copy those into .device_cache/ here and name it in the call's carry.
+# The kernels' warm-up through the CPU serving point is then skipped (the 32-layer exchange warm-up
+# still runs, from the cache).
+# PROBE=1 first times and traces one prefill-copy-sized upload and download (transfer_probe.py).
+# DUMP_HLO=1 dumps the optimized HLO of the prefill steps and appends their copy instructions to the
+# trace summary.
 set -uo pipefail
 mode=${MODE:?MODE=hgca or scout}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. PYTHONUNBUFFERED=1 JHYBRID_LOG_LEVEL=INFO
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jhybrid-jax-cache}
 start=$(date +%s); SECONDS=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+lscpu | grep "Model name"
+source benchmarks/device/device_cache.sh
+restored=0; device_cache_restore .device_cache && restored=1
 bash scripts/build_native.sh python3 2>&1 | tail -1
+if [ "${PROBE:-0}" = 1 ]; then python3 benchmarks/device/transfer_probe.py 2>&1 | grep -v "^W0\|^I0" | head -40; fi
+if [ "${DUMP_HLO:-0}" = 1 ]; then
+  hlo_flags="--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=prefill --xla_dump_hlo_as_text"  # the bench's alone
+fi
 warm_kernels() {  # $1: mode; compiles its bf16 host kernels into host/__pycache__ through the CPU serving point
   JAX_PLATFORMS=cpu JHYBRID_LOG_LEVEL=WARNING timeout 300 python3 -m jhybrid.cli bench configs/serving-cpu.yaml \
     --output-dir "/tmp/numba-warm-$1" --only "$1" --set model.dtype=bfloat16 --set offload.prefill_offloaded=host \
@@ -30,7 +44,8 @@ warm_kernels() {  # $1: mode; compiles its bf16 host kernels into host/__pycache
   local rc=$?
   echo "host kernels of $1 compiled $(( $(date +%s) - start )) s after the start (rc $rc)"
 }
-warm_kernels "$mode"
+# the mode's kernels and the 32-layer exchange worker compile side by side (a lock serialises the cache writes)
+if [ "$restored" = 1 ]; then echo "host kernels: from the device cache"; else warm_kernels "$mode" & warm_pid=$!; fi
 # the native exchange worker's 32-layer specialization (a tuple's length is part of its type; the CPU
 # point's model has 2 layers): compiled in the bench's warm-up otherwise (call 6 of 2026-11-27 traced
 # 4 s of a warm-up step inside a Numba compile, the GPU idle)
@@ -40,16 +55,31 @@ if [ "${WARM_EXCHANGE:-1}" = 1 ]; then
   rc=$?
   echo "32-layer exchange worker compiled $(( $(date +%s) - start )) s after the start (rc $rc)"
 fi
-if [ -n "${BG_WARM:-}" ]; then warm_kernels "$BG_WARM" & fi
+[ -n "${warm_pid:-}" ] && wait "$warm_pid"
+if [ -n "${BG_WARM:-}" ] && [ "$restored" = 0 ]; then warm_kernels "$BG_WARM" & fi
 left=$(( ${BENCH_S:-520} - ($(date +%s) - start) ))
+[ -n "${hlo_flags:-}" ] && export XLA_FLAGS="${XLA_FLAGS:-} $hlo_flags"
 timeout -s INT -k 10 "$left" python3 benchmarks/stack_sample.py --out "$OUT/serving-h100-$mode-stacks.txt" --every 0.5 -- \
   jhybrid.cli bench configs/serving-h100-hybrid.yaml --output-dir "$OUT" --only "$mode" "$@" 2>&1 \
   | while IFS= read -r line; do echo "${SECONDS}s $line"; done \
-  | tee -a "$OUT/bench.log" | grep -E "s (done|skipped)|rror|resumed|slow step|Traceback|request [0-9]+/|step [0-9]+ took" | awk 'NR <= 80'  # reads to the end: head would close the pipe and kill the bench
+  | tee -a "$OUT/bench.log" | grep -E "s (done|skipped)|rror|resumed|slow step|Traceback|request [0-9]+/|step [0-9]+ took|load served" | awk 'NR <= 80'  # reads to the end: head would close the pipe and kill the bench
 echo "bench ended after $(( $(date +%s) - start )) s"
 if [ -n "${JHYBRID_PROFILE:-}" ]; then  # START:SECONDS:DIR, a trace of the load (jhybrid/bench/serving.py)
   python3 benchmarks/trace_summary.py "${JHYBRID_PROFILE#*:*:}" --top 30 --json "$OUT/serving-h100-$mode-trace.json" \
-    > "$OUT/serving-h100-$mode-trace.txt" 2>&1; head -c 6000 "$OUT/serving-h100-$mode-trace.txt"
+    --detail Memcpy > "$OUT/serving-h100-$mode-trace.txt" 2>&1; head -c 6000 "$OUT/serving-h100-$mode-trace.txt"
+  grep -A12 "matching 'Memcpy'" "$OUT/serving-h100-$mode-trace.txt" | cut -c1-400
+fi
+if [ "${DUMP_HLO:-0}" = 1 ]; then  # the copies XLA kept in the optimized prefill programs
+  for f in /tmp/hlo/*after_optimizations.txt; do
+    echo "== $(basename "$f"): $(grep -c ' copy(' "$f") copies, $(grep -c 'copy-start' "$f") copy-starts, $(grep -c 'S(5)' "$f") S(5)"
+    grep -oE '= [^ ]+ (copy|copy-start)\(' "$f" | sort | uniq -c | sort -rn | head -8
+  done >> "$OUT/serving-h100-$mode-trace.txt" 2>&1
+  tail -40 "$OUT/serving-h100-$mode-trace.txt"
 fi
 wait
 rm -f "$OUT"/*.lock
+if [ "${SAVE_CACHE:-0}" = 1 ]; then
+  rm -f "$OUT"/*.csv "$OUT"/*.png  # the device tool returns 8 files: the rows are in the JSON
+  device_cache_save "$OUT"
+fi
+ls -la "$OUT"

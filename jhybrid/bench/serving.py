@@ -79,6 +79,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import math
 import os
@@ -268,6 +269,12 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         records = engine.step_log()
         load_records = [r for r in records if r.step > before.steps]  # the warm-up's left out
         load_counters = _counter_delta(counters_before, backend.counters())
+        # logged now, not only in the row: a device call cut before the row is written still tells
+        log.info("load served in %.1f s; its steps %s; the backend's counters %s", served_s,
+                 json.dumps(_step_breakdown(load_records)), json.dumps(load_counters))
+        failed = [o for o in outputs if o.finish_reason.value == "error"]
+        if failed:  # the engine's own error, not a statistic of no tokens
+            raise RuntimeError(f"the serving engine failed {len(failed)} of {n} requests of the load: {failed[0].error}")
         rss = host_rss_bytes()
         saturated = None
         if bench.serving_saturation and (deadline is None or time.perf_counter() < deadline):

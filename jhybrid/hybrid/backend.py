@@ -10,8 +10,9 @@ Inside the jitted step each layer's `attend` does:
   prefill / append (T > 1), every mode, exact:
                 GPU: causal jnp attention over sinks + ring; the offloaded part either on the device
                 over the `DeviceCopy` the runtime attached (`prefill.offloaded_attention`) or on the
-                CPU over every offloaded token (submit before, collect after the GPU part); the
-                mode's `prefill_token` (hgca: the chunk's last queries to its host part)
+                CPU over every offloaded token (submit before, collect after the GPU part), or not
+                at all when the chunk's rows have none (`NothingOffloaded`); the mode's
+                `prefill_token` (hgca: the chunk's last queries to its host part)
   decode (T = 1): the mode's `decode` (its producers' partial states)
   then          MAW update from the window's probabilities; exact LSE merge of the partial states
 
@@ -41,7 +42,7 @@ from jhybrid.hybrid.prefill import offloaded_attention
 from jhybrid.hybrid.rows import check_rows, reset_cache_rows
 from jhybrid.hybrid.runtime import HostRuntime
 from jhybrid.hybrid.sliding import LayerPlan, SlidingWindow, init_sliding, sliding_attention
-from jhybrid.hybrid.state import LayerState, StepMeta
+from jhybrid.hybrid.state import DeviceCopy, LayerState, StepMeta
 from jhybrid.hybrid.transfer import log_once
 from jhybrid.hybrid.window import exact_window_attention, init_window, update_maw, write_tokens
 from jhybrid.merge import merge_partials
@@ -257,20 +258,21 @@ class HybridAttention(AttentionBackend):
         token, carry = None, None
         if q.shape[1] > 1:  # prefill / append: exact
             token = self.mode.prefill_token(layer_idx, q, positions, exchange)
-            if state.offloaded is not None:  # the offloaded part on the device (prefill copies)
+            gpu_q, cpu = q, None
+            if isinstance(state.offloaded, DeviceCopy):  # the offloaded part on the device (prefill copies)
                 copy = state.offloaded
                 cpu = offloaded_attention(q, copy.k, copy.v, copy.n_valid, context.scale, positions,
                                           cfg.kernel_backend)
-                gpu_q = q
-            else:  # ... or on the CPU, over every offloaded token of the chunk's rows (a row
-                # without a query in the chunk, e.g. one decoding in its own call, is not attended)
+            elif state.offloaded is None:  # ... or on the CPU, over every offloaded token of the chunk's
+                # rows (a row without a query in the chunk, e.g. one decoding in its own call, is not attended)
                 ticket = exchange.submit(layer_idx, ALL_OFFLOADED, q, rows=jnp.any(positions >= 0, axis=1))
                 gpu_q = after(q, ticket)
+            # else NothingOffloaded: the chunk's rows have no offloaded token, the window is all
             o_g, lse_g, probs = exact_window_attention(cfg, gpu_q, state.window, positions, lengths, offloaded,
                                                        context.scale)
             if state.offloaded is None:
                 cpu = exchange.collect(layer_idx, ticket, q.shape, lse_g)
-            parts = [(o_g, lse_g), cpu]
+            parts = [(o_g, lse_g)] + ([] if cpu is None else [cpu])
         else:
             step = DecodeStep(layer=layer_idx, num_layers=context.num_layers,
                               q=q, positions=positions, lengths=lengths, offloaded=offloaded, scale=context.scale,

@@ -102,10 +102,12 @@ class Evictor:
         self.started[rows] = 0
 
     # ---- the step start --------------------------------------------------------------------------
-    def before_step(self, cache, after: np.ndarray, prefill: bool, device_prefill: bool, step: int):
+    def before_step(self, cache, after: np.ndarray, prefill: bool, host_free: bool, step: int):
         """Publish what is due, start the copies due at this step, and return (cache, owned [B]):
         the blocks the host side owns during this step (the GPU ring attends the tokens after them). `after` [B]: tokens once the step has run;
-        `step`: the index of this decode step (prefill: of the next one)."""
+        `step`: the index of this decode step (prefill: of the next one); `host_free`: the prefill
+        chunk reads no block from the host store (it attends to device copies of its offloaded
+        prompt, or its rows have none): it waits for no copy to land there."""
         cfg, bs = self.config, self.config.block_size
         start_time = time.perf_counter()
         if prefill:  # decode-started jobs that are due; a prefill's own wait for the next decode step
@@ -124,13 +126,13 @@ class Evictor:
         if start.any():
             cache = self._start(cache, np.where(start, target, self.started), keep_on_device=prefill,
                                 publish_step=None if prefill else step + cfg.eviction_lag_steps)
-        if prefill and not device_prefill:
+        if prefill and not host_free:
             self.publish_all()  # the chunk attends to the offloaded prompt on the host
-        owned = self.started.copy() if (prefill and device_prefill) else self.published.copy()
+        owned = self.started.copy() if (prefill and host_free) else self.published.copy()
         need = -(-np.maximum(after - cfg.sink - cfg.ring_capacity, 0) // bs)
         if np.any(owned < need):  # the background is very late: wait
             self.publish_all()
-            owned = self.started.copy() if (prefill and device_prefill) else self.published.copy()
+            owned = self.started.copy() if (prefill and host_free) else self.published.copy()
         self.runtime.core_counters.add(evict_s=time.perf_counter() - start_time)
         return cache, owned
 

@@ -15,7 +15,8 @@ this order (docs/design.md, "One decode step"):
      mode's `blocks_stored` / `blocks_evicted` in a background thread), and fix the blocks the host
      side owns during the step
   4. the mode's `every_step` (scout: apply finished recalls)
-  5. prefill chunk: the mode's `before_prefill_chunk`, then the prefill copies;
+  5. prefill chunk: the mode's `before_prefill_chunk`, then the prefill copies (or, when the
+     chunk's rows have nothing offloaded, `NothingOffloaded`: no host call);
      decode step: the mode's `before_decode` (hgca: re-evaluation; recall: upload; scout: recalls),
      then, with the native exchange, the step's plan to the exchange worker (which layers submit,
      and the pages each may read: `ModeHost.exchange_pages`)
@@ -47,7 +48,7 @@ from host.store_format import to_storage
 from jhybrid.hybrid.config import OffloadConfig
 from jhybrid.hybrid.eviction import Evictor
 from jhybrid.hybrid.prefill import PrefillCopies
-from jhybrid.hybrid.state import StepMeta
+from jhybrid.hybrid.state import NothingOffloaded, StepMeta
 from jhybrid.hybrid.transfer import device_ordinal
 from jhybrid.hybrid.window import evicted_blocks
 
@@ -126,6 +127,7 @@ class HostCounters(Counters):
     n_prefill_extends: int = 0      # device chunks that extended the kept copies with evicted blocks
     n_prefill_row_uploads: int = 0  # rows a device chunk copied from the host store (not current)
     n_prefill_host_chunks: int = 0
+    n_prefill_window_chunks: int = 0  # chunks of rows with nothing offloaded: the window alone, no host call
     exchange_barrier_s: float = 0.0  # before a decode step's first host layer: waiting for host work
     exchange_snapshot_s: float = 0.0  # ... and snapshotting the pages
     exchange_wait_s: float = 0.0     # (exchange_timing) the GPU stream waiting for the host
@@ -507,13 +509,21 @@ class HostRuntime:
         if not prefill and self.decode_steps == 0:
             self.evictor.precompile(cache.layers)  # no timed decode step compiles an eviction
         before = self.evictor.published.copy()
-        device_prefill = prefill and self.prefill.uses_device(cache, after, n_new > 0)
-        cache, owned = self.evictor.before_step(cache, after, prefill, device_prefill, self.decode_steps)
+        # a chunk whose rows have nothing offloaded (their prompts still inside the window) needs
+        # no host call and no published block; one with an offloaded part attends to it on the device
+        # (prefill copies) or on the host
+        window_only = prefill and not np.any(evicted_blocks(after, self.config)[n_new > 0])
+        device_prefill = prefill and not window_only and self.prefill.uses_device(cache, after, n_new > 0)
+        cache, owned = self.evictor.before_step(cache, after, prefill, device_prefill or window_only,
+                                                self.decode_steps)
         cache = self.mode_host.every_step(cache)
         if prefill:
             self.mode_host.before_prefill_chunk(pos)
             if device_prefill:
                 cache = self.prefill.attach(cache, owned, n_new > 0)
+            elif window_only:
+                cache = cache.replace(layers=tuple([s.replace(offloaded=NothingOffloaded()) for s in cache.layers]))
+                self.core_counters.add(n_prefill_window_chunks=1)
         else:
             cache = self.mode_host.before_decode(cache, before)
             self.decode_steps += 1

@@ -76,6 +76,15 @@ class DeviceCopy:
 
 
 @struct.dataclass
+class NothingOffloaded:
+    """In place of a `DeviceCopy`: a prefill chunk whose rows have no offloaded token yet (a prompt
+    still inside its GPU window). The step attends to the window alone, exactly (the offloaded part
+    is empty), with no host call: the host path would copy every layer's queries to the host and
+    back (~1 s a [4, 256] chunk on the H100) to attend to nothing. No arrays: a static marker (the
+    step compiles once with it). Passed through the step, dropped at the next step start."""
+
+
+@struct.dataclass
 class LayerState:
     """Everything one layer keeps on the device. Groups a mode does not use are None.
 
@@ -88,7 +97,8 @@ class LayerState:
     pool            scout's recall pool
     next_pool_blocks  [B, Hkv, R] int32 copy of the NEXT layer's pool table (its layer-ahead
                     selection runs here); always written together with that layer's pool
-    offloaded       a `DeviceCopy` of offloaded tokens for this step (recall; prefill copies)
+    offloaded       a `DeviceCopy` of offloaded tokens for this step (recall; prefill copies), or
+                    `NothingOffloaded` (a prefill chunk of rows with none)
     """
 
     window: Window
@@ -119,4 +129,4 @@ class LayerAhead(NamedTuple):
     ticket: jax.Array
 
 
-__all__ = ["Window", "Digests", "Pool", "DeviceCopy", "LayerState", "StepMeta", "LayerAhead"]
+__all__ = ["Window", "Digests", "Pool", "DeviceCopy", "NothingOffloaded", "LayerState", "StepMeta", "LayerAhead"]

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# A fresh device machine spends minutes compiling what the last one already compiled: the Numba host
+# kernels (host/__pycache__) and JAX's compiled steps (JAX_COMPILATION_CACHE_DIR). These two
+# functions carry them from one device call to the next through the working tree:
+#   save OUT_DIR     (at the end of a call) host/*.py's modification times, the Numba cache and the
+#                    JAX cache as OUT_DIR/device-cache.tgz.partNN (15 MiB parts: the device tool
+#                    returns files of at most 16 MiB)
+#   restore DIR      (at the start of the next call; DIR: the parts, carried, e.g. .device_cache)
+#                    unpacks them and sets host/*.py's modification times back: Numba's cache index
+#                    is keyed by each source file's path, size and mtime, and a copied tree has new
+#                    mtimes (the compiled code is also keyed by the CPU model: another CPU recompiles)
+# Usage: source benchmarks/device/device_cache.sh; device_cache_restore .device_cache; ...; device_cache_save "$OUT"
+jax_cache_dir=${JAX_COMPILATION_CACHE_DIR:-/tmp/jhybrid-jax-cache}
+
+device_cache_save() {
+  local out=$1 tmp
+  tmp=$(mktemp -d)
+  python3 -c 'import glob, os; [print(os.stat(p).st_mtime_ns, p) for p in sorted(glob.glob("host/*.py"))]' \
+    > "$tmp/mtimes.txt"  # nanoseconds: Numba compares the float st_mtime
+  mkdir -p "$tmp/numba" "$tmp/jax"
+  cp host/__pycache__/*.nbi host/__pycache__/*.nbc "$tmp/numba/" 2>/dev/null
+  [ -d "$jax_cache_dir" ] && cp -r "$jax_cache_dir/." "$tmp/jax/"
+  tar czf - -C "$tmp" mtimes.txt numba jax | split -b 15M -d - "$out/device-cache.tgz.part"
+  echo "device cache saved: $(ls "$tmp/numba" | wc -l) Numba files, $(du -sh "$tmp/jax" | cut -f1) of JAX cache," \
+       "$(cat "$out"/device-cache.tgz.part* | wc -c) bytes compressed"
+  rm -rf "$tmp"
+}
+
+device_cache_restore() {
+  local dir=$1 tmp
+  if ! ls "$dir"/device-cache.tgz.part* >/dev/null 2>&1; then
+    echo "device cache: none in $dir (a fresh compile)"
+    return 1
+  fi
+  tmp=$(mktemp -d)
+  cat "$dir"/device-cache.tgz.part* | tar xzf - -C "$tmp" || { echo "device cache: unreadable"; return 1; }
+  mkdir -p host/__pycache__ "$jax_cache_dir"
+  cp "$tmp"/numba/* host/__pycache__/ 2>/dev/null
+  cp -r "$tmp/jax/." "$jax_cache_dir/"
+  python3 -c 'import os, sys
+for line in open(sys.argv[1]):
+    ns, path = line.split(maxsplit=1)
+    path = path.strip()
+    if os.path.isfile(path):
+        os.utime(path, ns=(int(ns), int(ns)))' "$tmp/mtimes.txt"
+  echo "device cache restored: $(ls "$tmp/numba" | wc -l) Numba files, $(du -sh "$tmp/jax" | cut -f1) of JAX cache"
+  rm -rf "$tmp"
+}
