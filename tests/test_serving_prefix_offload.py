@@ -229,9 +229,10 @@ def test_a_hit_with_sliding_window_layers(rng):
 
 def test_a_prompt_enters_the_prefix_cache_as_it_is_prefilled(model, rng):
     """An offloading backend stores each prefill call's whole blocks in the prefix cache after the
-    call (not the whole prompt when its prefill ends: one 2 s step at 16K on the 8B shape): after the
-    k-th call of 16 tokens the cache holds k blocks; the 4-token last call adds none (96 of 100
-    tokens are whole blocks). A second request of the same prompt then hits all 6 blocks' worth the
+    call (not the whole prompt when its prefill ends: one 2 s step at 16K on the 8B shape), once the
+    next call is dispatched (the device runs it while the host stores): after the k-th call of 16
+    tokens the cache holds k - 1 blocks, after the 4-token last call all 6 (96 of 100 tokens are whole
+    blocks; that call adds none). A second request of the same prompt then hits all 6 blocks' worth the
     hgca bound allows, and both give the tokens of the prompt run alone."""
     prompt = rng.integers(0, TINY.vocab_size, 100).tolist()
     backend = backend_of("hgca")
@@ -245,7 +246,7 @@ def test_a_prompt_enters_the_prefix_cache_as_it_is_prefilled(model, rng):
             blocks.append(engine.stats().prefix_bytes_device // BLOCK_BYTES)
         first = run_all(engine, [handle])[0]
         again = run_all(engine, [engine.submit(Request(prompt, max_tokens=6))])[0]
-    assert blocks == [1, 2, 3, 4, 5, 6, 6]
+    assert blocks == [0, 1, 2, 3, 4, 5, 6]
     assert again.cached_tokens == reusable_prefix(backend, len(prompt), 96, CHUNK, BLOCK) > 0
     alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
     with alone:

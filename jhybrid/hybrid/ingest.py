@@ -83,7 +83,7 @@ import numpy as np
 
 from jhybrid.hybrid.sliding import LayerPlan, SlidingWindow
 from jhybrid.hybrid.state import StepMeta
-from jhybrid.hybrid.transfer import to_host
+from jhybrid.hybrid.transfer import start_to_host, to_host
 from jhybrid.hybrid.window import evicted_blocks
 
 log = logging.getLogger(__name__)
@@ -346,11 +346,31 @@ def read_tokens(backend, cache, row: int, start: int, count: int, width: int) ->
     tokens are all in its layers' windows until the next step start evicts; a sliding-window layer
     holds a step's last `sliding_window` tokens). width >= count: the read's padded length (one
     compile per width)."""
+    return start_read_tokens(backend, cache, row, start, count, width)()
+
+
+class PendingTokens:
+    """A dispatched `read_tokens` whose device -> host copy is under way: calling it waits for that
+    copy and returns the K, V [L, 2, count, Hkv, D] host array. The read is its own device buffer,
+    taken when dispatched: later steps (evictions, a reset row) do not change it."""
+
+    def __init__(self, copy: jax.Array, count: int):
+        self._copy, self.count = copy, count
+
+    def __call__(self) -> np.ndarray:
+        return np.asarray(self._copy)[:, :, :self.count]
+
+
+def start_read_tokens(backend, cache, row: int, start: int, count: int, width: int) -> PendingTokens:
+    """`read_tokens` without waiting for it (nor for the step that wrote the tokens): the read and
+    its copy to the host are queued behind that step (the serving engine dispatches its next call
+    before it needs them)."""
     if not 0 < count <= width:
         raise ValueError(f"read_tokens: {count} tokens in a read of width {width}")
     positions = np.full(width, start, np.int32)
     positions[:count] = np.arange(start, start + count)
-    return to_host(_read_tokens(backend.config, cache.layers, np.int32(row), positions))[:, :, :count]
+    return PendingTokens(start_to_host(_read_tokens(backend.config, cache.layers, np.int32(row), positions)), count)
 
 
-__all__ = ["HybridCacheWriter", "place_history", "reusable_prefix", "read_tokens"]
+__all__ = ["HybridCacheWriter", "place_history", "reusable_prefix", "read_tokens", "start_read_tokens",
+           "PendingTokens"]

@@ -40,17 +40,23 @@ def device_ordinal(device) -> int:
 
 def to_host(x: jax.Array) -> np.ndarray:
     """Device array -> NumPy: through `pinned_host` memory on a GPU, a plain copy elsewhere."""
-    device = device_of(x)
-    if device.platform == "gpu":
+    return np.asarray(start_to_host(x))
+
+
+def start_to_host(x: jax.Array) -> jax.Array:
+    """Starts x's device -> host copy without waiting: on a GPU its `pinned_host` copy (np.asarray of
+    it later waits for that copy alone), elsewhere x itself (np.asarray copies it). `to_host` is this
+    and np.asarray."""
+    if device_of(x).platform == "gpu":
         try:
-            return np.asarray(jax.device_put(x, x.sharding.with_memory_kind("pinned_host")))
+            return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
         except Exception as exc:  # noqa: BLE001 - logged, and the slower path is named
             log_once("to-host-failed", logging.WARNING, "device -> pinned_host copy failed (%s: %s); using "
                      "np.asarray (~2 GB/s)", type(exc).__name__, exc)
-            return np.asarray(x)
+            return x
     log_once("to-host-plain", logging.INFO, "device is %r, not a GPU: device -> host copies are plain "
-             "copies (no pinned_host memory kind)", device.platform)
-    return np.asarray(x)
+             "copies (no pinned_host memory kind)", device_of(x).platform)
+    return x
 
 
 def to_device(x: np.ndarray, device) -> jax.Array:
@@ -81,4 +87,4 @@ def stored_as(x: np.ndarray, kv_dtype: str, dtype) -> np.ndarray:
     return from_storage(x, kv_dtype).astype(dtype)
 
 
-__all__ = ["log_once", "to_host", "to_device", "device_of", "device_ordinal", "stored_as"]
+__all__ = ["log_once", "to_host", "start_to_host", "to_device", "device_of", "device_ordinal", "stored_as"]

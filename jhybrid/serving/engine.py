@@ -47,8 +47,10 @@ The prefix cache holds every layer's true K, V of whole prompt blocks, with eith
     result is exactly a plain prefill's (hgca: the prompt's own prefill evicts every placed ring
     token, covers its last reevaluate_queries tokens and starts on a chunk boundary). The K, V of
     the prompt blocks a request may add to the cache are read from the device window after each
-    prefill call that wrote them (`ingest.read_tokens`: the window holds a call's tokens until the
-    next step evicts) into a host staging copy of the row, inserted when its prefill is done.
+    prefill call that wrote them (`ingest.start_read_tokens`: the window holds a call's tokens until
+    the next step evicts; the read and its copy to the host are dispatched behind the call, and
+    waited for after the next call's dispatch, so the device runs that call meanwhile) and inserted
+    into the cache a call's whole blocks at a time (`_store_staged`).
 Other backends (the tensor-parallel offloading ones) run without it (logged once, every request a miss).
 
 Memory: the backend is opened for `slots` rows of `max_len` tokens at construction, so the device
@@ -138,9 +140,11 @@ def _sample_last(model, hidden, positions, sampling: RowSampling) -> jax.Array:
 class StepTimes:
     """One step's model calls and their time: host_seconds in the backend's `before_step` (an
     offloading backend's host work before a call: evictions published, prefill copies, a mode's
-    recalls or re-scoring), call_seconds from each compiled call's dispatch to its tokens on the host
-    (the device work and the host attention the call waits for), capture_seconds reading prefilled
-    K, V from the device window for the prefix cache (offloading backends); calls: how many."""
+    recalls or re-scoring), call_seconds in each compiled call's dispatch and, for a call whose
+    tokens are read (a decode call, a prefill call that ends a prompt), the wait for them (the device
+    work and the host attention before them; a prefill call that ends no prompt is not waited for:
+    the next call's host work overlaps it), capture_seconds dispatching reads of prefilled K, V from
+    the device window for the prefix cache and waiting for them (offloading backends); calls: how many."""
 
     host_seconds: float = 0.0
     call_seconds: float = 0.0
@@ -207,7 +211,7 @@ class _Run(RequestHandle):
         # window as they are prefilled and their whole blocks stored in the prefix cache after each
         # prefill call; staged: the tokens from staged_from not stored yet ([L, 2, T, Hkv, D] host arrays)
         self.capture_from = self.capture_to = self.staged_from = 0
-        self.staged: list[np.ndarray] = []
+        self.staged: list = []  # host arrays, or a call's read still pending (`ingest.PendingTokens`)
         # full attention + prefix cache: the prompt's whole blocks inserted so far (None: none pending)
         self.prefix_blocks_stored: int | None = None
         self.tokens: list[int] = []
@@ -333,6 +337,7 @@ class ServingEngine(Engine):
         self._prefix_seconds = 0.0  # the current step's time in the prefix cache (StepRecord.prefix_seconds)
         self._times = StepTimes()  # the current step's calls (StepRecord.times)
         self._inserting: list[_Run] = []  # finished prompts whose blocks enter the prefix cache (full)
+        self._unstored: list[_Run] = []  # requests whose last calls' captures await `_store_unstored`
         self._counts = _Counters()
 
     def _open_prefix_cache(self, config: PrefixCacheConfig | None, asked_for: bool):
@@ -537,6 +542,8 @@ class ServingEngine(Engine):
         prefilled, decoded = self._prefill_and_decode()
         self._insert_pending()
         self._reset_released_rows()
+        if not any(r is not None for r in self._rows):  # out of work: nothing to overlap the stores with
+            self._store_unstored()
         seconds = time.perf_counter() - start
         with self._cond:
             if prefilled or decoded:
@@ -575,6 +582,8 @@ class ServingEngine(Engine):
                 run.queued = time.perf_counter() - run.submitted
                 self._rows[run.slot] = run
                 admitted.append(run)
+        if admitted:
+            self._store_unstored()  # the lookups see every block prefilled so far
         for run in admitted:
             self._sampling.set_row(run.slot, run.request.sampling)
             self._use_prefix_cache(run)
@@ -745,7 +754,12 @@ class ServingEngine(Engine):
             else:
                 sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
                                                  positions, self._cache, self._row_sampling())
-            sampled = np.asarray(sampled)
+        self._store_unstored()  # the earlier calls' captures, while this call runs
+        # A chunk's sampled token is used only when it ends its prompt: other calls are not waited
+        # for, so the next call's host work (its before_step) overlaps this one on the device.
+        if packed or any(run.prefilled + n == len(run.prompt) for run, n in taken):
+            with self._timed("call_seconds"):
+                sampled = np.asarray(sampled)
         with self._cond:
             self._counts.prefill_calls += 1
             self._counts.prefill_tokens += sum(n for _, n in taken)
@@ -757,7 +771,7 @@ class ServingEngine(Engine):
         for run, n in taken:
             if self._hybrid:
                 self._capture(run, n)
-                self._store_staged(run)
+                self._unstored.append(run)  # stored after the next call's dispatch (`_store_unstored`)
             run.prefilled += n
             done[run.request_id] += n
             if run.prefilled == len(run.prompt):
@@ -781,6 +795,8 @@ class ServingEngine(Engine):
         with self._timed("call_seconds"):
             sampled, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
                                              self._cache, self._row_sampling())
+        self._store_unstored()
+        with self._timed("call_seconds"):
             sampled = np.asarray(sampled)
         with self._cond:
             self._counts.decode_steps += 1
@@ -798,8 +814,18 @@ class ServingEngine(Engine):
         lo, hi = max(run.prefilled, run.capture_from), min(run.prefilled + n, run.capture_to)
         if hi > lo:
             with self._timed("capture_seconds"):
-                run.staged.append(self._ingest.read_tokens(self.backend, self._cache, run.slot, lo, hi - lo,
-                                                           self.prefill_chunk))
+                run.staged.append(self._ingest.start_read_tokens(self.backend, self._cache, run.slot, lo, hi - lo,
+                                                                 self.prefill_chunk))
+
+    def _store_unstored(self) -> None:
+        """The captures of the prefill calls so far into the prefix cache (`_store_staged`): called
+        after a call's dispatch (the device runs it meanwhile), before a request is admitted (its
+        prefix lookup sees every block prefilled before it) and when the engine runs out of work."""
+        unstored, self._unstored = self._unstored, []
+        for run in dict.fromkeys(unstored):  # each once, in order
+            with self._timed("capture_seconds"):
+                run.staged = [x() if isinstance(x, self._ingest.PendingTokens) else x for x in run.staged]
+            self._store_staged(run)
 
     def _store_staged(self, run: _Run) -> None:
         """The whole blocks staged so far into the prefix cache (an offloading backend, after each
