@@ -620,3 +620,19 @@ def test_kv_spilled_to_host_and_disk_comes_back_for_a_hit(model, alone, rng, tmp
         out = engine.submit(Request(extended, max_tokens=12)).result(TIMEOUT)
         assert out.cached_tokens == 32 and out.tokens == alone(extended, 12)
         assert engine.stats().prefix_hit_tokens_disk == 32 and engine.stats().prefix_disk_read_errors == 0
+
+
+def test_host_pool_write_history_stores_each_block_in_its_slot(rng):
+    """HostKVBlockPool.write_history against an independent per-token oracle: slot s[i] holds tokens
+    numbers[i]*bs .. +bs-1 of the history, every layer's K and V; other slots are untouched (poison)."""
+    pool = HostKVBlockPool(8, LAYERS, BS, HEADS, DIM, np.float32)
+    pool.data.fill(np.nan)
+    tokens = 5 * BS + 3  # a partial last block is never stored
+    kv = rng.standard_normal((LAYERS, 2, tokens, HEADS, DIM)).astype(np.float32)
+    slots, numbers = np.array([6, 0, 3]), np.array([4, 1, 0])
+    pool.write_history(slots, kv, numbers)
+    for slot, number in zip(slots, numbers):
+        for t in range(BS):
+            np.testing.assert_array_equal(pool.data[slot][:, :, t], kv[:, :, number * BS + t])
+    untouched = np.setdiff1d(np.arange(8), slots)
+    assert np.isnan(pool.data[untouched]).all()
