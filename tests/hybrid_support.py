@@ -19,6 +19,18 @@ WINDOW = dict(window_tokens=40, block_size=16, sink=8, host_threads=1, budget=No
 KEEP_ALL = dict(WINDOW, beta=1e-30)
 SCOUT_RECALLS = dict(recall_blocks=2, recall_min_interval=2, recall_threshold=0.0)
 CHUNK, MAX_LEN = 16, 128
+
+
+def window_only_chunks(lengths, chunk: int = CHUNK, window: int = WINDOW["window_tokens"]) -> int:
+    """Oracle: of prompts of `lengths` tokens prefilled together in chunks, the chunks after which
+    every row that took part holds at most `window` tokens: nothing offloaded, so they attend to the
+    GPU window alone and make no host call (`NothingOffloaded`)."""
+    lengths = [lengths] if isinstance(lengths, int) else list(lengths)
+    count = 0
+    for end in range(chunk, max(lengths) + chunk, chunk):
+        held = [min(end, n) for n in lengths if end - chunk < n]
+        count += max(held) <= window
+    return count
 TOL = 2e-4
 # A Gemma-3-like model: sliding layers (window 24) and global layers alternating.
 GEMMA3_LIKE = ModelConfig(

@@ -142,8 +142,11 @@ def test_host_exception_in_callback_surfaces(model, monkeypatch):
     def broken(*args, **kwargs):
         raise ZeroDivisionError("host attention exploded")
 
+    for start in (0, 16):  # inside the 40-token window: these chunks attend to no host part
+        cache = backend.before_step(cache, np.arange(start, start + 16, dtype=np.int32)[None])
+        _, cache = step(params, np.zeros((1, 16), np.int32), np.arange(start, start + 16, dtype=np.int32)[None], cache)
     monkeypatch.setattr(backend.runtime.bridge, "_timed_attention", broken)
-    positions = np.arange(16, dtype=np.int32)[None]
+    positions = np.arange(32, 48, dtype=np.int32)[None]  # past the 40-token window: offloaded tokens
     cache = backend.before_step(cache, positions)
     with pytest.raises(Exception, match="host attention exploded") as info:  # not a hang: the collect
         logits, cache = step(params, np.zeros((1, 16), np.int32), positions, cache)  # waits at most

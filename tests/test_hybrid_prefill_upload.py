@@ -21,7 +21,7 @@ from jhybrid.generation import make_step
 from jhybrid.hybrid import OffloadConfig, make_backend
 from jhybrid.hybrid.prefill import offloaded_attention, offloaded_prompt, offloaded_prompt_bytes
 from jhybrid.models import create_model
-from tests.hybrid_support import CHUNK, MAX_LEN, TINY as CONFIG, TOL, WINDOW, run_forced
+from tests.hybrid_support import CHUNK, MAX_LEN, TINY as CONFIG, TOL, WINDOW, run_forced, window_only_chunks
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -315,16 +315,6 @@ def test_device_prefill_between_decode_steps_extends_and_uploads_each_row_once(m
     assert counters["n_prefill_window_chunks"] == 6
 
 
-def window_chunks(lengths, chunk=CHUNK) -> int:
-    """Oracle: the chunks of prompts of `lengths` tokens (all rows chunked together) after which
-    every row that took part holds at most window_tokens tokens (nothing offloaded yet)."""
-    count = 0
-    for end in range(chunk, max(lengths) + chunk, chunk):
-        held = [min(end, n) for n in lengths if end - chunk < n]
-        count += max(held) <= WINDOW["window_tokens"]
-    return count
-
-
 @pytest.mark.parametrize("where", ["host", "device"])
 def test_chunks_inside_the_window_make_no_host_call(model, full_logits, where):
     """A chunk whose rows hold at most window_tokens tokens once it has run has nothing offloaded: it
@@ -333,7 +323,7 @@ def test_chunks_inside_the_window_make_no_host_call(model, full_logits, where):
     backend = make_backend(OffloadConfig(mode="topk", prefill_offloaded=where, **WINDOW))
     logits, backend, _, _ = forced(model, backend)
     np.testing.assert_allclose(logits, full_logits, atol=TOL, rtol=TOL)
-    assert backend.counters()["n_prefill_window_chunks"] == window_chunks([72, 72]) == 2
+    assert backend.counters()["n_prefill_window_chunks"] == window_only_chunks([72, 72]) == 2
 
     backend = make_backend(OffloadConfig(mode="topk", prefill_offloaded=where, **WINDOW))
     step, params = make_step(model, backend)
@@ -346,7 +336,7 @@ def test_chunks_inside_the_window_make_no_host_call(model, full_logits, where):
         cache = backend.before_step(cache, pos)
         _, cache = step(params, prompt[:, start:start + CHUNK], pos, cache)
     counters = backend.counters()
-    assert counters["n_prefill_window_chunks"] == window_chunks([40, 40]) == 3
+    assert counters["n_prefill_window_chunks"] == window_only_chunks([40, 40]) == 3
     assert counters["n_tasks"] == counters["n_callbacks"] == 0  # the host was never asked
     assert counters["n_prefill_device_chunks"] == 0
     assert type(cache.layers[0].offloaded).__name__ == "NothingOffloaded"  # passed through the step ...

@@ -102,12 +102,14 @@ class Evictor:
         self.started[rows] = 0
 
     # ---- the step start --------------------------------------------------------------------------
-    def before_step(self, cache, after: np.ndarray, prefill: bool, host_free: bool, step: int):
+    def before_step(self, cache, after: np.ndarray, prefill: bool, host_free: bool, step: int, width: int = 1):
         """Publish what is due, start the copies due at this step, and return (cache, owned [B]):
         the blocks the host side owns during this step (the GPU ring attends the tokens after them). `after` [B]: tokens once the step has run;
         `step`: the index of this decode step (prefill: of the next one); `host_free`: the prefill
         chunk reads no block from the host store (it attends to device copies of its offloaded
-        prompt, or its rows have none): it waits for no copy to land there."""
+        prompt, or its rows have none): it waits for no copy to land there; `width`: the call's
+        tokens per row (a prefill chunk's gather is padded to at least a chunk of every row: one
+        compiled gather, and one compiled extension of the prefill copies, per chunk width)."""
         cfg, bs = self.config, self.config.block_size
         start_time = time.perf_counter()
         if prefill:  # decode-started jobs that are due; a prefill's own wait for the next decode step
@@ -124,8 +126,9 @@ class Evictor:
             urgent = -(-np.maximum(soon, 0) // bs) > self.started
             start = due & (phase | urgent)
         if start.any():
+            min_rows = self.runtime.batch * -(-width // bs) if prefill else 1
             cache = self._start(cache, np.where(start, target, self.started), keep_on_device=prefill,
-                                publish_step=None if prefill else step + cfg.eviction_lag_steps)
+                                publish_step=None if prefill else step + cfg.eviction_lag_steps, min_rows=min_rows)
         if prefill and not host_free:
             self.publish_all()  # the chunk attends to the offloaded prompt on the host
         owned = self.started.copy() if (prefill and host_free) else self.published.copy()
@@ -169,12 +172,14 @@ class Evictor:
                                    f"background: {type(error).__name__}: {error}") from error
             self.published = np.maximum(self.published, job.started)
 
-    def _start(self, cache, started: np.ndarray, keep_on_device: bool, publish_step: int | None):
-        """Start the copies of blocks self.started[b] .. started[b] - 1 of every sequence."""
+    def _start(self, cache, started: np.ndarray, keep_on_device: bool, publish_step: int | None,
+               min_rows: int = 1):
+        """Start the copies of blocks self.started[b] .. started[b] - 1 of every sequence, gathered
+        in a power of two of at least `min_rows` padded rows."""
         runtime = self.runtime
         rows = [(b, blk) for b in range(runtime.batch) for blk in range(int(self.started[b]), int(started[b]))]
         n = len(rows)
-        size = next_pow2(n)
+        size = next_pow2(max(n, min_rows))
         seq = np.full(size, runtime.batch, np.int32)  # out of range: dropped by the digest scatter
         blk = np.full(size, runtime.nb_max, np.int32)
         seq[:n] = [r[0] for r in rows]

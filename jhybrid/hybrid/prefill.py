@@ -248,16 +248,18 @@ class PrefillCopies:
         stale = active & (blocks > 0) & (held != blocks)
         if stale.any():
             runtime.evictor.publish_all()
-            rows = np.flatnonzero(stale)
-            fresh, _ = offloaded_prompt(runtime.store, batch, runtime.dtype, device, rows=rows, tokens=p)
-            kept = _set_rows(kept, tuple(fresh), jnp.asarray(rows, jnp.int32), batch)
-            held[rows] = blocks[rows]
+        for row in np.flatnonzero(stale).tolist():  # a row at a time: one shape per P, compiled once
+            fresh, _ = offloaded_prompt(runtime.store, batch, runtime.dtype, device, rows=np.array([row]), tokens=p)
+            kept = _set_rows(kept, tuple(fresh), np.array([row], np.int32), batch)
+            held[row] = blocks[row]
             runtime.core_counters.add(bytes_to_device=sum(x.nbytes for pair in fresh for x in pair),
-                                      n_prefill_row_uploads=len(rows))
+                                      n_prefill_row_uploads=1)
         n_valid = (np.where(active, blocks, 0) * cfg.block_size).astype(np.int32)
-        # one n_valid per layer: the step donates the cache, and a buffer cannot be donated twice
-        layers = tuple(state.replace(offloaded=DeviceCopy(k, v, jax.device_put(n_valid, device)))
-                       for state, (k, v) in zip(cache.layers, kept))
+        # one n_valid per layer (the step donates the cache, and a buffer cannot be donated twice),
+        # in one batched transfer
+        valid = jax.device_put([n_valid] * len(kept), device)
+        layers = tuple(state.replace(offloaded=DeviceCopy(k, v, n))
+                       for state, (k, v), n in zip(cache.layers, kept, valid))
         runtime.core_counters.add(transfer_s=time.perf_counter() - start, n_prefill_device_chunks=1)
         self._held, self._attached, self.holds_copies = held, True, True
         return cache.replace(layers=layers)
@@ -296,7 +298,7 @@ def _pad(prev: tuple, p: int):
     return jax.tree_util.tree_map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, p - x.shape[2]), (0, 0))), prev)
 
 
-def _set_rows(prev: tuple | None, fresh: tuple, rows: jax.Array, batch: int):
+def _set_rows(prev: tuple | None, fresh: tuple, rows: np.ndarray, batch: int):
     """prev[l] = (k, v) [B, Hkv, P, D] (None: zeros) with rows `rows` [n] replaced by fresh[l]
     [n, Hkv, P, D] (prev donated: written in place)."""
     if prev is None:
