@@ -173,3 +173,26 @@ def test_saturation_phase_can_be_left_out(tmp_path):
     (row,) = outcome.rows
     assert row["completed"] == 2 and row["saturated_tok_s"] is None and row["saturated_over_fixed"] is None
     assert row["fixed_decode_tok_s"] > 0  # the fixed batches still ran
+
+
+def test_an_engine_failure_in_the_load_is_the_points_error(tmp_path, monkeypatch):
+    """A step that fails while the load runs ends every request with the error (the engine); the
+    point then fails with that error named, not with a statistic of requests that have no tokens."""
+    from jhybrid.serving import ServingEngine
+
+    original = ServingEngine._decode_call
+
+    def failing(self, runs):
+        if any(run.request_id.startswith("r-") for run in runs):  # the load's requests, not the warm-up's
+            raise RuntimeError("injected device fault")
+        return original(self, runs)
+
+    monkeypatch.setattr(ServingEngine, "_decode_call", failing)
+    text = CONFIG.replace("serving_slots: 2}", "serving_slots: 2, serving_saturation: false, serving_requests: 2}")
+    path = tmp_path / "serving.yaml"
+    path.write_text(text.replace("serving_requests: 6, ", ""))
+    outcome = runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path / "results"), argv=[],
+                               show_progress=False)
+    assert outcome.errors == 1
+    (row,) = outcome.rows
+    assert "serving engine failed 2 of 2 requests" in row["error"] and "injected device fault" in row["error"], row
