@@ -54,6 +54,9 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
     assert row["saturated_tok_s"] > 0 and row["saturated_over_fixed"] > 0
     assert 0 <= row["slo_met"] <= 6
     assert row["compiles_timed"] == 0  # the warm-up compiled every shape of the load
+    for phase in ("load_jit_compiles", "saturated_jit_compiles"):  # every XLA compile in the phase
+        compiles = row[phase]
+        assert compiles["count"] >= sum(n for _, n, _ in compiles["by_name"]) >= 0 and compiles["seconds"] >= 0
     # where the steps' time went: every uncached prompt token prefilled in the load's steps, and the
     # timed parts of a step within its wall time
     load = row["load_steps"]["prefill"]
@@ -173,6 +176,29 @@ def test_saturation_phase_can_be_left_out(tmp_path):
     (row,) = outcome.rows
     assert row["completed"] == 2 and row["saturated_tok_s"] is None and row["saturated_over_fixed"] is None
     assert row["fixed_decode_tok_s"] > 0  # the fixed batches still ran
+
+
+def test_the_compile_recorder_counts_the_compiles_inside_its_block():
+    """CompileRecorder against jit's own cache misses: a new shape compiles once inside, a repeated
+    one not at all, and nothing outside the block is counted."""
+    import jax
+    import jax.numpy as jnp
+
+    from jhybrid.bench.serving import CompileRecorder
+
+    def double(x):
+        return x * 2
+
+    fn = jax.jit(double)
+    three, five, seven = jnp.ones(3), jnp.ones(5), jnp.ones(7)  # made outside: they compile too
+    fn(three)  # compiled before the block
+    with CompileRecorder() as recorder:
+        fn(three)      # cached
+        fn(five)       # a new shape: one compile
+        fn(five)
+    fn(seven)          # after the block
+    summary = recorder.summary()
+    assert summary["count"] == 1 and summary["by_name"][0][:2] == ["jit(double)", 1], summary
 
 
 def test_an_engine_failure_in_the_load_is_the_points_error(tmp_path, monkeypatch):

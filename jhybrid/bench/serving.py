@@ -88,6 +88,7 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+from jax import monitoring
 
 from jhybrid.bench.offload import PointSkipped, backend_for
 from jhybrid.bench.progress import PointProgress, report_phase
@@ -246,7 +247,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         counters_before = backend.counters()
         report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
         handles, submitted = [], []
-        with _profile_window("load"):
+        with _profile_window("load"), CompileRecorder() as load_compiles:
             start = time.perf_counter()
             for i, (prompt, at) in enumerate(zip(load.prompts, load.arrivals)):
                 delay = start + at - time.perf_counter()
@@ -270,8 +271,9 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         load_records = [r for r in records if r.step > before.steps]  # the warm-up's left out
         load_counters = _counter_delta(counters_before, backend.counters())
         # logged now, not only in the row: a device call cut before the row is written still tells
-        log.info("load served in %.1f s; its steps %s; the backend's counters %s", served_s,
-                 json.dumps(_step_breakdown(load_records)), json.dumps(load_counters))
+        log.info("load served in %.1f s; its steps %s; the backend's counters %s; XLA compiles in it %s", served_s,
+                 json.dumps(_step_breakdown(load_records)), json.dumps(load_counters),
+                 json.dumps(load_compiles.summary()))
         failed = [o for o in outputs if o.finish_reason.value == "error"]
         if failed:  # the engine's own error, not a statistic of no tokens
             raise RuntimeError(f"the serving engine failed {len(failed)} of {n} requests of the load: {failed[0].error}")
@@ -280,7 +282,8 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         if bench.serving_saturation and (deadline is None or time.perf_counter() < deadline):
             report_phase(on_step, f"saturation: {n} requests at once")
             counters_before = backend.counters()
-            saturated = _run_saturated(engine, Request, load, bench, vocab)
+            with CompileRecorder() as saturated_compiles:
+                saturated = _run_saturated(engine, Request, load, bench, vocab)
             saturated_records = [r for r in engine.step_log() if r.step > after.steps]
             saturated_counters = _counter_delta(counters_before, backend.counters())
     finally:
@@ -305,6 +308,8 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "saturated_s": None if saturated is None else saturated[1],
            "load_steps": _step_breakdown(load_records),
            "load_counters": load_counters,
+           "load_jit_compiles": load_compiles.summary(),
+           "saturated_jit_compiles": None if saturated is None else saturated_compiles.summary(),
            "saturated_steps": None if saturated is None else _step_breakdown(saturated_records),
            "saturated_counters": None if saturated is None else saturated_counters}
     if deadline is not None and time.perf_counter() >= deadline:
@@ -395,6 +400,45 @@ def _counter_delta(before: dict, after: dict) -> dict:
             if change:
                 delta[key] = round(change, 4) if isinstance(change, float) else change
     return delta
+
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's name for it
+
+
+class CompileRecorder:
+    """Every XLA compile in the process while it is active (a `with` block), the engine's steps and
+    any other jitted function (the offloading backends' helpers, a mode's recall scatter): what a
+    timed phase compiled that its warm-up did not. `summary()`: {count, seconds, by_name: the five
+    costliest functions' [name, count, seconds]}. A persistent compilation cache's hit counts too
+    (it is loaded in the same place)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, float]] = []
+
+    def _listen(self, event: str, seconds: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            with self._lock:
+                self._events.append((str(kwargs.get("fun_name", "?")), seconds))
+
+    def __enter__(self) -> "CompileRecorder":
+        monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        monitoring.unregister_event_duration_listener(self._listen)
+
+    def summary(self) -> dict:
+        with self._lock:
+            events = list(self._events)
+        by_name: dict[str, list] = {}
+        for name, seconds in events:
+            entry = by_name.setdefault(name, [name, 0, 0.0])
+            entry[1] += 1
+            entry[2] += seconds
+        costliest = sorted(by_name.values(), key=lambda e: -e[2])[:5]
+        return {"count": len(events), "seconds": round(sum(s for _, s in events), 3),
+                "by_name": [[name, count, round(seconds, 3)] for name, count, seconds in costliest]}
 
 
 def _served_fields(outputs, submitted, records, bench, shared) -> dict:
