@@ -197,16 +197,14 @@ class PrefillCopies:
     def uses_device(self, cache, after: np.ndarray, active: np.ndarray) -> bool:
         """Does the prefill chunk that brings the sequences to `after` [B] tokens attend to its
         offloaded prompt on the device (copies) rather than on the host? `active` [B] bool: the rows
-        with a token in the chunk. (config.prefill_offloaded, the platform, and the copies' size
-        against prefill_upload_max_bytes; nothing offloaded yet: the host path, which then attends
-        to nothing.)"""
+        with a token in the chunk, some of which have offloaded tokens (a chunk of rows with none
+        attends to the window alone: the runtime's `NothingOffloaded`). (config.prefill_offloaded,
+        the platform, and the copies' size against prefill_upload_max_bytes.)"""
         runtime, cfg = self.runtime, self.runtime.config
         device = runtime.device
         if cfg.prefill_offloaded == "host" or (cfg.prefill_offloaded == "auto" and device.platform != "gpu"):
             return False
         blocks = np.where(active, evicted_blocks(after, cfg), 0)
-        if blocks.max(initial=0) == 0:
-            return False
         nbytes = copies_bytes(runtime.store.config, blocks, runtime.dtype.itemsize, self._tokens(blocks))
         limit = cfg.prefill_upload_max_bytes
         if limit is not None and nbytes > limit:
