@@ -286,6 +286,9 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
                 saturated = _run_saturated(engine, Request, load, bench, vocab)
             saturated_records = [r for r in engine.step_log() if r.step > after.steps]
             saturated_counters = _counter_delta(counters_before, backend.counters())
+            log.info("saturation served in %.1f s; its steps %s; the backend's counters %s; the prefix-cache "
+                     "store worker %.1f s in all", saturated[1], json.dumps(_step_breakdown(saturated_records)),
+                     json.dumps(saturated_counters), engine.store_seconds)
     finally:
         engine.close(drain=False)
     del engine, handles  # the engine holds its cache and prefix pool until it is freed

@@ -25,7 +25,10 @@ each request runs in one row (slot) from admission to its end, then the row is e
      parameters: `jhybrid.serving.sampling`). When the backend `packs_decode` (`full`) and the step
      prefills, the decode tokens of the requests that were decoding when the step began ride in its
      first prefill call (`PackedRows`: one read of the weights for both; a request whose prefill
-     ends in this step decodes from the next); otherwise one [slots, 1] call after the prefill;
+     ends in this step decodes from the next); otherwise one [slots, 1] call dispatched before the
+     step's prefill calls and waited for after them (the device runs it, and the previous step's
+     last prefill call, while the host prepares this step's prefill: an offloading backend's
+     before_step; a request whose prefill ends in this step decodes from the next, as when packed);
   5. finished requests (stop token, max_tokens) leave; their rows are reset.
 
 A long prompt is thus prefilled over several steps, each followed by a decode step of the running
@@ -48,9 +51,10 @@ The prefix cache holds every layer's true K, V of whole prompt blocks, with eith
     token, covers its last reevaluate_queries tokens and starts on a chunk boundary). The K, V of
     the prompt blocks a request may add to the cache are read from the device window after each
     prefill call that wrote them (`ingest.start_read_tokens`: the window holds a call's tokens until
-    the next step evicts; the read and its copy to the host are dispatched behind the call, and
-    waited for after the next call's dispatch, so the device runs that call meanwhile) and inserted
-    into the cache a call's whole blocks at a time (`_store_staged`).
+    the next step evicts; the read and its copy to the host are dispatched behind the call) and,
+    after the next call's dispatch, handed to the store worker thread, which waits for them and
+    inserts a call's whole blocks at a time into the cache (`_store_job`, `_store_staged`) while
+    the engine thread goes on; every step waits for its store jobs before it ends.
 Other backends (the tensor-parallel offloading ones) run without it (logged once, every request a miss).
 
 Memory: the backend is opened for `slots` rows of `max_len` tokens at construction, so the device
@@ -63,7 +67,10 @@ Its spills to a host tier are asynchronous: their gathered copies, up to half th
 bytes, are transient device memory (`PrefixCache` max_spill_blocks).
 
 Threading: `submit`, `cancel`, `stats` from any thread; the steps run on the engine's thread
-(`start`) or the caller's (`step`), one at a time. Callbacks run on the stepping thread. A step that
+(`start`) or the caller's (`step`), one at a time. Callbacks run on the stepping thread. An
+offloading backend's prefix-cache stores run on one store worker thread, only between their
+submission in a step and that step's end (the prefix cache is not thread-safe: the stepping thread
+touches it outside that span only). A step that
 raises ends every request with FinishReason.ERROR and the message; the engine then refuses new
 requests (EngineClosed with that message).
 """
@@ -71,6 +78,7 @@ requests (EngineClosed with that message).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import enum
@@ -112,6 +120,7 @@ STEP_SUMMARY = 64  # steps per INFO summary line of step times
 # machine (`PrefixCache.insert` timed alone), a step the running requests' next token waits for.
 PREFIX_INSERT_BLOCKS_PER_STEP = 256
 SLOW_STEP_S = 1.0  # a step this long gets an INFO line of its own
+STORE_THREAD_NAME = "jhybrid-prefix-store"  # the thread that stores an offloading backend's captures
 _executables: collections.OrderedDict = collections.OrderedDict()
 _executables_lock = threading.Lock()
 # Each distinct model structure (graphdef) and parameter signature as a small int, found once per
@@ -144,7 +153,8 @@ class StepTimes:
     tokens are read (a decode call, a prefill call that ends a prompt), the wait for them (the device
     work and the host attention before them; a prefill call that ends no prompt is not waited for:
     the next call's host work overlaps it), capture_seconds dispatching reads of prefilled K, V from
-    the device window for the prefix cache and waiting for them (offloading backends); calls: how many."""
+    the device window for the prefix cache (offloading backends; the store worker waits for them);
+    calls: how many."""
 
     host_seconds: float = 0.0
     call_seconds: float = 0.0
@@ -158,7 +168,7 @@ class StepRecord:
     they took the step's budget (prefill_order) and decode (request_ids that got a decode step) in
     slot order; seconds: its wall time (admission, model calls, sampling; not the wait for work), of
     which prefix_seconds in the prefix cache (hits copied into rows, finished prompts inserted, and
-    the spills' waits those caused); started: its start (time.perf_counter); admitted: requests it
+    the spills' waits those caused; an offloading backend's: the wait for the store worker's jobs); started: its start (time.perf_counter); admitted: requests it
     took into slots; times: where the rest went (`StepTimes`)."""
 
     step: int
@@ -209,9 +219,12 @@ class _Run(RequestHandle):
         self.queued: float | None = None  # submit -> admission (s)
         # offloading backend + prefix cache: prompt tokens [capture_from, capture_to) are read from the
         # window as they are prefilled and their whole blocks stored in the prefix cache after each
-        # prefill call; staged: the tokens from staged_from not stored yet ([L, 2, T, Hkv, D] host arrays)
+        # prefill call; captured: the reads dispatched since the last store job (the engine thread's);
+        # staged: the tokens from staged_from not stored yet ([L, 2, T, Hkv, D] host arrays; the store
+        # worker's, like staged_from; capture_to is set to 0 by it when it stops storing the request)
         self.capture_from = self.capture_to = self.staged_from = 0
-        self.staged: list = []  # host arrays, or a call's read still pending (`ingest.PendingTokens`)
+        self.captured: list = []  # `ingest.PendingTokens`, one per prefill call since the last store job
+        self.staged: list[np.ndarray] = []
         # full attention + prefix cache: the prompt's whole blocks inserted so far (None: none pending)
         self.prefix_blocks_stored: int | None = None
         self.tokens: list[int] = []
@@ -337,7 +350,13 @@ class ServingEngine(Engine):
         self._prefix_seconds = 0.0  # the current step's time in the prefix cache (StepRecord.prefix_seconds)
         self._times = StepTimes()  # the current step's calls (StepRecord.times)
         self._inserting: list[_Run] = []  # finished prompts whose blocks enter the prefix cache (full)
-        self._unstored: list[_Run] = []  # requests whose last calls' captures await `_store_unstored`
+        self._unstored: list[_Run] = []  # requests whose captured reads await a store job (`_submit_stores`)
+        # The store worker (an offloading backend's prefix cache): it runs the store jobs submitted
+        # during a step, and the step waits for them before it ends (`_join_stores`), so the engine
+        # thread never touches the prefix cache while a job may (the cache is not thread-safe).
+        self._store_worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stores: list[concurrent.futures.Future] = []
+        self.store_seconds = 0.0  # the store worker's time in jobs (waits for reads, inserts)
         self._counts = _Counters()
 
     def _open_prefix_cache(self, config: PrefixCacheConfig | None, asked_for: bool):
@@ -543,7 +562,8 @@ class ServingEngine(Engine):
         self._insert_pending()
         self._reset_released_rows()
         if not any(r is not None for r in self._rows):  # out of work: nothing to overlap the stores with
-            self._store_unstored()
+            self._submit_stores()
+        self._join_stores()
         seconds = time.perf_counter() - start
         with self._cond:
             if prefilled or decoded:
@@ -582,8 +602,9 @@ class ServingEngine(Engine):
                 run.queued = time.perf_counter() - run.submitted
                 self._rows[run.slot] = run
                 admitted.append(run)
-        if admitted:
-            self._store_unstored()  # the lookups see every block prefilled so far
+        if admitted:  # the lookups see every block prefilled so far
+            self._submit_stores()
+            self._join_stores()
         for run in admitted:
             self._sampling.set_row(run.slot, run.request.sampling)
             self._use_prefix_cache(run)
@@ -644,12 +665,15 @@ class ServingEngine(Engine):
         """Up to step_token_budget prompt tokens of the prefilling requests (in prefill_order), in
         calls of [R, W] (`_take`; see the module docstring), and one token for every request past
         its prefill: packed into the first prefill call when the backend `packs_decode`, else one
-        [slots, 1] call after the prefill.
+        [slots, 1] call dispatched before the prefill calls and waited for after them (the device
+        runs it while the host prepares the prefill; a request whose prefill ends in this step
+        decodes from the next one).
         Returns ((request_id, prompt tokens) per request that prefilled, decoded request_ids)."""
         budget, done = self.step_token_budget, collections.Counter()
         packs = self.backend.packs_decode
-        decoding = self._decoding() if packs else []  # decided before the prefill: they ride in it
-        packed = decoding
+        decoding = self._decoding()  # decided before the prefill: they ride in it, or go first
+        packed = decoding if packs else []
+        sampled = None if packs or not decoding else self._start_decode(decoding)
         if self.prefill_order == "shortest":
             def first(run):
                 return len(run.prompt) - run.prefilled, run.order
@@ -665,10 +689,10 @@ class ServingEngine(Engine):
             budget -= self._call_cost(taken)
             self._prefill_call(taken, size, done, packed)
             packed = []  # the decode tokens ride with the first call only
-        if not packs:  # a request whose prefill just ended decodes in this step too
-            decoding = self._decoding()
-        if decoding and not (packs and done):
-            self._decode_call(decoding)
+        if packs and decoding and not done:
+            sampled = self._start_decode(decoding)
+        if sampled is not None:
+            self._accept_decoded(decoding, sampled)
         return list(done.items()), [run.request_id for run in decoding]
 
     def _call_cost(self, taken: list[tuple[_Run, int]]) -> int:
@@ -754,7 +778,7 @@ class ServingEngine(Engine):
             else:
                 sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
                                                  positions, self._cache, self._row_sampling())
-        self._store_unstored()  # the earlier calls' captures, while this call runs
+        self._submit_stores()  # the earlier calls' captures, while this call runs
         # A chunk's sampled token is used only when it ends its prompt: other calls are not waited
         # for, so the next call's host work (its before_step) overlaps this one on the device.
         if packed or any(run.prefilled + n == len(run.prompt) for run, n in taken):
@@ -771,7 +795,7 @@ class ServingEngine(Engine):
         for run, n in taken:
             if self._hybrid:
                 self._capture(run, n)
-                self._unstored.append(run)  # stored after the next call's dispatch (`_store_unstored`)
+                self._unstored.append(run)  # stored after the next call's dispatch (`_submit_stores`)
             run.prefilled += n
             done[run.request_id] += n
             if run.prefilled == len(run.prompt):
@@ -788,14 +812,19 @@ class ServingEngine(Engine):
             positions[run.slot] = len(run.prompt) + len(run.tokens) - 1
         return tokens, positions
 
-    def _decode_call(self, runs: list[_Run]) -> None:
-        """One token for each of `runs` (one [slots, 1] call)."""
+    def _start_decode(self, runs: list[_Run]) -> jax.Array:
+        """Dispatches one token for each of `runs` (one [slots, 1] call); returns the sampled tokens
+        [slots] int32 (a device array: `_accept_decoded` waits for them)."""
         tokens, positions = self._decode_inputs(runs)
         self._before_step(positions[:, None])
         with self._timed("call_seconds"):
             sampled, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
                                              self._cache, self._row_sampling())
-        self._store_unstored()
+        self._submit_stores()
+        return sampled
+
+    def _accept_decoded(self, runs: list[_Run], sampled: jax.Array) -> None:
+        """Waits for a decode call's tokens [slots] and accepts each of `runs`' own."""
         with self._timed("call_seconds"):
             sampled = np.asarray(sampled)
         with self._cond:
@@ -814,18 +843,46 @@ class ServingEngine(Engine):
         lo, hi = max(run.prefilled, run.capture_from), min(run.prefilled + n, run.capture_to)
         if hi > lo:
             with self._timed("capture_seconds"):
-                run.staged.append(self._ingest.start_read_tokens(self.backend, self._cache, run.slot, lo, hi - lo,
-                                                                 self.prefill_chunk))
+                run.captured.append(self._ingest.start_read_tokens(self.backend, self._cache, run.slot, lo,
+                                                                   hi - lo, self.prefill_chunk))
 
-    def _store_unstored(self) -> None:
-        """The captures of the prefill calls so far into the prefix cache (`_store_staged`): called
-        after a call's dispatch (the device runs it meanwhile), before a request is admitted (its
-        prefix lookup sees every block prefilled before it) and when the engine runs out of work."""
+    def _submit_stores(self) -> None:
+        """The captures of the prefill calls so far, handed to the store worker (`_store_job`):
+        called after a call's dispatch (the device runs it meanwhile, and the worker's copies overlap
+        the engine thread's next host work), before a request is admitted (then joined: its prefix
+        lookup sees every block prefilled before it) and when the engine runs out of work."""
         unstored, self._unstored = self._unstored, []
+        jobs = []
         for run in dict.fromkeys(unstored):  # each once, in order
-            with self._timed("capture_seconds"):
-                run.staged = [x() if isinstance(x, self._ingest.PendingTokens) else x for x in run.staged]
-            self._store_staged(run)
+            jobs.append((run, run.captured))
+            run.captured = []
+        if not jobs:
+            return
+        if self._store_worker is None:
+            self._store_worker = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                       thread_name_prefix=STORE_THREAD_NAME)
+        self._stores.append(self._store_worker.submit(self._store_job, jobs))
+
+    def _store_job(self, jobs: list[tuple[_Run, list]]) -> None:
+        """On the store worker: each request's reads waited for and their whole blocks stored."""
+        start = time.perf_counter()
+        try:
+            for run, reads in jobs:
+                if run.capture_to == 0:  # storing it stopped (`_store_staged`)
+                    continue
+                run.staged.extend(read() for read in reads)
+                self._store_staged(run)
+        finally:
+            self.store_seconds += time.perf_counter() - start
+
+    def _join_stores(self) -> None:
+        """Waits for the store jobs submitted so far (timed into the step's prefix_seconds); a job's
+        error is raised here, on the stepping thread (the step fails with it)."""
+        stores, self._stores = self._stores, []
+        if stores:
+            with self._in_prefix_cache():
+                for future in stores:
+                    future.result()
 
     def _store_staged(self, run: _Run) -> None:
         """The whole blocks staged so far into the prefix cache (an offloading backend, after each
@@ -843,18 +900,17 @@ class ServingEngine(Engine):
             run.staged = [kv]
             return
         upto = run.staged_from + whole * bs
-        with self._in_prefix_cache():
-            if len(self._prefix.match(run.prompt[:run.staged_from])) < first:
-                stored = False
-            else:
-                def write(numbers: np.ndarray, slots: np.ndarray) -> None:
-                    if numbers.min(initial=first) < first:  # the match above rules it out
-                        raise RuntimeError(f"prefix cache: block {numbers.min()} asked of a request whose "
-                                           f"staged KV starts at block {first}")
-                    self._pool.write_history(slots, kv, numbers - first)
+        if len(self._prefix.match(run.prompt[:run.staged_from])) < first:
+            stored = False
+        else:
+            def write(numbers: np.ndarray, slots: np.ndarray) -> None:
+                if numbers.min(initial=first) < first:  # the match above rules it out
+                    raise RuntimeError(f"prefix cache: block {numbers.min()} asked of a request whose "
+                                       f"staged KV starts at block {first}")
+                self._pool.write_history(slots, kv, numbers - first)
 
-                self._prefix.insert(run.prompt[:upto], write)
-                stored = len(self._prefix.match(run.prompt[:upto])) == upto // bs
+            self._prefix.insert(run.prompt[:upto], write)
+            stored = len(self._prefix.match(run.prompt[:upto])) == upto // bs
         if not stored:
             run.staged, run.capture_to = [], 0
             return
@@ -1103,6 +1159,7 @@ class ServingEngine(Engine):
             for run in left:
                 self._finish(run, FinishReason.CANCELLED)
             self._closed = True
+            self._stop_store_worker()
             if self._prefix is not None:
                 self._prefix.close()
                 self._prefix_stats = self._prefix.stats()
@@ -1110,6 +1167,18 @@ class ServingEngine(Engine):
         finally:
             if locked:
                 self._step_lock.release()
+
+    def _stop_store_worker(self) -> None:
+        """Waits for the store jobs left by a failed step (their errors logged) and ends the worker."""
+        stores, self._stores = self._stores, []
+        for future in stores:
+            try:
+                future.result()
+            except Exception:
+                log.exception("a prefix-cache store job failed (its blocks are not cached)")
+        if self._store_worker is not None:
+            self._store_worker.shutdown(wait=True)
+            self._store_worker = None
 
     def _drain(self, deadline: float | None) -> None:
         """Lets running and waiting requests finish (until the deadline): on the engine's thread

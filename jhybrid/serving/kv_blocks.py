@@ -209,10 +209,17 @@ class HostKVBlockPool(_BlockSlots):
         # machine a fresh GiB took 7 s to write once, 0.3 s after), and it would land in engine steps.
         self.data = np.empty((capacity,) + self.block_shape, np.dtype(jnp.dtype(dtype)))
         self.data.fill(0)
+        # The same bytes as unsigned words: NumPy copies a custom float dtype (ml_dtypes' bfloat16)
+        # element by element through the dtype, 2.7x slower than words (16 blocks of the 8B shape:
+        # 62 ms against 22 ms on the CPU machine).
+        self._words = self.data.view(_words_dtype(self.data.dtype))
+
+    def _as_words(self, array: np.ndarray) -> np.ndarray:
+        return array.view(self._words.dtype) if array.dtype == self.data.dtype else array
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """[n, L, 2, bs, Hkv, D] copies of the blocks in slots [n]."""
-        return self.data[np.asarray(slots, np.int64)]
+        return self._words[np.asarray(slots, np.int64)].view(self.data.dtype)
 
     def read_start(self, slots: np.ndarray) -> Callable[[], np.ndarray]:
         """The blocks in slots [n] copied now (host memory: nothing to wait for; the slots may be
@@ -222,24 +229,30 @@ class HostKVBlockPool(_BlockSlots):
 
     def write(self, slots: np.ndarray, blocks: np.ndarray) -> None:
         """Stores blocks [n, L, 2, bs, Hkv, D] into slots [n]."""
-        self.data[np.asarray(slots, np.int64)] = blocks
+        self._words[np.asarray(slots, np.int64)] = self._as_words(np.asarray(blocks, self.data.dtype))
 
     def history(self, slots: np.ndarray) -> np.ndarray:
         """The blocks in slots [n] as one history: [L, 2, n * bs, Hkv, D] (block i = tokens i*bs ..)."""
-        blocks = self.read(slots)
+        blocks = self._words[np.asarray(slots, np.int64)]
         n, (layers, _, bs, hkv, d) = len(slots), self.block_shape
-        return blocks.transpose(1, 2, 0, 3, 4, 5).reshape(layers, 2, n * bs, hkv, d)
+        return blocks.transpose(1, 2, 0, 3, 4, 5).reshape(layers, 2, n * bs, hkv, d).view(self.data.dtype)
 
     def write_history(self, slots: np.ndarray, kv: np.ndarray, block_numbers: np.ndarray) -> None:
         """Stores blocks `block_numbers` [n] of a history kv [L, 2, T, Hkv, D] (block j = tokens
         j*bs .. j*bs + bs - 1) into slots [n]."""
         layers, _, bs, hkv, d = self.block_shape
         count = kv.shape[2] // bs
-        blocks = kv[:, :, :count * bs].reshape(layers, 2, count, bs, hkv, d)  # a view
+        blocks = self._as_words(np.asarray(kv, self.data.dtype))[:, :, :count * bs].reshape(
+            layers, 2, count, bs, hkv, d)  # a view
         # one strided copy per block straight into its slot (a gather of the blocks first, then the
         # transposed scatter, copied every byte twice: ~25 ms a [4, 256] call at the 8B shape)
         for slot, number in zip(np.asarray(slots, np.int64).tolist(), np.asarray(block_numbers, np.int64).tolist()):
-            self.data[slot] = blocks[:, :, number]
+            self._words[slot] = blocks[:, :, number]
+
+
+def _words_dtype(dtype: np.dtype) -> np.dtype:
+    """The unsigned integer dtype of dtype's item size (a plain copy of the same bytes)."""
+    return np.dtype(f"u{dtype.itemsize}")
 
 
 __all__ = ["KVBlockPool", "HostKVBlockPool", "PendingRead", "block_bytes_of"]
