@@ -25,10 +25,9 @@ each request runs in one row (slot) from admission to its end, then the row is e
      parameters: `jhybrid.serving.sampling`). When the backend `packs_decode` (`full`) and the step
      prefills, the decode tokens of the requests that were decoding when the step began ride in its
      first prefill call (`PackedRows`: one read of the weights for both; a request whose prefill
-     ends in this step decodes from the next); otherwise one [slots, 1] call dispatched before the
-     step's prefill calls and waited for after them (the device runs it, and the previous step's
-     last prefill call, while the host prepares this step's prefill: an offloading backend's
-     before_step; a request whose prefill ends in this step decodes from the next, as when packed);
+     ends in this step decodes from the next); otherwise one [slots, 1] call after the prefill
+     (dispatched before the prefill instead, so that the host's work for the prefill would overlap
+     it, scout measured no faster on the H100 and its decode-only steps slower: BENCHMARKS.md);
   5. finished requests (stop token, max_tokens) leave; their rows are reset.
 
 A long prompt is thus prefilled over several steps, each followed by a decode step of the running
@@ -665,15 +664,12 @@ class ServingEngine(Engine):
         """Up to step_token_budget prompt tokens of the prefilling requests (in prefill_order), in
         calls of [R, W] (`_take`; see the module docstring), and one token for every request past
         its prefill: packed into the first prefill call when the backend `packs_decode`, else one
-        [slots, 1] call dispatched before the prefill calls and waited for after them (the device
-        runs it while the host prepares the prefill; a request whose prefill ends in this step
-        decodes from the next one).
+        [slots, 1] call after the prefill.
         Returns ((request_id, prompt tokens) per request that prefilled, decoded request_ids)."""
         budget, done = self.step_token_budget, collections.Counter()
         packs = self.backend.packs_decode
-        decoding = self._decoding()  # decided before the prefill: they ride in it, or go first
-        packed = decoding if packs else []
-        sampled = None if packs or not decoding else self._start_decode(decoding)
+        decoding = self._decoding() if packs else []  # decided before the prefill: they ride in it
+        packed = decoding
         if self.prefill_order == "shortest":
             def first(run):
                 return len(run.prompt) - run.prefilled, run.order
@@ -689,10 +685,10 @@ class ServingEngine(Engine):
             budget -= self._call_cost(taken)
             self._prefill_call(taken, size, done, packed)
             packed = []  # the decode tokens ride with the first call only
-        if packs and decoding and not done:
-            sampled = self._start_decode(decoding)
-        if sampled is not None:
-            self._accept_decoded(decoding, sampled)
+        if not packs:  # a request whose prefill just ended decodes in this step too
+            decoding = self._decoding()
+        if decoding and not (packs and done):
+            self._accept_decoded(decoding, self._start_decode(decoding))
         return list(done.items()), [run.request_id for run in decoding]
 
     def _call_cost(self, taken: list[tuple[_Run, int]]) -> int:
