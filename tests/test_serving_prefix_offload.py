@@ -303,3 +303,29 @@ def test_row_resets_compile_once_whatever_step_came_before(model, rng):
     with alone:
         for i, (prompt, out) in enumerate(zip(prompts, outs)):
             assert out.tokens == run_all(alone, [alone.submit(Request(prompt, max_tokens=3 + i))])[0].tokens
+
+
+def test_a_failing_store_job_fails_the_step_and_ends_every_request(model, rng, monkeypatch):
+    """The prefix-cache stores run on the engine's store worker: a store that raises there (a failed
+    copy, a full disk) fails the step that joins it, on the stepping thread; every request then ends
+    with ERROR naming the error and the engine refuses new ones. Nothing hangs: the engine steps on
+    this thread and each wait is on a job that has ended."""
+    from jhybrid.serving.api import EngineClosed, FinishReason
+
+    def failing(self, run):
+        raise OSError("injected store failure")
+
+    monkeypatch.setattr(ServingEngine, "_store_staged", failing)
+    engine = ServingEngine(model, backend_of("hgca"), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=64 * BLOCK_BYTES))
+    with engine:
+        handles = [engine.submit(Request(rng.integers(0, TINY.vocab_size, n).tolist(), max_tokens=4))
+                   for n in (70, 40)]
+        with pytest.raises(OSError, match="injected store failure"):
+            for _ in range(20):  # bounded: the second prefill call submits the first store job
+                engine.step()
+        outs = [h.result(0) for h in handles]
+        assert [o.finish_reason for o in outs] == [FinishReason.ERROR] * 2
+        assert all("injected store failure" in o.error for o in outs)
+        with pytest.raises(EngineClosed, match="injected store failure"):
+            engine.submit(Request([1, 2, 3], max_tokens=2))
