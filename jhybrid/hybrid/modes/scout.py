@@ -551,11 +551,13 @@ class ScoutHost(ModeHost):
             plan = RecallPlan(layer, *(np.zeros(0, np.int32),) * 4, trigger_step=ctx.decode_steps,
                               epoch=self.epoch, warm=warm)
             # Snapshots the job may use after this step has donated the cache: the CPU's ids, the
-            # host pool table, the slots' last use.
+            # host pool table, the slots' last use (a device copy, dispatched, read by the job:
+            # reading it here waited for the call before this step start, the prefill call a serving
+            # step dispatches before its decode call, with the device idle behind this thread).
             cpu_ids = ctx.last_block_ids(layer)
             cpu_ids[self.stale] = -1  # (a copy) nothing recalled for a row whose ids are stale
             pool_ids = self.pool_ids[layer].copy()
-            pool_used = np.asarray(state.pool.used)
+            pool_used = _device_copy(state.pool.used)
             device = next(iter(state.pool.k.devices()))
             prev = cache.layers[layer - 1].next_pool_blocks if layer > 0 else None
             specs = (pool_spec(state.pool), pool_spec(prev))
@@ -569,6 +571,7 @@ class ScoutHost(ModeHost):
         """Background thread: plan, gather and upload one layer's recall, and compile its scatter
         -> (staged device arrays, compiled apply), or None when there is nothing to move."""
         start = time.perf_counter()
+        pool_used = np.asarray(pool_used)  # [B, Hkv, R] int32, waited for here (`_trigger`)
         resident = (cpu_ids[..., None] == pool_ids[:, :, None, :]).any(-1) & (cpu_ids >= 0)
         cpu_ids = np.where(resident, -1, cpu_ids)  # recalled after this selection was made
         plan.b, plan.h, plan.r, plan.block = plan_recall(cpu_ids, pool_ids, pool_used, last_pos)
@@ -628,6 +631,12 @@ class ScoutHost(ModeHost):
         b = np.array(staged[0])
         b[np.isin(b, plan.void)] = self.ctx.shape.batch
         return (jax.device_put(b, staged[0].sharding),) + tuple(staged[1:])
+
+
+@jax.jit
+def _device_copy(x: jax.Array) -> jax.Array:
+    """A copy of x in a buffer of its own (it outlives the donation of x's)."""
+    return jnp.copy(x)
 
 
 def _commit(cache):
