@@ -69,9 +69,9 @@ Threading: `submit`, `cancel`, `stats` from any thread; the steps run on the eng
 (`start`) or the caller's (`step`), one at a time. Callbacks run on the stepping thread. An
 offloading backend's prefix-cache stores run on one store worker thread, only between their
 submission in a step and that step's end (the prefix cache is not thread-safe: the stepping thread
-touches it outside that span only). A step that
-raises ends every request with FinishReason.ERROR and the message; the engine then refuses new
-requests (EngineClosed with that message).
+touches it outside that span only). A step that raises ends every request with
+FinishReason.ERROR and the message; the engine then refuses new requests (EngineClosed with that
+message).
 """
 
 from __future__ import annotations
@@ -167,8 +167,9 @@ class StepRecord:
     they took the step's budget (prefill_order) and decode (request_ids that got a decode step) in
     slot order; seconds: its wall time (admission, model calls, sampling; not the wait for work), of
     which prefix_seconds in the prefix cache (hits copied into rows, finished prompts inserted, and
-    the spills' waits those caused; an offloading backend's: the wait for the store worker's jobs); started: its start (time.perf_counter); admitted: requests it
-    took into slots; times: where the rest went (`StepTimes`)."""
+    the spills' waits those caused; an offloading backend's: the wait for the store worker's jobs);
+    started: its start (time.perf_counter); admitted: requests it took into slots; times: where the
+    rest went (`StepTimes`)."""
 
     step: int
     prefill: tuple[tuple[str, int], ...]
@@ -872,13 +873,14 @@ class ServingEngine(Engine):
             self.store_seconds += time.perf_counter() - start
 
     def _join_stores(self) -> None:
-        """Waits for the store jobs submitted so far (timed into the step's prefix_seconds); a job's
-        error is raised here, on the stepping thread (the step fails with it)."""
+        """Waits for every store job submitted so far (timed into the step's prefix_seconds); the
+        first job's error is then raised here, on the stepping thread (the step fails with it)."""
         stores, self._stores = self._stores, []
         if stores:
             with self._in_prefix_cache():
-                for future in stores:
-                    future.result()
+                concurrent.futures.wait(stores)
+            for future in stores:
+                future.result()
 
     def _store_staged(self, run: _Run) -> None:
         """The whole blocks staged so far into the prefix cache (an offloading backend, after each
