@@ -206,14 +206,14 @@ def test_an_engine_failure_in_the_load_is_the_points_error(tmp_path, monkeypatch
     point then fails with that error named, not with a statistic of requests that have no tokens."""
     from jhybrid.serving import ServingEngine
 
-    original = ServingEngine._start_decode
+    original = ServingEngine._decode_call
 
     def failing(self, runs):
         if any(run.request_id.startswith("r-") for run in runs):  # the load's requests, not the warm-up's
             raise RuntimeError("injected device fault")
         return original(self, runs)
 
-    monkeypatch.setattr(ServingEngine, "_start_decode", failing)
+    monkeypatch.setattr(ServingEngine, "_decode_call", failing)
     text = CONFIG.replace("serving_slots: 2}", "serving_slots: 2, serving_saturation: false, serving_requests: 2}")
     path = tmp_path / "serving.yaml"
     path.write_text(text.replace("serving_requests: 6, ", ""))

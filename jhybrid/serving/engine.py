@@ -689,7 +689,7 @@ class ServingEngine(Engine):
         if not packs:  # a request whose prefill just ended decodes in this step too
             decoding = self._decoding()
         if decoding and not (packs and done):
-            self._accept_decoded(decoding, self._start_decode(decoding))
+            self._decode_call(decoding)
         return list(done.items()), [run.request_id for run in decoding]
 
     def _call_cost(self, taken: list[tuple[_Run, int]]) -> int:
@@ -809,19 +809,14 @@ class ServingEngine(Engine):
             positions[run.slot] = len(run.prompt) + len(run.tokens) - 1
         return tokens, positions
 
-    def _start_decode(self, runs: list[_Run]) -> jax.Array:
-        """Dispatches one token for each of `runs` (one [slots, 1] call); returns the sampled tokens
-        [slots] int32 (a device array: `_accept_decoded` waits for them)."""
+    def _decode_call(self, runs: list[_Run]) -> None:
+        """One token for each of `runs` (one [slots, 1] call)."""
         tokens, positions = self._decode_inputs(runs)
         self._before_step(positions[:, None])
         with self._timed("call_seconds"):
             sampled, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
                                              self._cache, self._row_sampling())
         self._submit_stores()
-        return sampled
-
-    def _accept_decoded(self, runs: list[_Run], sampled: jax.Array) -> None:
-        """Waits for a decode call's tokens [slots] and accepts each of `runs`' own."""
         with self._timed("call_seconds"):
             sampled = np.asarray(sampled)
         with self._cond:

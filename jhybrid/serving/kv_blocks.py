@@ -214,8 +214,9 @@ class HostKVBlockPool(_BlockSlots):
         # 62 ms against 22 ms on the CPU machine).
         self._words = self.data.view(_words_dtype(self.data.dtype))
 
-    def _as_words(self, array: np.ndarray) -> np.ndarray:
-        return array.view(self._words.dtype) if array.dtype == self.data.dtype else array
+    def _as_words(self, array) -> np.ndarray:
+        """array (any dtype: converted to the pool's first) as the pool's words, a view."""
+        return np.asarray(array, self.data.dtype).view(self._words.dtype)
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """[n, L, 2, bs, Hkv, D] copies of the blocks in slots [n]."""
@@ -229,7 +230,7 @@ class HostKVBlockPool(_BlockSlots):
 
     def write(self, slots: np.ndarray, blocks: np.ndarray) -> None:
         """Stores blocks [n, L, 2, bs, Hkv, D] into slots [n]."""
-        self._words[np.asarray(slots, np.int64)] = self._as_words(np.asarray(blocks, self.data.dtype))
+        self._words[np.asarray(slots, np.int64)] = self._as_words(blocks)
 
     def history(self, slots: np.ndarray) -> np.ndarray:
         """The blocks in slots [n] as one history: [L, 2, n * bs, Hkv, D] (block i = tokens i*bs ..)."""
@@ -242,7 +243,7 @@ class HostKVBlockPool(_BlockSlots):
         j*bs .. j*bs + bs - 1) into slots [n]."""
         layers, _, bs, hkv, d = self.block_shape
         count = kv.shape[2] // bs
-        blocks = self._as_words(np.asarray(kv, self.data.dtype))[:, :, :count * bs].reshape(
+        blocks = self._as_words(kv)[:, :, :count * bs].reshape(
             layers, 2, count, bs, hkv, d)  # a view
         # one strided copy per block straight into its slot (a gather of the blocks first, then the
         # transposed scatter, copied every byte twice: ~25 ms a [4, 256] call at the 8B shape)
