@@ -101,12 +101,22 @@ class AttentionBackend(abc.ABC):
     # True when `reset_rows` is implemented: a serving engine may then start a new sequence in a row
     # while the other rows go on (continuous batching).
     reuses_rows: bool = False
-    # True when a step may run over some rows of the batch (`jhybrid.attention.full.PrefillRows` as
-    # the cache's meta): the serving engine then prefills only the rows that are prefilling.
+    # True when a step may run over some rows of the batch (the cache's meta from `rows_meta`): the
+    # serving engine then prefills only the rows that are prefilling.
     prefills_rows: bool = False
+    # True when what a row keeps depends on where its prefill chunks end (the offloading modes: their
+    # eviction and attention weights step once per chunk): the serving engine then gives every row
+    # whole chunks of its prefill_chunk, as a request prefilled alone gets, never a budget's cut.
+    chunk_dependent: bool = False
     # True when a step may pack some rows' prefill chunks and every row's decode token into one call
     # (`jhybrid.attention.full.PackedRows`): the serving engine then decodes while it prefills.
     packs_decode: bool = False
+
+    def rows_meta(self, meta, rows):
+        """(traced; a backend that `prefills_rows`) The cache meta of a step over batch rows `rows` [R]
+        int32 (distinct) of a cache whose meta is `meta`: the step's token rows are those rows' and
+        its cache `lengths` theirs ([R]); its layer caches stay the whole batch's."""
+        raise NotImplementedError(f"backend {self.name!r} runs steps over every row of the batch")
 
     def reset_rows(self, cache, rows):
         """Empties the sequences in `rows` ([n] int NumPy, batch indices) so that new sequences start

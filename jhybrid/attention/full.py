@@ -253,6 +253,9 @@ class FullAttention(AttentionBackend):
         keep[rows] = False  # a [B] mask, not the rows: one shape whatever rows are reset
         return cache.replace(lengths=jnp.where(keep, cache.lengths, 0).astype(cache.lengths.dtype))
 
+    def rows_meta(self, meta, rows):
+        return PrefillRows(rows)
+
     def row_kv(self) -> RowKV:
         return FULL_ROW_KV
 

@@ -15,9 +15,10 @@ The run, per point (its mode: the offload section, through `backend_for` like th
      up to 64), `prefill_chunk`, `serving_step_tokens` prefill tokens per step (default: prefill_chunk),
      `serving_prefill_order`, the prefix cache's device tier `serving_prefix_cache_mb` (default: the
      engine's) and host tier `serving_prefix_cache_host_mb`;
-  2. warm-up (untimed, its own random tokens): one request per prompt length, and, with a shared
-     prefix, two per length carrying another prefix of the same length (compiles the prefix-copy
-     steps), then `engine.compile_steps()` (every prefill, packed and decode shape);
+  2. warm-up (untimed, its own random tokens): 1, 2, 4 ... (below the slots) requests of the
+     longest length together, one request per prompt length, and, with a shared prefix, two per
+     length carrying another prefix of the same length (compiles the prefix-copy steps), then
+     `engine.compile_steps()` (every prefill, packed and decode shape);
   3. the load: each request submitted at its arrival time to the started engine; per request its
      TTFT (submit -> first token), its token times, whether it hit the prefix cache (cached_tokens > 0);
   4. saturation (unless `serving_saturation` is false), on the same warm engine: prompts of the
@@ -170,16 +171,22 @@ def _carrying_lengths(bench) -> list[int]:
 
 
 def warmup_waves(bench, vocab: int) -> list[list[np.ndarray]]:
-    """Warm-up prompts in waves (each wave submitted once the previous one finished): one prompt per
-    length; with a shared prefix, one per length carrying another prefix of the same length, then a
-    second wave of those (prefix-cache hits: compiles the copies into and out of the rows)."""
+    """Warm-up prompts in waves (each wave submitted once the previous one finished): R prompts of
+    the longest length for each power of two R below the slots (their prefill calls over R rows,
+    from the first chunk to the last: an offloading mode compiles one per size of the offloaded
+    prompt's device copies); one prompt per length; with a shared prefix, one per length carrying
+    another prefix of the same length, then a second wave of those (prefix-cache hits: compiles
+    the copies into and out of the rows)."""
     rng = np.random.default_rng(SEED + 1)
-    waves = [[_random(rng, vocab, c) for c in contexts_of(bench)]]
+    longest = max(contexts_of(bench))
+    waves = [[_random(rng, vocab, longest) for _ in range(1 << k)]
+             for k in range(bench.serving_slots.bit_length()) if (1 << k) < bench.serving_slots]
+    waves.append([_random(rng, vocab, c) for c in contexts_of(bench)])
     if bench.serving_shared_prefix and bench.serving_shared_share > 0:
         prefix = _random(rng, vocab, bench.serving_shared_prefix)
         carrying = lambda: [np.concatenate([prefix, _random(rng, vocab, c - len(prefix))])  # noqa: E731
                             for c in _carrying_lengths(bench)]
-        waves[0] += carrying()
+        waves[-1] += carrying()
         waves.append(carrying())
     return waves
 

@@ -39,7 +39,7 @@ from jhybrid.hybrid.exchange import (CallbackExchange, FfiExchange, RuntimeHandl
 from jhybrid.hybrid.modes.base import DecodeStep
 from jhybrid.hybrid.registry import mode_class
 from jhybrid.hybrid.prefill import offloaded_attention
-from jhybrid.hybrid.rows import check_rows, reset_cache_rows
+from jhybrid.hybrid.rows import check_rows, part_of_rows, reset_cache_rows, with_part_of_rows
 from jhybrid.hybrid.runtime import HostRuntime
 from jhybrid.hybrid.sliding import LayerPlan, SlidingWindow, init_sliding, sliding_attention
 from jhybrid.hybrid.state import DeviceCopy, LayerState, StepMeta
@@ -55,6 +55,13 @@ class HybridAttention(AttentionBackend):
 
     handles_long_context = True
     reuses_rows = True
+    chunk_dependent = True  # eviction and the window's attention weights step once per prefill chunk
+
+    @property
+    def prefills_rows(self) -> bool:
+        """A prefill step may run over some rows (`rows_meta`), on one device; a tensor-parallel
+        template's steps (`ShardedRuntimes`) run over every row."""
+        return not isinstance(self._handle, ShardedRuntimes)
 
     def __init__(self, config: OffloadConfig, handle: RuntimeHandle | ShardedRuntimes | None = None):
         """handle: where the traced step's host calls find their runtime; a `ShardedRuntimes` makes
@@ -244,8 +251,39 @@ class HybridAttention(AttentionBackend):
         return LayerState(window=window, **extra)
 
     # ---- attention --------------------------------------------------------------------------------
+    def rows_meta(self, meta: StepMeta, rows):
+        return meta.replace(rows=rows)
+
     def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache: LayerState | SlidingWindow,
                context: LayerContext):
+        rows = context.meta.rows
+        if rows is None:
+            return self._attend(layer_idx, q, k, v, positions, lengths, layer_cache, context, None)
+        # A prefill step over some rows (the serving engine, `rows_meta`): the layer attends those
+        # rows' part of its state (`rows.part_of_rows`) and writes it back.
+        if q.shape[1] == 1:
+            raise ValueError("hybrid: a step over some rows of the batch must be a prefill chunk (T > 1); "
+                             f"got T = {q.shape[1]}")
+        offloaded = context.meta.offloaded_blocks
+        meta = context.meta.replace(offloaded_blocks=offloaded[rows], rows=None)
+        part = part_of_rows(layer_cache, rows)
+        o, part, carry = self._attend(layer_idx, q, k, v, positions, lengths, part,
+                                      dataclasses.replace(context, meta=meta), (rows, offloaded.shape[0]))
+        return o, with_part_of_rows(layer_cache, part, rows), carry
+
+    def _attend(self, layer_idx, q, k, v, positions, lengths, layer_cache: LayerState | SlidingWindow,
+                context: LayerContext, batch_rows: tuple | None):
+        """attend over the step's rows. batch_rows (rows [R], B) when they are some rows of a batch
+        of B: what goes to the host side (which numbers rows of the whole batch) is spread to B rows."""
+        def to_batch(x, fill):
+            if batch_rows is None:
+                return x
+            rows, batch = batch_rows
+            return jnp.full((batch,) + x.shape[1:], fill, x.dtype).at[rows].set(x)
+
+        def from_batch(x):
+            return x if batch_rows is None else x[batch_rows[0]]
+
         if context.sliding_window is not None:  # nothing offloaded; the carry passes through
             o, state = sliding_attention(layer_cache, q, k, v, positions, context.sliding_window, context.scale)
             return o, state, context.carry
@@ -257,7 +295,7 @@ class HybridAttention(AttentionBackend):
         state = layer_cache.replace(window=write_tokens(cfg, layer_cache.window, k, v, positions))
         token, carry = None, None
         if q.shape[1] > 1:  # prefill / append: exact
-            token = self.mode.prefill_token(layer_idx, q, positions, exchange)
+            token = self.mode.prefill_token(layer_idx, to_batch(q, 0), to_batch(positions, -1), exchange)
             gpu_q, cpu = q, None
             if isinstance(state.offloaded, DeviceCopy):  # the offloaded part on the device (prefill copies)
                 copy = state.offloaded
@@ -265,13 +303,15 @@ class HybridAttention(AttentionBackend):
                                           cfg.kernel_backend)
             elif state.offloaded is None:  # ... or on the CPU, over every offloaded token of the chunk's
                 # rows (a row without a query in the chunk, e.g. one decoding in its own call, is not attended)
-                ticket = exchange.submit(layer_idx, ALL_OFFLOADED, q, rows=jnp.any(positions >= 0, axis=1))
+                host_q = to_batch(q, 0)
+                ticket = exchange.submit(layer_idx, ALL_OFFLOADED, host_q,
+                                         rows=to_batch(jnp.any(positions >= 0, axis=1), False))
                 gpu_q = after(q, ticket)
             # else NothingOffloaded: the chunk's rows have no offloaded token, the window is all
             o_g, lse_g, probs = exact_window_attention(cfg, gpu_q, state.window, positions, lengths, offloaded,
                                                        context.scale)
             if state.offloaded is None:
-                cpu = exchange.collect(layer_idx, ticket, q.shape, lse_g)
+                cpu = tuple(from_batch(x) for x in exchange.collect(layer_idx, ticket, host_q.shape, lse_g))
             parts = [(o_g, lse_g)] + ([] if cpu is None else [cpu])
         else:
             step = DecodeStep(layer=layer_idx, num_layers=context.num_layers,

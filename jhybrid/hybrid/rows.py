@@ -1,4 +1,5 @@
-"""Continuous batching on the device: rows of a cache emptied for new sequences (`reset_rows`).
+"""Continuous batching on the device: rows of a cache emptied for new sequences (`reset_rows`), and
+the part of a layer's state a prefill step over some rows reads and writes (`part_of_rows`).
 
 A serving engine starts a new sequence in row b of a running batch while the other rows go on
 (`AttentionBackend.reset_rows`). On the device that means: the row's length is 0, and every array
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhybrid.hybrid.state import LayerState
+from jhybrid.hybrid.state import DeviceCopy, LayerState
 
 
 def check_rows(rows, batch: int) -> np.ndarray:
@@ -81,4 +82,36 @@ def _reset(fresh, cache, rows):
     return cache.replace(layers=tuple(layers), lengths=lengths, meta=meta)
 
 
-__all__ = ["check_rows", "reset_cache_rows"]
+# ---- a prefill step over some rows ------------------------------------------------------------------
+# The serving engine prefills only the rows that are prefilling (`StepMeta.rows`): each layer takes
+# those rows' part of its state, attends and writes it as a step over R rows would, and puts it back.
+# A prefill chunk reads only a LayerState's window and offloaded copies and writes only its window
+# (digests, selections and pools change at decode steps and step starts), so the part holds those
+# alone: a prefill path that read another group would fail on its None. One layer's part at a time
+# lives on the device (R rows' window and copies), never a second cache.
+
+def part_of_rows(state, rows: jax.Array):
+    """(traced) The rows' part of one layer's state, rows [R] int32: a LayerState's window and
+    offloaded copies ([R, ...]; the other groups None), a SlidingWindow's arrays ([R, ...])."""
+    take = functools.partial(_take_rows, rows=rows)
+    if not isinstance(state, LayerState):
+        return jax.tree_util.tree_map(take, state)
+    copies = state.offloaded
+    if isinstance(copies, DeviceCopy):
+        copies = jax.tree_util.tree_map(take, copies)
+    return LayerState(window=jax.tree_util.tree_map(take, state.window), offloaded=copies)
+
+
+def with_part_of_rows(state, part, rows: jax.Array):
+    """(traced) state with the rows' part written back: a LayerState's window (its other groups,
+    offloaded copies included, are state's), a SlidingWindow whole."""
+    if not isinstance(state, LayerState):
+        return jax.tree_util.tree_map(lambda x, p: x.at[rows].set(p), state, part)
+    return state.replace(window=jax.tree_util.tree_map(lambda x, p: x.at[rows].set(p), state.window, part.window))
+
+
+def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    return x[rows]
+
+
+__all__ = ["check_rows", "reset_cache_rows", "part_of_rows", "with_part_of_rows"]

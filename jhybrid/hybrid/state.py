@@ -116,9 +116,13 @@ class StepMeta:
 
     offloaded_blocks  [B] int32: blocks of each sequence held by the host side during this step
                       (tokens S .. S + offloaded_blocks * bs - 1); the GPU ring holds the rest.
+    rows              [R] int32 (distinct), or None: a prefill step over some rows of the batch (the
+                      serving engine's `HybridAttention.rows_meta`, set inside the step): its token
+                      row r is batch row rows[r], and every layer attends and writes those rows only.
     """
 
     offloaded_blocks: jax.Array
+    rows: jax.Array | None = None
 
 
 class LayerAhead(NamedTuple):

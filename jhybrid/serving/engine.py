@@ -11,12 +11,15 @@ each request runs in one row (slot) from admission to its end, then the row is e
   3. prefill: up to `step_token_budget` prompt tokens of the prefilling requests (oldest first, or
      with prefill_order="shortest" fewest prompt tokens left first: a prefix-cache hit's short
      suffix then does not wait behind long prompts), in calls of [R, W] tokens over the R rows
-     taking part (R a power of two or slots, padded with idle rows; W = min(prefill_chunk,
-     step_token_budget / R); R chosen to give the first request the most tokens, then the call the
-     most) when the backend `prefills_rows` (`full`), else of [slots, prefill_chunk] (positions -1 for
-     the rows not taking part: the offloading backends keep per-row host state), each taking a chunk
-     of every prefilling request and spending slots x prefill_chunk of the budget (it computes every
-     row: a step makes ceil(budget / (slots x prefill_chunk)) of them, at least one); a request whose
+     taking part (R a power of two or slots, padded with idle rows; a call of every row runs over
+     the whole batch; W = min(prefill_chunk, step_token_budget / R), or prefill_chunk for a backend
+     whose rows depend on where chunks end (`chunk_dependent`: the offloading modes; every row then
+     gets whole chunks, as alone, and a step's last call may pass the budget); R chosen to give the
+     first request the most tokens, then the call the most) when the backend `prefills_rows` (`full`,
+     the offloading modes on one device), else of [slots, prefill_chunk] (positions -1 for the rows
+     not taking part), each taking a chunk of every prefilling request and spending slots x
+     prefill_chunk of the budget (it computes every row: a step makes ceil(budget / (slots x
+     prefill_chunk)) of them, at least one); a request whose
      prompt is done samples its first token, and its prompt's blocks enter the prefix cache (full
      attention: PREFIX_INSERT_BLOCKS_PER_STEP a step from this one, copied from its row, and all
      that are left when the request ends; an offloading backend: each call's whole blocks after the
@@ -93,7 +96,7 @@ import numpy as np
 from flax import nnx
 
 from jhybrid.attention.base import AttentionBackend
-from jhybrid.attention.full import FullAttention, PackedRows, PrefillRows, pack_rows
+from jhybrid.attention.full import FullAttention, PackedRows, pack_rows
 from jhybrid.generation import SamplingParams
 from jhybrid.models.decoder import CausalLM, KVCache
 from jhybrid.serving.api import (AdmissionError, Engine, EngineClosed, EngineStats, FinishCallback,
@@ -257,7 +260,8 @@ class ServingEngine(Engine):
         context; more only for a backend that handles long context).
     prefill_chunk: the most tokens of one row in one prefill call (bounded by the backend's
         max_prefill_chunk); a backend that `prefills_rows` runs R rows in calls of
-        min(prefill_chunk, step_token_budget // R) tokens each, any other [slots, prefill_chunk].
+        min(prefill_chunk, step_token_budget // R) tokens each (prefill_chunk when it is
+        `chunk_dependent`), any other [slots, prefill_chunk].
     step_token_budget: prompt tokens prefilled per engine step over all rows (default: prefill_chunk);
         with a backend that does not `prefills_rows`, the token positions its calls compute: each
         [slots, prefill_chunk] call counts whole, carrying a chunk of every prefilling request.
@@ -417,7 +421,8 @@ class ServingEngine(Engine):
         (chunks of prefill_chunk, as many as each step's budget takes, the last one cut by it; a
         backend that does not `prefills_rows`: chunks of prefill_chunk, `_take`)."""
         chunk, budget = self.prefill_chunk, self.step_token_budget
-        return chunk if budget % chunk == 0 or not self.backend.prefills_rows else budget
+        whole_chunks = budget % chunk == 0 or not self.backend.prefills_rows or self.backend.chunk_dependent
+        return chunk if whole_chunks else budget
 
     # ---- the caller's side ---------------------------------------------------------------------------
 
@@ -702,14 +707,18 @@ class ServingEngine(Engine):
 
     def _call_width(self, rows: int) -> int:
         """Tokens per row of a prefill call over `rows` rows (a backend that `prefills_rows`): the
-        step's budget split over them, at most prefill_chunk ([1, budget] alone, [4, budget / 4]...)."""
+        step's budget split over them, at most prefill_chunk ([1, budget] alone, [4, budget / 4]...);
+        prefill_chunk whatever the rows for a `chunk_dependent` backend."""
+        if self.backend.chunk_dependent:
+            return self.prefill_chunk
         return max(1, min(self.prefill_chunk, self.step_token_budget // rows))
 
     def _take(self, runs: list[_Run], budget: int) -> tuple[list[tuple[_Run, int]], int]:
         """The next prefill call from `runs` (in prefill order) within `budget` tokens: ((request,
         prompt tokens) each, the call's row count R). A backend that `prefills_rows` gets the row
         count R (a power of two) that gives the first request the most tokens, then the call the most
-        (one shape per R: [R, _call_width(R)]); any other backend [slots, prefill_chunk] calls, each
+        (one shape per R: [R, _call_width(R)]; a `chunk_dependent` backend's requests each take a
+        whole chunk, the budget cutting none); any other backend [slots, prefill_chunk] calls, each
         taking up to prefill_chunk tokens of every prefilling request: such a call computes all its
         rows whether they carry tokens or not (`_call_cost`), so a row left empty saves nothing (a
         [4, 256] call carrying two rows prefilled at half a fixed batch's rate)."""
@@ -727,7 +736,8 @@ class ServingEngine(Engine):
             return greedy(self.prefill_chunk, self.slots, self.slots * self.prefill_chunk), self.slots
         best = None
         for rows in self._row_counts():
-            taken = greedy(self._call_width(rows), rows, budget)
+            width = self._call_width(rows)
+            taken = greedy(width, rows, rows * width if self.backend.chunk_dependent else budget)
             score = (taken[0][1], sum(n for _, n in taken))
             if best is None or score > best[0]:
                 best = (score, taken, rows)
@@ -747,13 +757,15 @@ class ServingEngine(Engine):
         """One prefill call of `taken` ((request, prompt tokens) each) over `size` rows (`_take`), with
         the decode tokens of `packed` (the backend packs_decode) in the same call; their tokens
         sampled and accepted."""
-        if self.backend.prefills_rows:  # only the rows taking part (+ idle ones as padding)
+        whole = size == self.slots and not packed  # a call of every row runs over the whole batch
+        if self.backend.prefills_rows and not whole:  # only the rows taking part (+ idle ones as padding)
             width = self._call_width(size)
             busy = {run.slot for run, _ in taken}
             idle = [slot for slot in range(self.slots) if slot not in busy]
             rows = np.array([run.slot for run, _ in taken] + idle[:size - len(taken)], np.int32)
         else:
-            width, rows = self.prefill_chunk, np.arange(self.slots, dtype=np.int32)
+            width = self._call_width(size) if self.backend.prefills_rows else self.prefill_chunk
+            rows = np.arange(self.slots, dtype=np.int32)
         index = {int(slot): i for i, slot in enumerate(rows)}
         batch_positions = np.full((self.slots, width), -1, np.int32)  # before_step's contract
         tokens = np.zeros((len(rows), width), np.int32)
@@ -769,7 +781,7 @@ class ServingEngine(Engine):
                 (sampled, decoded), self._cache = self._run(
                     "packed", self._packed_fn, (6,), self.params, tokens, positions, rows, decode_tokens,
                     decode_positions, self._cache, self._row_sampling())
-            elif self.backend.prefills_rows:
+            elif not whole:
                 sampled, self._cache = self._run("prefill_rows", self._prefill_rows_fn, (4,), self.params, tokens,
                                                  positions, rows, self._cache, self._row_sampling())
             else:
@@ -1035,7 +1047,7 @@ class ServingEngine(Engine):
         """[R, C] prompt tokens of batch rows `rows` [R] (distinct) -> (each one's token sampled from
         its last valid position [R], cache): the other rows' KV and lengths are untouched."""
         model = nnx.merge(self.graphdef, params)
-        selected = KVCache(layers=cache.layers, lengths=cache.lengths[rows], meta=PrefillRows(rows))
+        selected = KVCache(layers=cache.layers, lengths=cache.lengths[rows], meta=self.backend.rows_meta(cache.meta, rows))
         hidden, selected, _ = model.hidden_states(tokens, positions, selected, self.backend)
         cache = KVCache(layers=selected.layers, lengths=cache.lengths.at[rows].set(selected.lengths), meta=cache.meta)
         return _sample_last(model, hidden, positions, jax.tree_util.tree_map(lambda x: x[rows], sampling)), cache
@@ -1114,8 +1126,12 @@ class ServingEngine(Engine):
                     width = self._call_width(size)
                     prefill = (np.zeros((size, width), np.int32), np.full((size, width), -1, np.int32),
                                np.arange(size, dtype=np.int32))
-                    self._executable("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill,
-                                     self._cache, sampling)
+                    if size == self.slots:  # a call of every row: the whole batch (`_prefill_call`)
+                        self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill[:2],
+                                         self._cache, sampling)
+                    else:
+                        self._executable("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill,
+                                         self._cache, sampling)
                     if self.backend.packs_decode:
                         self._executable("packed", self._packed_fn, (6,), self.params, *prefill, *decode,
                                          self._cache, sampling)

@@ -1,0 +1,98 @@
+"""Prefill calls over some rows with the offloading modes (jhybrid/serving/engine.py's row calls +
+`HybridAttention.rows_meta`, jhybrid/hybrid/rows.py's `part_of_rows`) on the tiny model (CPU).
+
+The oracle is the whole-row call, the offloading modes' only prefill call before: the same engine
+schedule run with a backend that prefills every row in every call (positions -1 for the rows not
+taking part). With a step budget of one chunk both engines give every prefilling request the same
+chunk in every step, so after each step their device caches (every layer-state array and the
+lengths) and their tokens must be equal, while the row engine's calls carry 1, 2 or all 4 rows
+and the rows not in a call decode in between. hgca's prompts attend to their offloaded part on
+the host (the host side numbers rows of the whole batch: the queries go over spread to 4 rows) and
+hand their last queries to its re-evaluation; scout's attend to device copies of it.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jhybrid.hybrid import make_backend
+from jhybrid.models import create_model
+from jhybrid.serving.api import Request
+from jhybrid.serving.engine import ServingEngine
+from tests.hybrid_support import TINY
+
+SLOTS, MAX_LEN, CHUNK = 4, 160, 16
+POLICY = dict(window_tokens=40, block_size=16, sink=8, host_threads=1, eviction_spread=False, eviction_lag_steps=0)
+MODES = {
+    "hgca": dict(mode="hgca", beta=1.0, alpha=0.3, prefill_offloaded="host"),
+    "scout": dict(mode="scout", budget=32, recall_blocks=2, recall_threshold=0.0, recall_min_interval=1,
+                  recall_lag_steps=1, scout_exact_layers=1, prefill_offloaded="device"),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(TINY, seed=0)
+
+
+def backend_of(name, whole_rows: bool):
+    options = {**POLICY, **MODES[name]}
+    backend = make_backend(options.pop("mode"), **options)
+    if whole_rows:  # the same backend, its prefill calls over every row
+        backend.__class__ = type("WholeRowCalls", (type(backend),), {"prefills_rows": False})
+    return backend
+
+
+def recording(engine):
+    """Records (name, token rows) of every call the engine runs."""
+    calls, run = [], engine._run
+
+    def recorded(name, fn, donate, *args):
+        calls.append((name, np.shape(args[1])[0]))
+        return run(name, fn, donate, *args)
+
+    engine._run = recorded
+    return calls
+
+
+def cache_arrays(engine):
+    """Every layer-state array (this step's device copies left out) and the lengths, as NumPy."""
+    cache = engine._cache
+    leaves = [np.asarray(x, np.float64) for state in cache.layers
+              for x in jax.tree_util.tree_leaves(state.replace(offloaded=None))]
+    return leaves + [np.asarray(cache.lengths)]
+
+
+@pytest.mark.parametrize("name", ["scout", "hgca"])
+def test_prefill_calls_over_some_rows_equal_whole_row_calls(model, rng, name):
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (100, 41, 70, 23, 57, 90)]
+    engines = [ServingEngine(model, backend_of(name, whole), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                             step_token_budget=CHUNK, prefix_cache=None, prefill_order="arrival")
+               for whole in (False, True)]
+    rows_engine, whole_engine = engines
+    calls = recording(rows_engine)
+    try:
+        handles = [[], []]
+        for step in range(200):  # bounded; a request arrives every 2 steps
+            if step % 2 == 0 and step // 2 < len(prompts):
+                for engine, mine in zip(engines, handles):
+                    mine.append(engine.submit(Request(prompts[step // 2], max_tokens=12)))
+            busy = [engine.step() for engine in engines]
+            assert busy[0] == busy[1]
+            if not busy[0] and len(handles[0]) == len(prompts):
+                break
+            for got, want in zip(cache_arrays(rows_engine), cache_arrays(whole_engine)):
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
+        outs = [[h.result(0) for h in mine] for mine in handles]
+        assert [o.tokens for o in outs[0]] == [o.tokens for o in outs[1]]
+        assert all(len(o.tokens) == 12 for o in outs[0])
+        logs = [[(r.prefill, r.decode) for r in engine.step_log()] for engine in engines]
+        assert logs[0] == logs[1]
+    finally:
+        for engine in engines:
+            engine.close(drain=False)
+    prefill_rows = {rows for kind, rows in calls if kind == "prefill_rows"}
+    assert prefill_rows == {1, 2}, calls  # calls of some rows while others decode ...
+    assert ("prefill", SLOTS) in calls  # ... and of every row (the whole batch) when 3 or 4 prefill
