@@ -329,3 +329,66 @@ def test_hgca_rescores_a_turn_only_at_a_step_where_its_row_decodes():
     host._reevaluate()
     assert queued[2:] == [(0, [1], (1, 4, 2, 8)), (1, [1], (1, 4, 2, 8))]
     assert host.new_turn.tolist() == [False, False, True, False]
+
+
+def test_a_decode_step_does_not_wait_for_the_copies_of_a_row_it_does_not_carry(model):
+    """Row 1 prefills (device path: its chunks attend to device copies of its offloaded prompt) while
+    row 0 decodes in steps of its own (the serving engine's schedule). With the eviction thread held,
+    row 1's chunks start copies that cannot land; row 0's decode steps must not wait for them (a
+    bounded join), and the host owns none of them for row 1 until row 1's own first decode step,
+    which owns every block row 1 started (what it would own alone)."""
+    import threading
+
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, CONFIG.vocab_size, (2, 120)).astype(np.int32)
+    cfg = OffloadConfig(mode="streaming", **WINDOW, prefill_offloaded="device", eviction_lag_steps=0,
+                        eviction_spread=False)
+    backend = make_backend(cfg)
+    step, params = make_step(model, backend)
+    backend.open(model.config, 2, MAX_LEN)
+    state = {"cache": model.init_cache(2, MAX_LEN, backend), "n": [0, 0]}
+
+    def run_step(rows_tokens: dict):
+        """One step: rows_tokens {row: count}; returns the step's host-owned blocks [2]."""
+        width = max(rows_tokens.values())
+        pos = np.full((2, width), -1, np.int32)
+        for row, count in rows_tokens.items():
+            pos[row, :count] = state["n"][row] + np.arange(count)
+        cache = backend.before_step(state["cache"], pos)
+        owned = np.asarray(cache.meta.offloaded_blocks)
+        toks = np.where(pos >= 0, np.take_along_axis(tokens, np.maximum(pos, 0), axis=1), 0).astype(np.int32)
+        _, state["cache"] = step(params, toks, pos, cache)
+        for row, count in rows_tokens.items():
+            state["n"][row] += count
+        return owned
+
+    def decode_row_0_bounded():
+        done = {}
+        worker = threading.Thread(target=lambda: done.setdefault("owned", run_step({0: 1})), daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        assert not worker.is_alive(), "row 0's decode step waited for row 1's copies"
+        return done["owned"]
+
+    evictor = backend.runtime.evictor
+    gate = threading.Event()
+    try:
+        run_step({0: 16})
+        run_step({0: 8})  # row 0: a 24-token prompt, inside its window
+        for _ in range(3):  # row 1's first chunks: its copies become current (the first upload waits)
+            run_step({1: CHUNK})
+            run_step({0: 1})
+        owned_before = int(evictor.published[1])
+        assert owned_before >= 1
+        evictor._thread.submit(gate.wait, 120)  # every copy started from here waits for the gate
+        for _ in range(3):
+            run_step({1: CHUNK})  # starts copies of row 1's blocks (their jobs wait behind the gate)
+            owned = decode_row_0_bounded()
+            assert owned[1] == owned_before  # row 1's new blocks are not the host's yet
+        assert int(evictor.started[1]) > owned_before
+        gate.set()
+        owned = run_step({0: 1, 1: 1})  # row 1's first decode step
+        assert owned[1] == int(evictor.started[1])
+    finally:
+        gate.set()
+        backend.close()

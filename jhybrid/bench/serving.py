@@ -15,7 +15,7 @@ The run, per point (its mode: the offload section, through `backend_for` like th
      up to 64), `prefill_chunk`, `serving_step_tokens` prefill tokens per step (default: prefill_chunk),
      `serving_prefill_order`, the prefix cache's device tier `serving_prefix_cache_mb` (default: the
      engine's) and host tier `serving_prefix_cache_host_mb`;
-  2. warm-up (untimed, its own random tokens): 1, 2, 4 ... (below the slots) requests of the
+  2. warm-up (untimed, its own random tokens): 1, 2, 4 ... (up to the slots) requests of the
      longest length together, one request per prompt length, and, with a shared prefix, two per
      length carrying another prefix of the same length (compiles the prefix-copy steps), then
      `engine.compile_steps()` (every prefill, packed and decode shape);
@@ -172,7 +172,7 @@ def _carrying_lengths(bench) -> list[int]:
 
 def warmup_waves(bench, vocab: int) -> list[list[np.ndarray]]:
     """Warm-up prompts in waves (each wave submitted once the previous one finished): R prompts of
-    the longest length for each power of two R below the slots (their prefill calls over R rows,
+    the longest length for each power of two R up to the slots (their prefill calls over R rows,
     from the first chunk to the last: an offloading mode compiles one per size of the offloaded
     prompt's device copies); one prompt per length; with a shared prefix, one per length carrying
     another prefix of the same length, then a second wave of those (prefix-cache hits: compiles
@@ -180,7 +180,7 @@ def warmup_waves(bench, vocab: int) -> list[list[np.ndarray]]:
     rng = np.random.default_rng(SEED + 1)
     longest = max(contexts_of(bench))
     waves = [[_random(rng, vocab, longest) for _ in range(1 << k)]
-             for k in range(bench.serving_slots.bit_length()) if (1 << k) < bench.serving_slots]
+             for k in range(bench.serving_slots.bit_length()) if (1 << k) <= bench.serving_slots]
     waves.append([_random(rng, vocab, c) for c in contexts_of(bench)])
     if bench.serving_shared_prefix and bench.serving_shared_share > 0:
         prefix = _random(rng, vocab, bench.serving_shared_prefix)

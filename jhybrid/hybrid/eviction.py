@@ -10,7 +10,10 @@ Per sequence three block counts (all int64 [B], blocks of `block_size` tokens af
 At a step start (`Evictor.before_step`, called by the runtime):
   1. publish the jobs that are due (a decode step waits for a job only when its publication step
      has come and the background is late: `n_waits`, `wait_s`); jobs started by prefill chunks are
-     published at the next decode step, or before a chunk that attends to the host store
+     published at the next decode step that carries one of their rows (a row still prefilling while
+     other rows decode, the serving engine's steps, is not attended there: its blocks publish at its
+     own first decode step, as when it runs alone, and the others' decode steps do not wait for
+     them), or before a chunk that attends to the host store
   2. start copies: one jitted gather takes the blocks of every layer out of the ring (K, V, MAW; it
      also writes their key digests where a layer keeps digests), an asynchronous device -> pinned
      host transfer starts, and a background thread appends them to the host store and runs the
@@ -25,8 +28,9 @@ At a step start (`Evictor.before_step`, called by the runtime):
      policy plus `ring_slack_blocks` guarantees it unless the background is very late (then the
      step start waits).
 
-Deterministic: which blocks start and when they are published depend on step counts only, never on
-thread timing, so runs are reproducible and both exchange transports see the same blocks owned.
+Deterministic: which blocks start and when they are published depend on step counts and on the rows
+each step carries only, never on thread timing, so runs are reproducible and both exchange
+transports see the same blocks owned.
 """
 
 from __future__ import annotations
@@ -102,20 +106,23 @@ class Evictor:
         self.started[rows] = 0
 
     # ---- the step start --------------------------------------------------------------------------
-    def before_step(self, cache, after: np.ndarray, prefill: bool, host_free: bool, step: int, width: int = 1):
+    def before_step(self, cache, after: np.ndarray, prefill: bool, host_free: bool, step: int, width: int = 1,
+                    rows: np.ndarray | None = None):
         """Publish what is due, start the copies due at this step, and return (cache, owned [B]):
         the blocks the host side owns during this step (the GPU ring attends the tokens after them). `after` [B]: tokens once the step has run;
         `step`: the index of this decode step (prefill: of the next one); `host_free`: the prefill
         chunk reads no block from the host store (it attends to device copies of its offloaded
         prompt, or its rows have none): it waits for no copy to land there; `width`: the call's
         tokens per row (a prefill chunk's gather is padded to at least a chunk of every row: one
-        compiled gather, and one compiled extension of the prefill copies, per chunk width)."""
+        compiled gather, and one compiled extension of the prefill copies, per chunk width); `rows`
+        [B] bool: the rows with a token in the step (None: every row); a decode step publishes only
+        jobs with one of them, and makes only their rings fit (the other rows' are not read)."""
         cfg, bs = self.config, self.config.block_size
         start_time = time.perf_counter()
         if prefill:  # decode-started jobs that are due; a prefill's own wait for the next decode step
             self._publish(lambda job: job.publish_step is not None and job.publish_step <= step)
         else:
-            self._publish(lambda job: job.publish_step is None or job.publish_step <= step)
+            self._publish(lambda job: job.publish_step is None or job.publish_step <= step, rows)
         target = evicted_blocks(after, cfg).astype(np.int64)
         due = target > self.started
         if prefill or not cfg.eviction_spread:
@@ -133,7 +140,8 @@ class Evictor:
             self.publish_all()  # the chunk attends to the offloaded prompt on the host
         owned = self.started.copy() if (prefill and host_free) else self.published.copy()
         need = -(-np.maximum(after - cfg.sink - cfg.ring_capacity, 0) // bs)
-        if np.any(owned < need):  # the background is very late: wait
+        read = rows if (rows is not None and not prefill) else True  # the rings the step reads
+        if np.any((owned < need) & read):  # the background is very late: wait
             self.publish_all()
             owned = self.started.copy() if (prefill and host_free) else self.published.copy()
         self.runtime.core_counters.add(evict_s=time.perf_counter() - start_time)
@@ -157,10 +165,16 @@ class Evictor:
         """Wait for every started copy and publish it."""
         self._publish(lambda job: True)
 
-    def _publish(self, due) -> None:
-        """Publish, in order, the jobs for which due(job) (waiting for them if needed)."""
+    def _publish(self, due, rows: np.ndarray | None = None) -> None:
+        """Publish, in order, the jobs for which due(job) (waiting for them if needed), up to the
+        first that is not due; with rows [B] bool, a due job none of whose rows is among them stays
+        (deferred, in its place)."""
+        deferred = []
         while self.jobs and due(self.jobs[0]):
             job = self.jobs.popleft()
+            if rows is not None and not rows[job.seq].any():
+                deferred.append(job)
+                continue
             if not job.future.done():
                 start = time.perf_counter()
                 job.future.exception()
@@ -171,6 +185,7 @@ class Evictor:
                 raise RuntimeError(f"eviction of {len(job.block)} block(s) to the host store failed in the "
                                    f"background: {type(error).__name__}: {error}") from error
             self.published = np.maximum(self.published, job.started)
+        self.jobs.extendleft(reversed(deferred))
 
     def _start(self, cache, started: np.ndarray, keep_on_device: bool, publish_step: int | None,
                min_rows: int = 1):

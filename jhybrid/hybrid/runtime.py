@@ -515,7 +515,7 @@ class HostRuntime:
         window_only = prefill and not np.any(evicted_blocks(after, self.config)[n_new > 0])
         device_prefill = prefill and not window_only and self.prefill.uses_device(cache, after, n_new > 0)
         cache, owned = self.evictor.before_step(cache, after, prefill, device_prefill or window_only,
-                                                self.decode_steps, width=pos.shape[1])
+                                                self.decode_steps, width=pos.shape[1], rows=n_new > 0)
         cache = self.mode_host.every_step(cache)
         if prefill:
             self.mode_host.before_prefill_chunk(pos)
