@@ -17,7 +17,8 @@ Modules, in the order data flows through them:
   numba_threads   explicit thread-safe Numba threading layer (omp, else tbb)
 """
 
-from host.attention import THREADING_LAYER, attend_all, attend_blocks, attend_context, paged_attention
+from host.attention import (THREADING_LAYER, attend_all, attend_blocks, attend_context, paged_attention,
+                            paged_token_probabilities, token_probabilities)
 from host.executor import Handle, HostExecutor
 from host.kv_store import KVStore
 from host.memory import HostMemoryCapError
@@ -26,6 +27,7 @@ from host.sparsify import reevaluate, salience_threshold, sparsify_evicted
 
 __all__ = [
     "THREADING_LAYER", "attend_all", "attend_blocks", "attend_context", "paged_attention",
+    "paged_token_probabilities", "token_probabilities",
     "Handle", "HostExecutor",
     "HostMemoryCapError", "KVStore", "StoreConfig", "from_storage", "to_storage",
     "reevaluate", "salience_threshold", "sparsify_evicted",

@@ -61,8 +61,6 @@ _TWO_POW_112 = np.float32(2.0 ** 112)
 # multiple of tokens on which a unit is cut (the kernel's chunks of 16-32 tokens stay whole).
 MIN_PIECE_TOKENS = 64
 _PIECE_ALIGN = 16
-# Tokens widened to float32 at a time by _token_probabilities (scratch 16 x D x 4 B stays in L1).
-_CHUNK = 16
 # Bytes of K per chunk in the attention kernel (128 tokens at D=64 and D=128 bf16, the cap; a
 # 64-token store block is one chunk): with the SIMD micro-kernels, measured on the 2-core EPYC
 # (Zen 4), 128 tokens beat 64 by ~5% and 16 by ~20% (fixed per-chunk softmax cost).
@@ -556,43 +554,103 @@ def _attention_kernel_into(q, k_pages, v_pages, fmt, page_ptr, page_ids, n_kv_he
 
 
 @njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
-def _token_probabilities(q, k_pages, fmt, page_ptr, page_ids, n_kv_heads, scale, lse,
-                         piece_unit, piece_lo, piece_hi, probs):
-    """probs[u, j] = mean over the Tq queries of the sum over the group's query heads of
-    exp(s - lse): each token's attention probability, combined per KV head (see host.sparsify)."""
-    _, tq, hq, d_size = q.shape
+def _probabilities_kernel(q, k_pages, fmt, page_ptr, page_ids, n_kv_heads, scale, piece_unit, piece_lo, piece_hi,
+                          unit_piece_ptr, scores, lse, probs):
+    """Each token's attention probability from one pass over the keys (no values, no output):
+    probs[u, j] = mean over the Tq queries of the sum over the group's query heads of exp(s - lse),
+    and lse [B, Tq, Hq] of every query over its unit's tokens (host.sparsify's re-scoring).
+
+    1. per piece (parallel): the scores of its tokens into scores[u] ([U, Tq * group, max tokens]
+       float32 scratch) and their running max and sum per query row (the attention kernel's
+       micro-kernels: bf16 / fp32 rows read in place, fp16 widened, int8 keys' scales applied);
+    2. per unit: its pieces' (max, sum) merged into lse;
+    3. per piece (parallel): the probabilities of its tokens from their scores and lse."""
+    n_batch, tq, hq, d_size = q.shape
     group = hq // n_kv_heads
     n_rows = tq * group
     page_tokens = k_pages.shape[1]
-    for p in prange(piece_unit.shape[0]):
+    chunk = 64
+    simd = d_size % (2 * max(QK_VEC, PV_VEC)) == 0 and (fmt >= 2 or k_pages.strides[2] == k_pages.itemsize)
+    perm = simd and fmt == 1
+    n_pieces = piece_unit.shape[0]
+    n_units = unit_piece_ptr.shape[0] - 1
+    part_max = np.empty((n_pieces, n_rows), np.float32)
+    part_sum = np.empty((n_pieces, n_rows), np.float32)
+    for p in prange(n_pieces):
         u = piece_unit[p]
         b = u // n_kv_heads
         h = u % n_kv_heads
         qs = np.empty((n_rows, d_size), np.float32)
-        row_lse = np.empty(n_rows, np.float32)
         for t in range(tq):
             for g in range(group):
-                row_lse[t * group + g] = lse[b, t, h * group + g]
                 for d in range(d_size):
-                    qs[t * group + g, d] = q[b, t, h * group + g, d] * scale
-        kf = np.empty((_CHUNK, d_size), np.float32)
+                    col = bf16_lane_pos(d, QK_VEC) if perm else d
+                    qs[t * group + g, col] = q[b, t, h * group + g, d] * scale
+        s = np.empty((n_rows, chunk + 4), np.float32)
+        kf = np.empty((chunk + 4 if fmt == 2 or (fmt == 3 and not simd) else 0, d_size), np.float32)
+        run_max = np.full(n_rows, -np.inf, np.float32)
+        run_sum = np.zeros(n_rows, np.float32)
+        base = page_ptr[u]
         lo = piece_lo[p]
         hi = piece_hi[p]
-        for pi in range(lo // page_tokens, (hi - 1) // page_tokens + 1):
-            page = page_ids[page_ptr[u] + pi]
-            r0 = max(lo - pi * page_tokens, 0)
-            r1 = min(hi - pi * page_tokens, page_tokens)
-            for c0 in range(r0, r1, _CHUNK):
-                n = min(_CHUNK, r1 - c0)
-                _widen_rows(k_pages[page, c0:c0 + n], n, fmt, kf, 0)
+        t0 = lo
+        while t0 < hi:  # segments: runs of up to `chunk` tokens inside one page
+            pi, r0, n, page, _ = _segment(t0, t0, min(hi, t0 + chunk), page_tokens, page_ids, base)
+            if fmt == 3 and simd:
+                k = k_pages[page, r0:r0 + n]
+                _scores_simd(qs, k, n, s)
                 for j in range(n):
-                    total = np.float32(0.0)
+                    row_scale = _row_scale(k, j, d_size)
                     for r in range(n_rows):
-                        a = np.float32(0.0)
-                        for d in range(d_size):
-                            a += qs[r, d] * kf[j, d]
-                        total += np.exp(a - row_lse[r])
-                    probs[u, pi * page_tokens + c0 + j] = total / tq
+                        s[r, j] *= row_scale
+            elif fmt >= 2:
+                _widen_rows(k_pages[page, r0:r0 + n], n, fmt, kf, 0)
+                _scores_at(qs, kf, n, s, 0, simd)
+            else:
+                _scores_at(qs, _rows_in_place(k_pages, page, r0, n), n, s, 0, simd)
+            for r in range(n_rows):
+                for j in range(n):
+                    scores[u, r, t0 + j] = s[r, j]
+                m_new = row_max(s, r, n, run_max[r])
+                total = exp_row(s, r, n, m_new)
+                if m_new > run_max[r]:
+                    run_sum[r] *= np.exp(run_max[r] - m_new)
+                    run_max[r] = m_new
+                run_sum[r] += total
+            t0 += n
+        for r in range(n_rows):
+            part_max[p, r] = run_max[r]
+            part_sum[p, r] = run_sum[r]
+    unit_lse = np.full((n_units, n_rows), -np.inf, np.float32)
+    for u in range(n_units):
+        b = u // n_kv_heads
+        h = u % n_kv_heads
+        for r in range(n_rows):
+            m = -np.inf
+            for p in range(unit_piece_ptr[u], unit_piece_ptr[u + 1]):
+                m = max(m, part_max[p, r])
+            if m > -np.inf:
+                total = np.float32(0.0)
+                for p in range(unit_piece_ptr[u], unit_piece_ptr[u + 1]):
+                    total += part_sum[p, r] * np.exp(part_max[p, r] - m)
+                unit_lse[u, r] = m + np.log(total)
+            lse[b, r // group, h * group + r % group] = unit_lse[u, r]
+    inv_tq = np.float32(1.0) / tq
+    for p in prange(n_pieces):
+        u = piece_unit[p]
+        lo = piece_lo[p]
+        n = piece_hi[p] - lo
+        rows = scores[u, :, lo:lo + n]
+        for j in range(n):
+            probs[u, lo + j] = 0.0
+        for r in range(n_rows):
+            if unit_lse[u, r] == -np.inf:
+                continue
+            exp_row(rows, r, n, unit_lse[u, r])
+            for j in range(n):
+                probs[u, lo + j] += rows[r, j]
+        for j in range(n):
+            probs[u, lo + j] *= inv_tq
 
 
 def check_queries(queries, n_batch: int, n_kv_heads: int, head_dim: int) -> np.ndarray:
@@ -637,6 +695,34 @@ def paged_attention(queries: np.ndarray, view: PagedKV, scale: float | None = No
     `numba.get_num_threads()` threads of the calling thread; `n_threads` / `min_piece_tokens` only
     change how the tokens are cut into pieces (see `_plan_pieces`; results equal to float rounding).
     """
+    scale = _check_paged(queries, view, scale)
+    n_workers = numba.get_num_threads()
+    piece_unit, lo, hi, unit_piece_ptr = plan_pieces(view, n_workers if n_threads is None else n_threads,
+                                                     min_piece_tokens)
+    o, lse = _attention_kernel(queries, view.k_pages, view.v_pages, view.fmt, view.page_ptr, view.page_ids,
+                               view.n_kv_heads, scale, piece_unit, lo, hi, unit_piece_ptr, n_workers)
+    if not return_probs:
+        return o, lse
+    _, probs = _probabilities(queries, view, scale, piece_unit, lo, hi, unit_piece_ptr)
+    return o, lse, probs
+
+
+def paged_token_probabilities(queries: np.ndarray, view: PagedKV, scale: float | None = None,
+                              n_threads: int | None = None, min_piece_tokens: int = MIN_PIECE_TOKENS):
+    """Each token's attention probability under queries [B, Tq, Hq, D] float32 over a `PagedKV`,
+    without the attention output: one pass over the keys, none over the values (hgca's re-scoring
+    reads only these). Returns (lse float32 [B, Tq, Hq], probs float32 [B, Hkv, max unit tokens]):
+    probs as `paged_attention(..., return_probs=True)` gives them (0 beyond each unit's tokens)."""
+    scale = _check_paged(queries, view, scale)
+    n_workers = numba.get_num_threads()
+    piece_unit, lo, hi, unit_piece_ptr = plan_pieces(view, n_workers if n_threads is None else n_threads,
+                                                     min_piece_tokens)
+    return _probabilities(queries, view, scale, piece_unit, lo, hi, unit_piece_ptr)
+
+
+def _check_paged(queries: np.ndarray, view: PagedKV, scale) -> np.float32:
+    """Queries [B, Tq, Hq, D] against the view (its units, heads, format, token counts); the scale
+    as float32 (default 1 / sqrt(D))."""
     b, tq, hq, d = queries.shape
     if view.n_units != b * view.n_kv_heads:
         raise ValueError(f"{view.n_units} (sequence, KV head) units for a batch of {b} x Hkv={view.n_kv_heads}")
@@ -653,18 +739,19 @@ def paged_attention(queries: np.ndarray, view: PagedKV, scale: float | None = No
     scale = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
     if not np.isfinite(scale):
         raise ValueError(f"scale={scale}; expected a finite float")
-    n_workers = numba.get_num_threads()
-    piece_unit, lo, hi, unit_piece_ptr = plan_pieces(view, n_workers if n_threads is None else n_threads,
-                                                     min_piece_tokens)
-    o, lse = _attention_kernel(queries, view.k_pages, view.v_pages, view.fmt, view.page_ptr, view.page_ids,
-                               view.n_kv_heads, scale, piece_unit, lo, hi, unit_piece_ptr, n_workers)
-    if not return_probs:
-        return o, lse
+    return scale
+
+
+def _probabilities(queries, view: PagedKV, scale, piece_unit, lo, hi, unit_piece_ptr):
+    """`_probabilities_kernel` over a checked view and its pieces -> (lse, probs [B, Hkv, T])."""
+    b, tq, hq, _ = queries.shape
     max_tokens = int(view.unit_tokens.max()) if view.n_units else 0
     probs = np.zeros((view.n_units, max_tokens), np.float32)
-    _token_probabilities(queries, view.k_pages, view.fmt, view.page_ptr, view.page_ids, view.n_kv_heads,
-                         scale, lse, piece_unit, lo, hi, probs)
-    return o, lse, probs.reshape(b, view.n_kv_heads, max_tokens)
+    lse = np.full((b, tq, hq), -np.inf, np.float32)
+    scores = np.empty((view.n_units, tq * (hq // view.n_kv_heads), max_tokens), np.float32)
+    _probabilities_kernel(queries, view.k_pages, view.fmt, view.page_ptr, view.page_ids, view.n_kv_heads, scale,
+                          piece_unit, lo, hi, unit_piece_ptr, scores, lse, probs)
+    return lse, probs.reshape(b, view.n_kv_heads, max_tokens)
 
 
 # ---- views of the store -------------------------------------------------------------------------
@@ -713,7 +800,7 @@ def _store_view_locked(store, layer: int, seq_ids, block_ids=None) -> PagedKV:
                    page_ptr, page_ids.astype(np.int64, copy=False), counts * bs, hkv)
 
 
-def _run(store, layer, seq_ids, queries, make_view, scale, return_probs=False):
+def _run(store, layer, seq_ids, queries, make_view, scale, return_probs=False, probabilities_only=False):
     seq_ids = list(seq_ids)
     cfg = store.config
     queries = check_queries(queries, len(seq_ids), cfg.n_kv_heads, cfg.head_dim)
@@ -726,6 +813,8 @@ def _run(store, layer, seq_ids, queries, make_view, scale, return_probs=False):
         view = make_view()
         store.begin_read()
     try:
+        if probabilities_only:
+            return paged_token_probabilities(queries, view, scale)
         return paged_attention(queries, view, scale, return_probs)
     finally:
         store.end_read()
@@ -747,6 +836,14 @@ def attend_all(store, layer: int, seq_ids, queries: np.ndarray, scale: float | N
     seq_ids = list(seq_ids)
     return _run(store, layer, seq_ids, queries, lambda: _store_view_locked(store, layer, seq_ids),
                 scale, return_probs)
+
+
+def token_probabilities(store, layer: int, seq_ids, queries: np.ndarray, scale: float | None = None):
+    """Every stored token's attention probability (as `attend_all(..., return_probs=True)` gives
+    it) without the attention output -> (lse float32 [B, Tq, Hq], probs float32 [B, Hkv, max tokens])."""
+    seq_ids = list(seq_ids)
+    return _run(store, layer, seq_ids, queries, lambda: _store_view_locked(store, layer, seq_ids), scale,
+                probabilities_only=True)
 
 
 def attend_blocks(store, layer: int, seq_ids, queries: np.ndarray, block_ids: np.ndarray,

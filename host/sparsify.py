@@ -43,7 +43,7 @@ import math
 
 import numpy as np
 
-from host.attention import attend_all
+from host.attention import token_probabilities
 
 
 def salience_threshold(beta: float, a_size: int) -> float:
@@ -163,7 +163,7 @@ def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, sca
     seq_ids = list(seq_ids)
     with store.lock:
         n_blocks = [store.n_blocks(layer, s) for s in seq_ids]
-    _, _, probs = attend_all(store, layer, seq_ids, queries, scale, return_probs=True)
+    _, probs = token_probabilities(store, layer, seq_ids, queries, scale)
     cfg = store.config
     bs, hkv = cfg.block_size, cfg.n_kv_heads
     kept = np.zeros((len(seq_ids), hkv), np.int64)

@@ -9,7 +9,7 @@ import pytest
 
 from host import KVStore, StoreConfig, attend_all, attend_blocks, attend_context, from_storage, to_storage
 from host.paged_view import PagedKV
-from host.attention import paged_attention, plan_pieces
+from host.attention import paged_attention, paged_token_probabilities, plan_pieces
 from host.reference import context_tokens, norm_relative_error, reference_attention, stored_tokens
 
 TOL = 2e-5  # norm-relative, float32 accumulation vs float64 on the same (rounded) inputs
@@ -377,6 +377,12 @@ def test_split_path_matches_reference(rng, kv_dtype, d, group, tq):
         atol = 1e-6 + 4 * np.finfo(np.float32).eps * score_bound
         np.testing.assert_allclose(probs[b, h, :n], rp[b][h], rtol=1e-4, atol=atol)
         assert np.all(probs[b, h, n:] == 0)
+    # the probabilities without the attention output (hgca's re-scoring): one pass over the keys,
+    # the same probabilities, and its own lse over the split pieces
+    for n_threads, min_piece in ((1, 10**6), (16, 16), (5, 1)):
+        lse_only, probs_only = paged_token_probabilities(q, view, n_threads=n_threads, min_piece_tokens=min_piece)
+        assert norm_relative_error(lse_only, rl) < TOL
+        np.testing.assert_allclose(probs_only, probs, rtol=1e-5, atol=1e-7)
 
 
 def test_result_independent_of_numba_thread_count(rng):

@@ -117,20 +117,20 @@ def test_reevaluation_keeps_selection_of_blocks_evicted_later(rng):
     q = rng.standard_normal((1, 1, HKV, D)).astype(np.float32)
     # score snapshot covers 2 blocks; then a new block arrives and is sparsified before the rebuild
     from host import sparsify as sp
-    real_attend_all = sp.attend_all
+    real_probabilities = sp.token_probabilities
 
     def attend_then_append(*args, **kwargs):
-        out = real_attend_all(*args, **kwargs)
+        out = real_probabilities(*args, **kwargs)
         kk = rng.standard_normal((1, BS, HKV, D)).astype(np.float32)
         new = store.append_blocks(0, 0, kk, kk, np.ones((1, BS, HKV)), np.zeros((1, BS), np.int64))
         sparsify_evicted(store, 0, [0], [new], beta=1.0, window_tokens=16)
         return out
 
-    sp.attend_all = attend_then_append
+    sp.token_probabilities = attend_then_append
     try:
         reevaluate(store, 0, [0], q, beta=1.0)
     finally:
-        sp.attend_all = real_attend_all
+        sp.token_probabilities = real_probabilities
     for h in range(HKV):
         ti = store.context.kept(0, 0, h)["token_index"]
         assert np.sum(ti >= 2 * BS) == BS   # the whole new block (MAW 1 > 1/16) survived the rebuild
