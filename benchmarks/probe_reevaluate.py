@@ -5,8 +5,8 @@ blocks) under `--queries` queries of 32 heads: its token probabilities (`paged_t
 one pass over the keys) and the whole call (the context cache rebuilt). `--baseline-rev REV` also
 times, in the same process, what `reevaluate` ran at git revision REV: that revision's
 `paged_attention(..., return_probs=True)` (the attention pass, whose output it discarded, then the
-probabilities), its kernels compiled from `git show REV:host/attention.py` (uncached), and checks
-that both give the same probabilities. Warm-up, then the median of `--repeats`.
+probabilities), alone and inside today's `reevaluate`, its kernels compiled from `git show
+REV:host/attention.py` (uncached), and checks that both give the same probabilities. Warm-up, then the median of `--repeats`.
 
     PYTHONPATH=. python3 benchmarks/probe_reevaluate.py --baseline-rev 04c5539 --out probe.json
 """
@@ -86,6 +86,16 @@ def main() -> None:
         np.testing.assert_allclose(new_probs, old_probs, rtol=1e-4, atol=1e-7)
         rows[f"{args.baseline_rev}: attention + probabilities (what reevaluate ran)"] = median_ms(
             lambda: old.paged_attention(q, view, return_probs=True), args.repeats)
+        from host import sparsify  # reevaluate as it was: its probabilities from that attention call
+
+        current = sparsify.token_probabilities
+        sparsify.token_probabilities = lambda store_, layer, seq_ids, queries, scale=None: old.attend_all(
+            store_, layer, seq_ids, queries, scale, return_probs=True)[1:]
+        try:
+            rows[f"{args.baseline_rev}: reevaluate"] = median_ms(lambda: reevaluate(store, 0, [0], q, beta=1.0),
+                                                                 args.repeats)
+        finally:
+            sparsify.token_probabilities = current
     for name, ms in rows.items():
         print(f"{ms:9.1f} ms  {name}")
     if args.out:
