@@ -39,6 +39,7 @@ streaming rate (bf16 49-73 GB/s; before: 27-60 GB/s with 16-token blocks at 0.44
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -565,7 +566,7 @@ def _probabilities_kernel(q, k_pages, fmt, page_ptr, page_ids, n_kv_heads, scale
        micro-kernels: bf16 / fp32 rows read in place, fp16 widened, int8 keys' scales applied);
     2. per unit: its pieces' (max, sum) merged into lse;
     3. per piece (parallel): the probabilities of its tokens from their scores and lse."""
-    n_batch, tq, hq, d_size = q.shape
+    _, tq, hq, d_size = q.shape
     group = hq // n_kv_heads
     n_rows = tq * group
     page_tokens = k_pages.shape[1]
@@ -800,7 +801,9 @@ def _store_view_locked(store, layer: int, seq_ids, block_ids=None) -> PagedKV:
                    page_ptr, page_ids.astype(np.int64, copy=False), counts * bs, hkv)
 
 
-def _run(store, layer, seq_ids, queries, make_view, scale, return_probs=False, probabilities_only=False):
+def _run(store, layer, seq_ids, queries, make_view, compute):
+    """compute(queries, view) over the view make_view() takes under the store's lock, the queries
+    checked against the store and its slots held (`begin_read`) while it runs."""
     seq_ids = list(seq_ids)
     cfg = store.config
     queries = check_queries(queries, len(seq_ids), cfg.n_kv_heads, cfg.head_dim)
@@ -813,9 +816,7 @@ def _run(store, layer, seq_ids, queries, make_view, scale, return_probs=False, p
         view = make_view()
         store.begin_read()
     try:
-        if probabilities_only:
-            return paged_token_probabilities(queries, view, scale)
-        return paged_attention(queries, view, scale, return_probs)
+        return compute(queries, view)
     finally:
         store.end_read()
 
@@ -824,7 +825,8 @@ def attend_context(store, layer: int, seq_ids, queries: np.ndarray, scale: float
     """(a) Attention over each (sequence, KV head)'s kept tokens in the sparse context cache.
     queries [B, Tq, Hq, D] float32 with B = len(seq_ids) -> (o, lse)."""
     seq_ids = list(seq_ids)
-    return _run(store, layer, seq_ids, queries, lambda: store.context.snapshot_locked(layer, seq_ids), scale)
+    return _run(store, layer, seq_ids, queries, lambda: store.context.snapshot_locked(layer, seq_ids),
+                functools.partial(paged_attention, scale=scale))
 
 
 def attend_all(store, layer: int, seq_ids, queries: np.ndarray, scale: float | None = None,
@@ -835,15 +837,15 @@ def attend_all(store, layer: int, seq_ids, queries: np.ndarray, scale: float | N
     probability, averaged over the Tq queries."""
     seq_ids = list(seq_ids)
     return _run(store, layer, seq_ids, queries, lambda: _store_view_locked(store, layer, seq_ids),
-                scale, return_probs)
+                functools.partial(paged_attention, scale=scale, return_probs=return_probs))
 
 
 def token_probabilities(store, layer: int, seq_ids, queries: np.ndarray, scale: float | None = None):
     """Every stored token's attention probability (as `attend_all(..., return_probs=True)` gives
     it) without the attention output -> (lse float32 [B, Tq, Hq], probs float32 [B, Hkv, max tokens])."""
     seq_ids = list(seq_ids)
-    return _run(store, layer, seq_ids, queries, lambda: _store_view_locked(store, layer, seq_ids), scale,
-                probabilities_only=True)
+    return _run(store, layer, seq_ids, queries, lambda: _store_view_locked(store, layer, seq_ids),
+                functools.partial(paged_token_probabilities, scale=scale))
 
 
 def attend_blocks(store, layer: int, seq_ids, queries: np.ndarray, block_ids: np.ndarray,
@@ -858,7 +860,8 @@ def attend_blocks(store, layer: int, seq_ids, queries: np.ndarray, block_ids: np
     if not np.issubdtype(block_ids.dtype, np.integer):
         raise ValueError(f"block_ids dtype {block_ids.dtype}; expected an integer dtype")
     return _run(store, layer, seq_ids, queries,
-                lambda: _store_view_locked(store, layer, seq_ids, block_ids.astype(np.int64)), scale)
+                lambda: _store_view_locked(store, layer, seq_ids, block_ids.astype(np.int64)),
+                functools.partial(paged_attention, scale=scale))
 
 
 @njit(nogil=True, cache=True)
