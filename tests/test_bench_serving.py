@@ -150,20 +150,28 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
     gaps ended by steps 3 and 4 count, the longest first, each with its step's record."""
     from jhybrid.bench.serving import _gaps_during_prefill, _longest_gaps
     from jhybrid.serving.api import FinishReason, RequestOutput
-    from jhybrid.serving.engine import StepRecord
+    from jhybrid.serving.engine import StepRecord, StepTimes
 
     a = RequestOutput("a", [1, 2, 3, 4], FinishReason.LENGTH, 8, token_times=[1.0, 1.02, 1.05, 1.15])
+    c = RequestOutput("c", [7, 8], FinishReason.LENGTH, 8, token_times=[1.06, 1.15])
     b = RequestOutput("b", [5], FinishReason.LENGTH, 64, token_times=[1.3])
     records = [StepRecord(1, (("a", 8),), (), 0.01, 0.0, 0.99, 1),
                StepRecord(2, (), ("a",), 0.02, 0.0, 1.0),
                StepRecord(3, (("b", 32),), ("a",), 0.03, 0.0, 1.02),
-               StepRecord(4, (("b", 32),), ("a",), 0.08, 0.05, 1.07, 1)]
+               StepRecord(4, (("b", 32),), ("a", "c"), 0.08, 0.05, 1.07, 1,
+                          StepTimes(host_seconds=0.01, call_seconds=0.015, capture_seconds=0.002, calls=2),
+                          (("recall_s", 0.004), ("evict_s", 0.001)))]
     gaps = _gaps_during_prefill([a, b], records)
     assert [round(g.seconds, 6) for g in gaps] == [0.03, 0.1]
     assert [g.step.step for g in gaps] == [3, 4] and [g.previous.step for g in gaps] == [2, 3]
-    longest = _longest_gaps(gaps, n=1)
-    assert longest == [{"gap_ms": 100.0, "step": 4, "step_ms": 80.0, "prefix_ms": 50.0, "between_ms": 20.0,
-                        "prefill_tokens": 32, "decode_rows": 1, "admitted": 1}]
+    step_4 = {"gap_ms": 100.0, "step": 4, "step_ms": 80.0, "prefix_ms": 50.0, "host_ms": 10.0, "call_ms": 15.0,
+              "capture_ms": 2.0, "calls": 2, "between_ms": 20.0, "prefill_tokens": 32, "decode_rows": 2,
+              "admitted": 1, "backend_ms": {"recall_s": 4.0, "evict_s": 1.0}}
+    assert _longest_gaps(gaps, n=1) == [step_4]
+    # c's gap (90 ms, its first) also ended in step 4: one row per step, the step's longest gap
+    with_c = _gaps_during_prefill([a, b, c], records)
+    assert sorted(round(g.seconds, 6) for g in with_c) == [0.03, 0.09, 0.1]
+    assert [row["step"] for row in _longest_gaps(with_c, n=3)] == [4, 3]
 
 
 def test_saturation_phase_can_be_left_out(tmp_path):
@@ -176,6 +184,24 @@ def test_saturation_phase_can_be_left_out(tmp_path):
     (row,) = outcome.rows
     assert row["completed"] == 2 and row["saturated_tok_s"] is None and row["saturated_over_fixed"] is None
     assert row["fixed_decode_tok_s"] > 0  # the fixed batches still ran
+
+
+def test_repeats_report_the_median_of_each_phase(tmp_path):
+    """serving_repeats: 3 runs the saturation phase and the fixed batches 3 times each; the row's
+    saturated_tok_s and fixed_tok_s are the medians of the repeats listed beside them, and the ratio
+    is theirs."""
+    text = CONFIG.replace("serving_slots: 2}", "serving_slots: 2, serving_requests: 2, serving_repeats: 3}")
+    text = text.replace("serving_requests: 6, ", "")
+    path = tmp_path / "serving.yaml"
+    path.write_text(text)
+    outcome = runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path / "results"), argv=[],
+                               show_progress=False)
+    (row,) = outcome.rows
+    saturated, fixed = row["saturated_tok_s_repeats"], row["fixed_tok_s_repeats"]
+    assert len(saturated) == 3 and len(fixed) == 3 and min(saturated) > 0 and min(fixed) > 0
+    assert row["saturated_tok_s"] == pytest.approx(sorted(saturated)[1], abs=0.01)
+    assert row["fixed_tok_s"] == pytest.approx(sorted(fixed)[1], abs=0.01)
+    assert row["saturated_over_fixed"] == pytest.approx(row["saturated_tok_s"] / row["fixed_tok_s"], rel=1e-3)
 
 
 def test_the_compile_recorder_counts_the_compiles_inside_its_block():

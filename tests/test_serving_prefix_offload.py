@@ -227,13 +227,16 @@ def test_a_hit_with_sliding_window_layers(rng):
             assert out.tokens == run_all(alone, [alone.submit(Request(prompt, max_tokens=16))])[0].tokens
 
 
-def test_a_prompt_enters_the_prefix_cache_as_it_is_prefilled(model, rng):
+def test_a_prompt_enters_the_prefix_cache_as_it_is_prefilled(model, rng, monkeypatch):
     """An offloading backend stores each prefill call's whole blocks in the prefix cache after the
     call (not the whole prompt when its prefill ends: one 2 s step at 16K on the 8B shape), once the
     next call is dispatched (the device runs it while the host stores): after the k-th call of 16
     tokens the cache holds k - 1 blocks, after the 4-token last call all 6 (96 of 100 tokens are whole
     blocks; that call adds none). A second request of the same prompt then hits all 6 blocks' worth the
     hgca bound allows, and both give the tokens of the prompt run alone."""
+    from jhybrid.serving import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STORE_BACKLOG", 0)  # each step ends with its stores done: the stats count them
     prompt = rng.integers(0, TINY.vocab_size, 100).tolist()
     backend = backend_of("hgca")
     engine = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
@@ -252,6 +255,59 @@ def test_a_prompt_enters_the_prefix_cache_as_it_is_prefilled(model, rng):
     with alone:
         want = run_all(alone, [alone.submit(Request(prompt, max_tokens=6))])[0]
     assert first.tokens == want.tokens and again.tokens == want.tokens
+
+
+def test_a_step_ends_while_its_store_jobs_run_and_an_admission_waits_for_them(model, rng, monkeypatch):
+    """The prefix-cache store jobs overlap the next steps' calls: a step ends with up to
+    STORE_BACKLOG of them still running (held here), and waits only for the ones beyond. A request's
+    admission waits for every job (its lookup must see every block prefilled so far): the lookup finds
+    none running and hits what the held jobs stored; both requests give the tokens of the prompt
+    run alone. Bounded joins: a step that waited for a held job would fail the join, not hang."""
+    import threading
+
+    from jhybrid.serving import engine as engine_module
+
+    release = threading.Event()
+    original_job, original_place = ServingEngine._store_job, ServingEngine._place_cached_prefix
+
+    def held_job(self, jobs):
+        assert release.wait(120), "the test never released the store jobs"
+        return original_job(self, jobs)
+
+    running_at_lookup = []
+
+    def place(self, run):
+        running_at_lookup.append(sum(not future.done() for future in self._stores))
+        return original_place(self, run)
+
+    monkeypatch.setattr(ServingEngine, "_store_job", held_job)
+    monkeypatch.setattr(ServingEngine, "_place_cached_prefix", place)
+    prompt = rng.integers(0, TINY.vocab_size, 100).tolist()
+    backend = backend_of("scout")
+    engine = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=64 * BLOCK_BYTES))
+    with engine:
+        first = engine.submit(Request(prompt, max_tokens=6))
+        # one 16-token call a step; a call's captures are submitted after the next call's dispatch:
+        # steps 2 and 3 each submit a job and end with it held (STORE_BACKLOG = 2)
+        stepping = threading.Thread(target=lambda: [engine.step() for _ in range(1 + engine_module.STORE_BACKLOG)])
+        stepping.start()
+        stepping.join(120)
+        assert not stepping.is_alive(), "a step waited for a store job within the backlog"
+        assert sum(not future.done() for future in engine._stores) == engine_module.STORE_BACKLOG
+        second = engine.submit(Request(prompt, max_tokens=6))  # admitted in the next step (row 1 is free)
+        stepping = threading.Thread(target=engine.step)
+        stepping.start()
+        release.set()
+        stepping.join(120)
+        assert not stepping.is_alive()
+        outs = run_all(engine, [first, second])
+    assert running_at_lookup[1] == 0  # the second request's lookup, after every held job ended
+    assert outs[1].cached_tokens > 0
+    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    with alone:
+        want = run_all(alone, [alone.submit(Request(prompt, max_tokens=6))])[0]
+    assert [o.tokens for o in outs] == [want.tokens] * 2
 
 
 def test_a_prompt_whose_cached_blocks_are_evicted_mid_prefill_stops_being_stored(model, rng):

@@ -44,7 +44,9 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, packs_decode (
   saturated_tok_s (phase 4: every token / its seconds), saturated_s, saturated_over_fixed
   (saturated_tok_s / fixed_tok_s: the engine against fixed batches of the same prompt lengths, both
   with every request there from the start; the fixed batches' prefix sharing is irrelevant, as
-  Generator has no prefix cache),
+  Generator has no prefix cache); with `serving_repeats` > 1 the fixed fields, saturated_tok_s and
+  saturated_s are medians over the repeats, saturated_tok_s_repeats and fixed_tok_s_repeats list
+  each repeat's,
   slo_ttft_s, slo_tbt_ms (the SLO used), slo_met (requests meeting it), goodput (slo_met / span_s,
   requests/s). SLO: a request meets it when its TTFT <= slo_ttft_s and the p99 of its own token gaps
   <= slo_tbt_ms; `serving_slo_ttft_s` / `serving_slo_tbt_ms` set them, else they are relative to the
@@ -104,6 +106,7 @@ log = logging.getLogger(__name__)
 SEED = 0
 RESULT_TIMEOUT_S = 3600.0  # waiting for one request of the load (an engine that stopped raises sooner)
 GAPS_SHOWN = 8  # prefill_gap_longest: the longest token gaps while a prompt prefills, with their steps
+BACKEND_SHOWN = 6  # prefill_gap_longest: the backend time counters shown per gap
 
 
 class PrefillGap(NamedTuple):
@@ -290,7 +293,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             report_phase(on_step, f"saturation: {n} requests at once")
             counters_before = backend.counters()
             with CompileRecorder() as saturated_compiles:
-                saturated = _run_saturated(engine, Request, load, bench, vocab)
+                saturated = _run_saturated(engine, Request, load, bench, vocab, deadline)
             saturated_records = [r for r in engine.step_log() if r.step > after.steps]
             saturated_counters = _counter_delta(counters_before, backend.counters())
             log.info("saturation served in %.1f s; its steps %s; the backend's counters %s; the prefix-cache "
@@ -316,6 +319,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "served_s": round(served_s, 2), "host_rss_bytes": rss,
            "saturated_tok_s": None if saturated is None else saturated[0],
            "saturated_s": None if saturated is None else saturated[1],
+           "saturated_tok_s_repeats": None if saturated is None else saturated[2],
            "load_steps": _step_breakdown(load_records),
            "load_counters": load_counters,
            "load_jit_compiles": load_compiles.summary(),
@@ -328,7 +332,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         return [row]
     report_phase(on_step, f"the same {n} requests as fixed batches of {slots}")
     fixed_backend, _ = backend_for(offload, longest_prompt(bench))
-    fixed = _run_fixed(model, fixed_backend, load, bench, slots, max_len)
+    fixed = _run_fixed(model, fixed_backend, load, bench, slots, max_len, deadline)
     row.update(fixed)
     row["served_over_fixed"] = _round(_ratio(row["decode_tok_s"], fixed["fixed_decode_tok_s"]), 4)
     row["served_over_fixed_e2e"] = _round(_ratio(row["served_tok_s"], fixed["fixed_tok_s"]), 4)
@@ -364,17 +368,25 @@ def _profile_window(phase: str):
     thread.join()
 
 
-def _run_saturated(engine, request_type, load: Load, bench, vocab: int) -> tuple[float, float]:
-    """Phase 4 (module docstring): (every token / seconds, seconds)."""
+def _run_saturated(engine, request_type, load: Load, bench, vocab: int,
+                   deadline: float | None) -> tuple[float, float, list[float]]:
+    """Phase 4 (module docstring), `serving_repeats` times (fewer past the deadline; each with fresh
+    prompts): (the median of every token / seconds, the median seconds, each repeat's tokens/s)."""
     rng = np.random.default_rng(SEED + 3)
+    rates, spans = [], []
     with _profile_window("saturation"):
-        start = time.perf_counter()
-        handles = [engine.submit(request_type(prompt=_random(rng, vocab, len(p)).tolist(),
-                                              max_tokens=bench.decode_tokens, request_id=f"sat-{i}"))
-                   for i, p in enumerate(load.prompts)]
-        tokens = sum(len(h.result(RESULT_TIMEOUT_S).tokens) for h in handles)
-        seconds = time.perf_counter() - start
-    return round(tokens / seconds, 2), round(seconds, 2)
+        for repeat in range(bench.serving_repeats):
+            if repeat and deadline is not None and time.perf_counter() >= deadline:
+                log.info("time budget: saturation ran %d of %d repeats", repeat, bench.serving_repeats)
+                break
+            start = time.perf_counter()
+            handles = [engine.submit(request_type(prompt=_random(rng, vocab, len(p)).tolist(),
+                                                  max_tokens=bench.decode_tokens, request_id=f"sat-{repeat}-{i}"))
+                       for i, p in enumerate(load.prompts)]
+            tokens = sum(len(h.result(RESULT_TIMEOUT_S).tokens) for h in handles)
+            spans.append(time.perf_counter() - start)
+            rates.append(tokens / spans[-1])
+    return round(float(np.median(rates)), 2), round(float(np.median(spans)), 2), [round(r, 2) for r in rates]
 
 
 def _step_breakdown(records) -> dict:
@@ -530,45 +542,71 @@ def _gaps_during_prefill(outputs, records) -> list[PrefillGap]:
 
 
 def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
-    """The n longest gaps, each with what its step did (what sets the p99): gap_ms, step_ms (the
-    step that ended it), prefix_ms (of which in the prefix cache), between_ms (from the previous
-    step's end to this one's start), prefill_tokens, decode_rows, admitted."""
-    rows = []
-    for gap, record, previous in sorted(gaps, key=lambda g: -g.seconds)[:n]:
+    """The n longest gaps, one per step (the requests a step decodes share its gap), each with what
+    its step did (what sets the p99): gap_ms, step_ms (the
+    step that ended it), prefix_ms (of which in the prefix cache), host_ms, call_ms, capture_ms and
+    calls (`StepTimes`), between_ms (from the previous step's end to this one's start),
+    prefill_tokens, decode_rows, admitted, and backend_ms: the backend's time counters that grew
+    in the step (the largest BACKEND_SHOWN, ms; background threads' included)."""
+    rows, shown = [], set()
+    for gap, record, previous in sorted(gaps, key=lambda g: -g.seconds):
+        if len(rows) == n:
+            break
+        if record.step in shown:
+            continue
+        shown.add(record.step)
         between = None if previous is None else record.started - previous.started - previous.seconds
         rows.append({"gap_ms": round(gap * 1e3, 2), "step": record.step, "step_ms": round(record.seconds * 1e3, 2),
                      "prefix_ms": round(record.prefix_seconds * 1e3, 2),
+                     "host_ms": round(record.times.host_seconds * 1e3, 2),
+                     "call_ms": round(record.times.call_seconds * 1e3, 2),
+                     "capture_ms": round(record.times.capture_seconds * 1e3, 2), "calls": record.times.calls,
                      "between_ms": None if between is None else round(between * 1e3, 2),
                      "prefill_tokens": sum(t for _, t in record.prefill), "decode_rows": len(record.decode),
-                     "admitted": record.admitted})
+                     "admitted": record.admitted,
+                     "backend_ms": {name: round(d * 1e3, 2) for name, d in record.backend_seconds[:BACKEND_SHOWN]}})
     return rows
 
 
-def _run_fixed(model, backend, load: Load, bench, slots: int, max_len: int) -> dict:
-    """The load's prompts as fixed batches of `slots` through Generator (after an untimed batch)."""
+def _run_fixed(model, backend, load: Load, bench, slots: int, max_len: int, deadline: float | None) -> dict:
+    """The load's prompts as fixed batches of `slots` through Generator (after an untimed batch),
+    `serving_repeats` times (fewer past the deadline): each field the median over the repeats (as
+    the saturation's), fixed_tok_s_repeats every repeat's tokens/s."""
     from jhybrid.generation import Generator
 
     generator = Generator(model, backend, prefill_chunk=bench.prefill_chunk, max_len=max_len)
     start = time.perf_counter()
+    repeats = []
     try:
         rng = np.random.default_rng(SEED + 2)
         warm = [_random(rng, model.config.vocab_size, len(p)).tolist() for p in load.prompts[:slots]]
         generator.generate(warm, max_new_tokens=min(4, bench.decode_tokens))
-        prefill_s = decode_s = 0.0
-        tokens = decode_tokens = 0
-        for begin in range(0, len(load.prompts), slots):
-            batch = [p.tolist() for p in load.prompts[begin:begin + slots]]
-            result = generator.generate(batch, max_new_tokens=bench.decode_tokens)
-            prefill_s += result.prefill_seconds
-            decode_s += result.decode_seconds
-            tokens += sum(len(t) for t in result.tokens)
-            decode_tokens += sum(max(len(t) - 1, 0) for t in result.tokens)  # as decode_tokens_per_second
+        for repeat in range(bench.serving_repeats):
+            if repeat and deadline is not None and time.perf_counter() >= deadline:
+                log.info("time budget: the fixed batches ran %d of %d repeats", repeat, bench.serving_repeats)
+                break
+            prefill_s = decode_s = 0.0
+            tokens = decode_tokens = 0
+            for begin in range(0, len(load.prompts), slots):
+                batch = [p.tolist() for p in load.prompts[begin:begin + slots]]
+                result = generator.generate(batch, max_new_tokens=bench.decode_tokens)
+                prefill_s += result.prefill_seconds
+                decode_s += result.decode_seconds
+                tokens += sum(len(t) for t in result.tokens)
+                decode_tokens += sum(max(len(t) - 1, 0) for t in result.tokens)  # as decode_tokens_per_second
+            repeats.append({
+                "fixed_decode_tok_s": round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
+                "fixed_tok_s": round(tokens / (prefill_s + decode_s), 2) if prefill_s + decode_s > 0 else None,
+                "fixed_prefill_s": round(prefill_s, 3), "fixed_decode_s": round(decode_s, 3)})
     finally:
         generator.close()
         gc.collect()
-    return {"fixed_decode_tok_s": round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
-            "fixed_tok_s": round(tokens / (prefill_s + decode_s), 2) if prefill_s + decode_s > 0 else None,
-            "fixed_prefill_s": round(prefill_s, 3), "fixed_decode_s": round(decode_s, 3),
+    def median(field):
+        values = [r[field] for r in repeats if r[field] is not None]
+        return round(float(np.median(values)), 3) if values else None
+
+    return {**{field: median(field) for field in repeats[0]},
+            "fixed_tok_s_repeats": [r["fixed_tok_s"] for r in repeats],
             "fixed_s": round(time.perf_counter() - start, 2)}
 
 

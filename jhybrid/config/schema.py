@@ -146,7 +146,9 @@ class BenchmarkSpec:
           to first token and the p99 of its token gaps are within them); null: 2 x the run's median
           TTFT / 2 x its TBT p50.
       serving_saturation: run the saturation phase (every request at once; saturated_over_fixed);
-          false for points that only measure latency under the load."""
+          false for points that only measure latency under the load.
+      serving_repeats: how many times the saturation phase and the fixed batches each run (their
+          figures are the medians; the time budget may cut the repeats short, never the first)."""
 
     task: str = dataclasses.field(default="perplexity", metadata=_choices(*TASKS))
     text: str = "paul_graham"  # a built-in text (TEXTS) or the path of a UTF-8 text file
@@ -191,6 +193,7 @@ class BenchmarkSpec:
     serving_slo_ttft_s: float | None = None
     serving_slo_tbt_ms: float | None = None
     serving_saturation: bool = True
+    serving_repeats: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +224,7 @@ POSITIVE = {"tokens", "scored_tokens", "niah_length", "niah_needles", "answer_to
             "decode_tokens", "prefill_chunk", "prefill_repeats", "block_size", "window_tokens", "budget",
             "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s", "tp",
             "serving_requests", "serving_rate", "serving_slots", "serving_step_tokens", "serving_slo_ttft_s",
-            "serving_slo_tbt_ms"}
+            "serving_slo_tbt_ms", "serving_repeats"}
 NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib", "serving_shared_prefix",
                 "serving_prefix_cache_mb", "serving_prefix_cache_host_mb"}
 

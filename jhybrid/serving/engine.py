@@ -56,7 +56,9 @@ The prefix cache holds every layer's true K, V of whole prompt blocks, with eith
     the next step evicts; the read and its copy to the host are dispatched behind the call) and,
     after the next call's dispatch, handed to the store worker thread, which waits for them and
     inserts a call's whole blocks at a time into the cache (`_store_job`, `_store_staged`) while
-    the engine thread goes on; every step waits for its store jobs before it ends.
+    the engine thread goes on; a step leaves at most STORE_BACKLOG jobs running when it ends (the
+    rest overlap the next step's calls), and waits for all of them before a prefix lookup
+    (admission) and when the engine runs out of work.
 Other backends (the tensor-parallel offloading ones) run without it (logged once, every request a miss).
 
 Memory: the backend is opened for `slots` rows of `max_len` tokens at construction, so the device
@@ -70,9 +72,10 @@ bytes, are transient device memory (`PrefixCache` max_spill_blocks).
 
 Threading: `submit`, `cancel`, `stats` from any thread; the steps run on the engine's thread
 (`start`) or the caller's (`step`), one at a time. Callbacks run on the stepping thread. An
-offloading backend's prefix-cache stores run on one store worker thread, only between their
-submission in a step and that step's end (the prefix cache is not thread-safe: the stepping thread
-touches it outside that span only). A step that raises ends every request with
+offloading backend's prefix-cache stores run on one store worker thread, from their submission
+until the stepping thread joins them (`_join_stores`): before it admits a request, when it runs out
+of work, at close (the prefix cache is not thread-safe: the stepping thread touches it, and reads
+its stats, only while no store job runs). A step that raises ends every request with
 FinishReason.ERROR and the message; the engine then refuses new requests (EngineClosed with that
 message).
 """
@@ -123,6 +126,7 @@ STEP_SUMMARY = 64  # steps per INFO summary line of step times
 PREFIX_INSERT_BLOCKS_PER_STEP = 256
 SLOW_STEP_S = 1.0  # a step this long gets an INFO line of its own
 STORE_THREAD_NAME = "jhybrid-prefix-store"  # the thread that stores an offloading backend's captures
+STORE_BACKLOG = 2  # store jobs a step may leave running when it ends (each holds a step's captured K, V)
 _executables: collections.OrderedDict = collections.OrderedDict()
 _executables_lock = threading.Lock()
 # Each distinct model structure (graphdef) and parameter signature as a small int, found once per
@@ -172,7 +176,8 @@ class StepRecord:
     which prefix_seconds in the prefix cache (hits copied into rows, finished prompts inserted, and
     the spills' waits those caused; an offloading backend's: the wait for the store worker's jobs);
     started: its start (time.perf_counter); admitted: requests it took into slots; times: where the
-    rest went (`StepTimes`)."""
+    rest went (`StepTimes`); backend_seconds: the backend's time counters (`backend.counters()`,
+    the keys ending in _s) that grew during the step, by how much (name, seconds), largest first."""
 
     step: int
     prefill: tuple[tuple[str, int], ...]
@@ -182,6 +187,18 @@ class StepRecord:
     started: float = 0.0
     admitted: int = 0
     times: StepTimes = dataclasses.field(default_factory=StepTimes)
+    backend_seconds: tuple[tuple[str, float], ...] = ()
+
+
+def _time_counters(backend: AttentionBackend) -> dict[str, float]:
+    """The backend's cumulative time counters (keys ending in _s)."""
+    return {name: float(value) for name, value in backend.counters().items() if name.endswith("_s")}
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    """The counters that grew from `before` to `after`, by how much, largest first."""
+    grown = [(name, value - before.get(name, 0.0)) for name, value in after.items()]
+    return tuple(sorted([(name, round(d, 6)) for name, d in grown if d > 0], key=lambda g: -g[1]))
 
 
 @dataclasses.dataclass
@@ -356,8 +373,8 @@ class ServingEngine(Engine):
         self._inserting: list[_Run] = []  # finished prompts whose blocks enter the prefix cache (full)
         self._unstored: list[_Run] = []  # requests whose captured reads await a store job (`_submit_stores`)
         # The store worker (an offloading backend's prefix cache): it runs the store jobs submitted
-        # during a step, and the step waits for them before it ends (`_join_stores`), so the engine
-        # thread never touches the prefix cache while a job may (the cache is not thread-safe).
+        # during the steps; the engine thread touches the prefix cache only after joining them all
+        # (`_join_stores`), so never while a job may (the cache is not thread-safe).
         self._store_worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._stores: list[concurrent.futures.Future] = []
         self.store_seconds = 0.0  # the store worker's time in jobs (waits for reads, inserts)
@@ -562,21 +579,25 @@ class ServingEngine(Engine):
         self._reset_released_rows()
         start = time.perf_counter()
         self._prefix_seconds, self._times = 0.0, StepTimes()
+        counted = _time_counters(self.backend)
         admitted = self._admit()
         prefilled, decoded = self._prefill_and_decode()
         self._insert_pending()
         self._reset_released_rows()
         if not any(r is not None for r in self._rows):  # out of work: nothing to overlap the stores with
             self._submit_stores()
-        self._join_stores()
+            self._join_stores()
+        else:  # the rest overlap the next step's calls
+            self._join_stores(keep=STORE_BACKLOG)
         seconds = time.perf_counter() - start
         with self._cond:
             if prefilled or decoded:
                 self._counts.steps += 1
                 self._log.append(StepRecord(self._counts.steps, tuple(prefilled), tuple(decoded), seconds,
-                                            self._prefix_seconds, start, len(admitted), self._times))
+                                            self._prefix_seconds, start, len(admitted), self._times,
+                                            _grown(counted, _time_counters(self.backend))))
                 self._log_steps(seconds, sum(n for _, n in prefilled), len(decoded))
-            if self._prefix is not None:
+            if self._prefix is not None and not self._stores:
                 self._prefix_stats = self._prefix.stats()
             self._cond.notify_all()
         return bool(cancelled or admitted or prefilled or decoded)
@@ -879,15 +900,20 @@ class ServingEngine(Engine):
         finally:
             self.store_seconds += time.perf_counter() - start
 
-    def _join_stores(self) -> None:
-        """Waits for every store job submitted so far (timed into the step's prefix_seconds); the
-        first job's error is then raised here, on the stepping thread (the step fails with it)."""
-        stores, self._stores = self._stores, []
-        if stores:
+    def _join_stores(self, keep: int = 0) -> None:
+        """Waits for the store jobs submitted so far, oldest first, until at most `keep` are still
+        running (timed into the step's prefix_seconds): with keep=0, for every one (then the engine
+        thread may touch the prefix cache). The first finished job's error is raised here, on the
+        stepping thread (the step fails with it)."""
+        running = [future for future in self._stores if not future.done()]
+        if len(running) > keep:
             with self._in_prefix_cache():
-                concurrent.futures.wait(stores)
-            for future in stores:
-                future.result()
+                concurrent.futures.wait(running[:len(running) - keep])
+        done = [future.done() for future in self._stores]  # read once: a job may end meanwhile
+        finished = [future for future, d in zip(self._stores, done) if d]
+        self._stores = [future for future, d in zip(self._stores, done) if not d]
+        for future in finished:
+            future.result()
 
     def _store_staged(self, run: _Run) -> None:
         """The whole blocks staged so far into the prefix cache (an offloading backend, after each
