@@ -174,14 +174,18 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
     assert [row["step"] for row in _longest_gaps(with_c, n=3)] == [4, 3]
 
 
-def test_saturation_phase_can_be_left_out(tmp_path):
-    text = CONFIG.replace("serving_slots: 2}", "serving_slots: 2, serving_saturation: false, serving_requests: 2}")
+def run_two_requests(tmp_path, extra: str) -> list[dict]:
+    """CONFIG's sweep with 2 requests and `extra` (benchmark keys, YAML flow syntax) -> its rows."""
+    text = CONFIG.replace("serving_slots: 2}", f"serving_slots: 2, serving_requests: 2, {extra}}}")
     text = text.replace("serving_requests: 6, ", "")
     path = tmp_path / "serving.yaml"
     path.write_text(text)
-    outcome = runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path / "results"), argv=[],
-                               show_progress=False)
-    (row,) = outcome.rows
+    return runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path / "results"), argv=[],
+                            show_progress=False).rows
+
+
+def test_saturation_phase_can_be_left_out(tmp_path):
+    (row,) = run_two_requests(tmp_path, "serving_saturation: false")
     assert row["completed"] == 2 and row["saturated_tok_s"] is None and row["saturated_over_fixed"] is None
     assert row["fixed_decode_tok_s"] > 0  # the fixed batches still ran
 
@@ -190,13 +194,7 @@ def test_repeats_report_the_median_of_each_phase(tmp_path):
     """serving_repeats: 3 runs the saturation phase and the fixed batches 3 times each; the row's
     saturated_tok_s and fixed_tok_s are the medians of the repeats listed beside them, and the ratio
     is theirs."""
-    text = CONFIG.replace("serving_slots: 2}", "serving_slots: 2, serving_requests: 2, serving_repeats: 3}")
-    text = text.replace("serving_requests: 6, ", "")
-    path = tmp_path / "serving.yaml"
-    path.write_text(text)
-    outcome = runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path / "results"), argv=[],
-                               show_progress=False)
-    (row,) = outcome.rows
+    (row,) = run_two_requests(tmp_path, "serving_repeats: 3")
     saturated, fixed = row["saturated_tok_s_repeats"], row["fixed_tok_s_repeats"]
     assert len(saturated) == 3 and len(fixed) == 3 and min(saturated) > 0 and min(fixed) > 0
     assert row["saturated_tok_s"] == pytest.approx(sorted(saturated)[1], abs=0.01)

@@ -243,9 +243,9 @@ def test_auto_is_device_on_a_gpu_host_elsewhere_and_bad_values_are_named(model):
         OffloadConfig(prefill_upload_max_bytes=-1)
 
 
-def run_interleaved(model, backend, chunk=16, steps=4, seed=11):
+def run_interleaved(model, backend, chunk=16, steps=4, seed=11, gap=1):
     """The serving engine's pattern on two rows: row 1's 56-token prompt in chunks, then row 0's
-    72-token prompt in chunks with one decode step of row 1 after each (row 0 padded), then row 0
+    72-token prompt in chunks with `gap` decode steps of row 1 after each (row 0 padded), then row 0
     is reset and a 60-token prompt prefilled the same way, then `steps` decode steps of both.
     Returns (row 1's interleaved decode logits [n, V], the final decode logits [2, steps, V], backend)."""
     step, params = make_step(model, backend)
@@ -287,7 +287,8 @@ def run_interleaved(model, backend, chunk=16, steps=4, seed=11):
     between = []
     for prompt in (first, second):
         for _ in chunk_of(0, prompt):
-            between.append(decode_rows([1])[1])
+            for _ in range(gap):
+                between.append(decode_rows([1])[1])
         if prompt is first:
             cache = backend.reset_rows(cache, np.array([0]))
             held[0] = 0
@@ -306,13 +307,37 @@ def test_device_prefill_between_decode_steps_extends_and_uploads_each_row_once(m
     for w, g in zip(want[:2], got[:2]):
         np.testing.assert_allclose(g, w, atol=TOL, rtol=TOL)
     counters = got[2].counters()
-    # row 1's prompt, row 0's first prompt and, after its reset, its second one: one upload each
-    assert counters["n_prefill_row_uploads"] == 3
-    # 7 chunks see offloaded blocks (3 of them a row's first); 2 extend with blocks evicted before them
-    assert counters["n_prefill_device_chunks"] == 7 and counters["n_prefill_extends"] == 2
+    # row 1's prompt, row 0's first prompt and, after its reset, its second one: each row's first
+    # chunk past the window evicts all its offloaded blocks, and its copies are those, taken on the
+    # device; no row is copied from the host store
+    assert counters["n_prefill_rows_from_evicted"] == 3 and counters["n_prefill_row_uploads"] == 0
+    # 7 chunks see offloaded blocks (3 of them a row's first); 5 extend with blocks evicted before
+    # them: the 2 that follow a row's first, and the 3 first (their copies begin as those blocks)
+    assert counters["n_prefill_device_chunks"] == 7 and counters["n_prefill_extends"] == 5
     assert counters["n_prefill_host_chunks"] == 0
     # the other 6 chunks (each prompt's first two: <= window_tokens=40 tokens) attend to the window alone
     assert counters["n_prefill_window_chunks"] == 6
+
+
+def test_copies_dropped_between_chunks_are_copied_again_from_the_store(model):
+    """Two decode steps between a prompt's chunks (more than DECODE_GAP): the kept copies are
+    dropped after each chunk, so every later chunk of the prompt copies its row's blocks from the host
+    store again (its own blocks, padded to a power of two, into copies padded to P: the rest masked);
+    each prompt's first chunk past the window takes its blocks from the evicted ones. Outputs equal
+    full attention (keep-all): a block missing or a stale one unmasked would change them."""
+    want = run_interleaved(model, make_backend("full"), gap=2)
+    got = run_interleaved(model, make_backend(OffloadConfig(mode="hgca", beta=1e-30, prefill_offloaded="device",
+                                                            **WINDOW)), gap=2)
+    for w, g in zip(want[:2], got[:2]):
+        np.testing.assert_allclose(g, w, atol=TOL, rtol=TOL)
+    counters = got[2].counters()
+    assert counters["n_prefill_rows_from_evicted"] == 3
+    # 7 chunks see offloaded blocks: row 1's 2 (no decode step between them: the first's copies are
+    # its evicted blocks, the second evicts none and keeps them) and row 0's two prompts' 5 (each
+    # prompt's first from its evicted blocks; the 3 others copied from the store, their copies dropped
+    # before them); the 3 firsts are the chunks that extend (their copies begin as those blocks)
+    assert counters["n_prefill_device_chunks"] == 7 and counters["n_prefill_row_uploads"] == 3
+    assert counters["n_prefill_extends"] == 3 and counters["n_prefill_host_chunks"] == 0
 
 
 @pytest.mark.parametrize("where", ["host", "device"])

@@ -137,9 +137,11 @@ class PrefillCopies:
     at most `DECODE_GAP` decode steps between them (the serving engine's step: prefill calls, then a
     decode call of the other requests). The next chunk then extends them on the device with the
     blocks evicted before it and copies from the host store only the rows whose copies are not
-    current (a row new to the device path, reset, adopted, or one whose decode steps evicted); a
-    prompt is uploaded once, not once per chunk. Per row, `_held[b]` is the number of offloaded
-    blocks its copies hold (-1: not current)."""
+    current (reset, adopted, or one whose decode steps evicted), each its own blocks only (padded to
+    a power of two, not to P); a row new to the device path, all of whose offloaded blocks were
+    evicted at that chunk's start, takes them from the evicted blocks (no host round trip, no wait
+    for the store). A prompt is uploaded at most once, not once per chunk. Per row, `_held[b]` is
+    the number of offloaded blocks its copies hold (-1: not current)."""
 
     DECODE_GAP = 1
 
@@ -222,7 +224,8 @@ class PrefillCopies:
         [B] offloaded blocks per sequence for the `active` [B] rows (n_valid 0 for the others). The
         kept copies are extended on the device with the blocks evicted at this step's start; the
         rows of the chunk whose copies are not current are copied from the host store, once every
-        started eviction has landed there."""
+        started eviction has landed there (a row whose blocks were all evicted at this step start
+        takes them from the evicted blocks instead)."""
         runtime, cfg = self.runtime, self.runtime.config
         device, batch = runtime.device, runtime.batch
         start = time.perf_counter()
@@ -232,6 +235,19 @@ class PrefillCopies:
         evicted, self._evicted, self._kept = self._evicted, None, None
         if kept is None or held is None:
             kept, held = None, np.full(batch, -1, np.int64)
+        if evicted is not None and not runtime.store_rounds:
+            # a row whose every offloaded block was evicted at this step start (its first chunk past
+            # the window) takes them from the evicted blocks, still on the device: no host round trip
+            whole = (held < 0) & (evicted[4] > 0) & (evicted[4] == blocks)
+            if whole.any():
+                if kept is None:
+                    with jax.default_device(device):
+                        kept = _zeros(evicted[0].shape[0], (batch,) + evicted[0].shape[3:4] + (p,) + evicted[0].shape[4:],
+                                      np.dtype(runtime.dtype))
+                held = np.where(whole, 0, held)
+                runtime.core_counters.add(n_prefill_rows_from_evicted=int(whole.sum()))
+        if kept is None:
+            pass
         elif evicted is not None and runtime.store_rounds:
             # The evicted blocks on the device are the unrounded values; the store holds (and
             # decode attends) its rounded rows: the rows that evicted copy them from the store.
@@ -246,9 +262,11 @@ class PrefillCopies:
         stale = active & (blocks > 0) & (held != blocks)
         if stale.any():
             runtime.evictor.publish_all()
-        for row in np.flatnonzero(stale).tolist():  # a row at a time: one shape per P, compiled once
-            fresh, _ = offloaded_prompt(runtime.store, batch, runtime.dtype, device, rows=np.array([row]), tokens=p)
-            kept = _set_rows(kept, tuple(fresh), np.array([row], np.int32), batch)
+        for row in np.flatnonzero(stale).tolist():  # a row at a time: one shape per (P, its own size)
+            # its own blocks padded to a power of two, not to P: the rest of its copy is masked (n_valid)
+            own = min(next_pow2(int(blocks[row])) * cfg.block_size, p)
+            fresh, _ = offloaded_prompt(runtime.store, batch, runtime.dtype, device, rows=np.array([row]), tokens=own)
+            kept = _set_rows(kept, tuple(fresh), np.array([row], np.int32), batch, p)
             held[row] = blocks[row]
             runtime.core_counters.add(bytes_to_device=sum(x.nbytes for pair in fresh for x in pair),
                                       n_prefill_row_uploads=1)
@@ -296,20 +314,28 @@ def _pad(prev: tuple, p: int):
     return jax.tree_util.tree_map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, p - x.shape[2]), (0, 0))), prev)
 
 
-def _set_rows(prev: tuple | None, fresh: tuple, rows: np.ndarray, batch: int):
-    """prev[l] = (k, v) [B, Hkv, P, D] (None: zeros) with rows `rows` [n] replaced by fresh[l]
-    [n, Hkv, P, D] (prev donated: written in place)."""
+def _set_rows(prev: tuple | None, fresh: tuple, rows: np.ndarray, batch: int, p: int):
+    """prev[l] = (k, v) [B, Hkv, P, D] (None: zeros of P = p tokens) with the first P' tokens of
+    rows `rows` [n] replaced by fresh[l] [n, Hkv, P', D], P' <= P (prev donated: written in place;
+    the row's tokens past P' keep what they held: masked by n_valid)."""
     if prev is None:
-        return _new_with_rows(fresh, rows, batch)
+        return _new_with_rows(fresh, rows, batch, p)
     return _replace_rows(prev, fresh, rows)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _replace_rows(prev: tuple, fresh: tuple, rows: jax.Array):
-    return jax.tree_util.tree_map(lambda x, new: x.at[rows].set(new.astype(x.dtype)), prev, fresh)
+    return jax.tree_util.tree_map(lambda x, new: x.at[rows, :, :new.shape[2]].set(new.astype(x.dtype)), prev, fresh)
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _new_with_rows(fresh: tuple, rows: jax.Array, batch: int):
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _new_with_rows(fresh: tuple, rows: jax.Array, batch: int, p: int):
     return jax.tree_util.tree_map(
-        lambda new: jnp.zeros((batch,) + new.shape[1:], new.dtype).at[rows].set(new), fresh)
+        lambda new: jnp.zeros((batch,) + new.shape[1:2] + (p,) + new.shape[3:], new.dtype)
+        .at[rows, :, :new.shape[2]].set(new), fresh)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(n_layers: int, shape: tuple, dtype) -> tuple:
+    """Copies of nothing yet: per layer (k, v) zeros of `shape` [B, Hkv, P, D]."""
+    return tuple([(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(n_layers)])

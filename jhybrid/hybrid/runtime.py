@@ -126,6 +126,7 @@ class HostCounters(Counters):
     n_prefill_device_chunks: int = 0
     n_prefill_extends: int = 0      # device chunks that extended the kept copies with evicted blocks
     n_prefill_row_uploads: int = 0  # rows a device chunk copied from the host store (not current)
+    n_prefill_rows_from_evicted: int = 0  # rows whose first copies were their blocks evicted at that chunk
     n_prefill_host_chunks: int = 0
     n_prefill_window_chunks: int = 0  # chunks of rows with nothing offloaded: the window alone, no host call
     exchange_barrier_s: float = 0.0  # before a decode step's first host layer: waiting for host work
