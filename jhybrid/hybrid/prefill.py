@@ -247,7 +247,7 @@ class PrefillCopies:
                 held = np.where(whole, 0, held)
                 runtime.core_counters.add(n_prefill_rows_from_evicted=int(whole.sum()))
         if kept is None:
-            pass
+            pass  # nothing kept: every active row with offloaded blocks is stale (copied below)
         elif evicted is not None and runtime.store_rounds:
             # The evicted blocks on the device are the unrounded values; the store holds (and
             # decode attends) its rounded rows: the rows that evicted copy them from the store.
