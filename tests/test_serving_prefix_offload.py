@@ -164,6 +164,14 @@ def run_all(engine, handles):
     return [h.result(0) for h in handles]
 
 
+def alone(model, backend, requests) -> list:
+    """The output of each (prompt, max_tokens) of `requests` run alone, in order, through an engine
+    of the same shape without a prefix cache."""
+    engine = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    with engine:
+        return [run_all(engine, [engine.submit(Request(prompt, max_tokens=m))])[0] for prompt, m in requests]
+
+
 def scenario(engine, prompts, max_tokens):
     """A alone; C starts, B (sharing A's prefix) is admitted while C decodes; then D (partial
     match), E (a miss), F (A's prefix + 5 tokens). Deterministic: the caller's thread steps."""
@@ -197,12 +205,10 @@ def test_prefix_hits_give_the_tokens_of_running_alone(model, rng, name):
     assert (stats.prefix_hits, stats.prefix_misses, stats.prefix_hit_tokens) == (3, 3, 80 + 32 + hit_f)
     assert stats.prefix_bytes_device == (6 + 1 + 3 + 3 + 3) * BLOCK_BYTES  # A, B, C, D, E's new blocks (host pool)
 
-    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
-    with alone:
-        for key, prompt in zip("ABCDEF", prompts):
-            want = run_all(alone, [alone.submit(Request(prompt, max_tokens=30 if key == "C" else 20))])[0]
-            assert outs[key].tokens == want.tokens, f"{name}: request {key} differs from its run alone"
-            assert outs[key].finish_reason == want.finish_reason
+    wants = alone(model, backend, [(prompt, 30 if key == "C" else 20) for key, prompt in zip("ABCDEF", prompts)])
+    for key, want in zip("ABCDEF", wants):
+        assert outs[key].tokens == want.tokens, f"{name}: request {key} differs from its run alone"
+        assert outs[key].finish_reason == want.finish_reason
 
 
 @pytest.mark.slow  # ~40 s on the 2-core machine: one more model's compiles
@@ -221,10 +227,7 @@ def test_a_hit_with_sliding_window_layers(rng):
     with engine:
         outs = [run_all(engine, [engine.submit(Request(p, max_tokens=16))])[0] for p in prompts]
     assert [o.cached_tokens for o in outs] == [0, 64]
-    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
-    with alone:
-        for prompt, out in zip(prompts, outs):
-            assert out.tokens == run_all(alone, [alone.submit(Request(prompt, max_tokens=16))])[0].tokens
+    assert [o.tokens for o in outs] == [w.tokens for w in alone(model, backend, [(p, 16) for p in prompts])]
 
 
 def test_a_prompt_enters_the_prefix_cache_as_it_is_prefilled(model, rng, monkeypatch):
@@ -251,9 +254,7 @@ def test_a_prompt_enters_the_prefix_cache_as_it_is_prefilled(model, rng, monkeyp
         again = run_all(engine, [engine.submit(Request(prompt, max_tokens=6))])[0]
     assert blocks == [0, 1, 2, 3, 4, 5, 6]
     assert again.cached_tokens == reusable_prefix(backend, len(prompt), 96, CHUNK, BLOCK) > 0
-    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
-    with alone:
-        want = run_all(alone, [alone.submit(Request(prompt, max_tokens=6))])[0]
+    (want,) = alone(model, backend, [(prompt, 6)])
     assert first.tokens == want.tokens and again.tokens == want.tokens
 
 
@@ -304,9 +305,7 @@ def test_a_step_ends_while_its_store_jobs_run_and_an_admission_waits_for_them(mo
         outs = run_all(engine, [first, second])
     assert running_at_lookup[1] == 0  # the second request's lookup, after every held job ended
     assert outs[1].cached_tokens > 0
-    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
-    with alone:
-        want = run_all(alone, [alone.submit(Request(prompt, max_tokens=6))])[0]
+    (want,) = alone(model, backend, [(prompt, 6)])
     assert [o.tokens for o in outs] == [want.tokens] * 2
 
 
@@ -332,10 +331,7 @@ def test_a_prompt_whose_cached_blocks_are_evicted_mid_prefill_stops_being_stored
         again = run_all(engine, [engine.submit(Request(prompts[1], max_tokens=6))])[0]
     assert max(held) == 4
     assert again.cached_tokens <= BLOCK and again.tokens == outs[1].tokens
-    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
-    with alone:
-        for prompt, out in zip(prompts, outs):
-            assert out.tokens == run_all(alone, [alone.submit(Request(prompt, max_tokens=6))])[0].tokens
+    assert [o.tokens for o in outs] == [w.tokens for w in alone(model, backend, [(p, 6) for p in prompts])]
 
 
 def test_row_resets_compile_once_whatever_step_came_before(model, rng):
@@ -355,10 +351,8 @@ def test_row_resets_compile_once_whatever_step_came_before(model, rng):
         outs = run_all(engine, [engine.submit(Request(p, max_tokens=3 + i)) for i, p in enumerate(prompts)])
     assert engine.stats().finished == len(prompts)
     assert rows._reset._cache_size() == 1
-    alone = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
-    with alone:
-        for i, (prompt, out) in enumerate(zip(prompts, outs)):
-            assert out.tokens == run_all(alone, [alone.submit(Request(prompt, max_tokens=3 + i))])[0].tokens
+    wants = alone(model, backend, [(p, 3 + i) for i, p in enumerate(prompts)])
+    assert [o.tokens for o in outs] == [w.tokens for w in wants]
 
 
 def test_a_failing_store_job_fails_the_step_and_ends_every_request(model, rng, monkeypatch):

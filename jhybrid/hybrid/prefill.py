@@ -241,9 +241,9 @@ class PrefillCopies:
             whole = (held < 0) & (evicted[4] > 0) & (evicted[4] == blocks)
             if whole.any():
                 if kept is None:
+                    n_layers, _, _, hkv, d = evicted[0].shape  # [L, N, bs, Hkv, D]
                     with jax.default_device(device):
-                        kept = _zeros(evicted[0].shape[0], (batch,) + evicted[0].shape[3:4] + (p,) + evicted[0].shape[4:],
-                                      np.dtype(runtime.dtype))
+                        kept = _zeros(n_layers, (batch, hkv, p, d), np.dtype(runtime.dtype))
                 held = np.where(whole, 0, held)
                 runtime.core_counters.add(n_prefill_rows_from_evicted=int(whole.sum()))
         if kept is None:
