@@ -52,8 +52,11 @@ def _add_serve(sub) -> None:
                    help="tokens per request, prompt + completion (default: the model's context)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill chunk (default 256)")
     p.add_argument("--step-token-budget", type=int, default=None,
-                   help="prompt + decode tokens per engine step, so a long prompt is prefilled between "
-                        "decode steps of the others (default: the engine's)")
+                   help="prompt tokens prefilled per engine step, so a long prompt is prefilled between "
+                        "decode steps of the others (default: --prefill-chunk)")
+    p.add_argument("--decoding-step-token-budget", type=int, default=None,
+                   help="the same for a step that begins with requests decoding: smaller keeps their "
+                        "token gaps short while prompts prefill (default: --step-token-budget)")
     p.add_argument("--prefill-order", choices=("arrival", "shortest"), default="arrival",
                    help="which prompts take each step's prefill budget first: arrival order (default), or "
                         "fewest tokens left first (prefix-cache hits and short prompts answer sooner)")
@@ -83,7 +86,8 @@ def check_serve_args(args) -> None:
     check_dtype(args.dtype, "--dtype")
     for flag, value, least in (("--slots", args.slots, 1), ("--max-len", args.max_len, 1),
                                ("--prefill-chunk", args.prefill_chunk, 1),
-                               ("--step-token-budget", args.step_token_budget, 1)):
+                               ("--step-token-budget", args.step_token_budget, 1),
+                               ("--decoding-step-token-budget", args.decoding_step_token_budget, 1)):
         if value is not None and value < least:
             raise ValueError(f"{flag} {value}; expected an integer >= {least}")
     if not 0 <= args.port <= 65535:
@@ -174,6 +178,8 @@ def _serving_engine(model, backend, args, max_len: int):
                     prefill_order=args.prefill_order)
     if args.step_token_budget is not None:
         settings["step_token_budget"] = args.step_token_budget
+    if args.decoding_step_token_budget is not None:
+        settings["decoding_step_token_budget"] = args.decoding_step_token_budget
     if args.prefix_cache_mb is not None:
         settings["prefix_cache_bytes"] = int(args.prefix_cache_mb * 2**20)
     if args.prefix_cache_host_mb or args.prefix_cache_disk_mb:

@@ -18,7 +18,8 @@ CONFIG = """
 name: tiny-serving
 model: {name: tiny}
 benchmark: {task: serving, decode_tokens: 4, prefill_chunk: 32, serving_requests: 6, serving_rate: 1000.0,
-            serving_contexts: [64, 96], serving_shared_prefix: 48, serving_shared_share: 1.0, serving_slots: 2}
+            serving_contexts: [64, 96], serving_shared_prefix: 48, serving_shared_share: 1.0, serving_slots: 2,
+            serving_decoding_step_tokens: 16}
 sweep:
   - {offload.mode: full}
 """
@@ -26,7 +27,7 @@ sweep:
 FIELDS = {"mode", "slots", "requests", "rate", "ttft_p50_s", "ttft_p99_s", "tbt_p50_ms", "tbt_p99_ms",
           "request_throughput", "decode_tok_s", "goodput", "slo_met", "prefix_hits", "prefix_misses",
           "ttft_hit_over_miss", "ttft_hit_over_shared_miss", "served_over_fixed", "served_over_fixed_e2e", "fixed_decode_tok_s",
-          "tbt_p99_over_p50", "completed", "lost", "compiles_timed", "saturated_tok_s", "saturated_over_fixed"}
+          "tbt_p99_over_p50", "decoding_step_tokens", "completed", "lost", "compiles_timed", "saturated_tok_s", "saturated_over_fixed"}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,7 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
     assert FIELDS <= set(row), FIELDS - set(row)
     assert row["task"] == "serving" and row["mode"] == "full" and row["slots"] == 2
     assert row["requests"] == 6 and row["completed"] == 6 and row["lost"] == 0
+    assert (row["step_tokens"], row["decoding_step_tokens"]) == (32, 16)
     assert row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
     assert row["tbt_p99_ms"] >= row["tbt_p50_ms"] > 0
     assert row["request_throughput"] > 0 and row["decode_tok_s"] > 0
@@ -127,6 +129,7 @@ def load_config_text(text: str):
     ("serving_contexts: [64, 0]", ["serving_contexts", "non-empty list of positive ints"]),
     ("serving_rate: 0", ["serving_rate", "positive"]),
     ("serving_slots: 0", ["serving_slots", "positive"]),
+    ("serving_decoding_step_tokens: 0", ["serving_decoding_step_tokens", "positive"]),
     ("serving_requests: -1", ["serving_requests", "positive"]),
     ("serving_prefix_cache_mb: -1", ["serving_prefix_cache_mb", ">= 0"]),
     ("serving_rate: fast", ["serving_rate", "float"]),
@@ -174,12 +177,17 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
     assert [row["step"] for row in _longest_gaps(with_c, n=3)] == [4, 3]
 
 
+def run_two_requests_config(extra: str) -> str:
+    """CONFIG with 2 requests and `extra` (benchmark keys, YAML flow syntax)."""
+    text = CONFIG.replace("serving_decoding_step_tokens: 16}", f"serving_requests: 2, {extra}}}")
+    assert text != CONFIG
+    return text.replace("serving_requests: 6, ", "")
+
+
 def run_two_requests(tmp_path, extra: str) -> list[dict]:
-    """CONFIG's sweep with 2 requests and `extra` (benchmark keys, YAML flow syntax) -> its rows."""
-    text = CONFIG.replace("serving_slots: 2}", f"serving_slots: 2, serving_requests: 2, {extra}}}")
-    text = text.replace("serving_requests: 6, ", "")
+    """CONFIG's sweep with 2 requests and `extra` -> its rows."""
     path = tmp_path / "serving.yaml"
-    path.write_text(text)
+    path.write_text(run_two_requests_config(extra))
     return runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path / "results"), argv=[],
                             show_progress=False).rows
 
@@ -238,9 +246,8 @@ def test_an_engine_failure_in_the_load_is_the_points_error(tmp_path, monkeypatch
         return original(self, runs)
 
     monkeypatch.setattr(ServingEngine, "_decode_call", failing)
-    text = CONFIG.replace("serving_slots: 2}", "serving_slots: 2, serving_saturation: false, serving_requests: 2}")
     path = tmp_path / "serving.yaml"
-    path.write_text(text.replace("serving_requests: 6, ", ""))
+    path.write_text(run_two_requests_config("serving_saturation: false"))
     outcome = runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path / "results"), argv=[],
                                show_progress=False)
     assert outcome.errors == 1

@@ -574,6 +574,7 @@ def test_shutdown_cancels_what_outlives_the_drain_timeout():
     (["--slots", "0"], "--slots 0; expected an integer >= 1"),
     (["--max-len", "-3"], "--max-len -3; expected an integer >= 1"),
     (["--step-token-budget", "0"], "--step-token-budget 0"),
+    (["--decoding-step-token-budget", "-4"], "--decoding-step-token-budget -4; expected an integer >= 1"),
     (["--prefix-cache-mb", "-1"], "--prefix-cache-mb -1.0; expected a number >= 0"),
     (["--prefix-cache-host-mb", "-2"], "--prefix-cache-host-mb -2.0; expected a number >= 0"),
     (["--prefix-cache-disk-dir", "/tmp/x"], "--prefix-cache-disk-dir /tmp/x needs --prefix-cache-disk-mb > 0"),

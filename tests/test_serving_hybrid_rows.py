@@ -96,3 +96,50 @@ def test_prefill_calls_over_some_rows_equal_whole_row_calls(model, rng, name):
     prefill_rows = {rows for kind, rows in calls if kind == "prefill_rows"}
     assert prefill_rows == {1, 2}, calls  # calls of some rows while others decode ...
     assert ("prefill", SLOTS) in calls  # ... and of every row (the whole batch) when 3 or 4 prefill
+
+
+@pytest.mark.parametrize("name", ["scout", "hgca"])
+def test_a_step_that_begins_with_requests_decoding_prefills_whole_chunks_within_its_budget(model, rng, name):
+    """4 chunks a step, one while a request decodes (`decoding_step_token_budget`): the offloading
+    modes' rows depend on where chunks end, so such a step takes one whole chunk where a call of R
+    rows would take one of each; the steps without a decoding request take a chunk of each of up
+    to 4 rows. Every request's tokens equal running it alone (its chunks end where they end alone)."""
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (30, 100, 41, 70)]
+    tokens = [24, 6, 6, 6]
+    engine = ServingEngine(model, backend_of(name, False), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           step_token_budget=4 * CHUNK, decoding_step_token_budget=CHUNK, prefix_cache=None,
+                           prefill_order="arrival")
+    taken = []  # (a request was decoding when the step began, prompt tokens the step took per request)
+    try:
+        handles = [engine.submit(Request(prompts[0], max_tokens=tokens[0]))]
+        for _ in range(200):  # bounded
+            decoding = any(h.tokens and not h.done for h in handles)
+            before = engine.stats().steps
+            if not engine.step() and len(handles) == len(prompts):
+                break
+            if engine.stats().steps > before:
+                taken.append((decoding, engine.step_log()[-1].prefill))
+            if len(handles) < len(prompts) and handles[0].tokens:  # the rest arrive while the first decodes
+                handles += [engine.submit(Request(p, max_tokens=n)) for p, n in zip(prompts[1:], tokens[1:])]
+        outs = [h.result(0) for h in handles]
+    finally:
+        engine.close(drain=False)
+    alone_engine = ServingEngine(model, backend_of(name, False), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                                 prefix_cache=None)
+    try:
+        for prompt, n, out in zip(prompts, tokens, outs):
+            handle = alone_engine.submit(Request(prompt, max_tokens=n))
+            while alone_engine.step():
+                pass
+            assert out.tokens == handle.result(0).tokens
+    finally:
+        alone_engine.close(drain=False)
+    assert taken[0] == (False, ((outs[0].request_id, 30),))  # 16 + 14 in one step, nothing decoding yet
+    decoding_steps = [prefill for decoding, prefill in taken if decoding and prefill]
+    assert decoding_steps and all(sum(n for _, n in p) <= CHUNK for p in decoding_steps), taken
+    left = {out.request_id: len(p) for out, p in zip(outs, prompts)}
+    for _, prefill in taken:  # whole chunks: only a prompt's last one is shorter
+        for request_id, n in prefill:
+            left[request_id] -= n
+            assert n % CHUNK == 0 or left[request_id] == 0, taken
+    assert not any(left.values())

@@ -247,14 +247,26 @@ def plot_breakdown(rows: list[dict], path: str) -> str | None:
     return path
 
 
+
+def _serving_label(row: dict) -> str:
+    """A serving row's bar label: its mode, step budget (and the budget while requests decode, when
+    smaller) and whether the prefix cache had a host tier."""
+    label = f"{row['mode']}\nbudget {row.get('step_tokens')}"
+    decoding = row.get("decoding_step_tokens")
+    if decoding is not None and decoding != row.get("step_tokens"):
+        label += f" ({decoding} decoding)"
+    if (row.get("prefix_bytes") or {}).get("host"):
+        label += "\n+ host tier"
+    return label
+
+
 def plot_serving(rows: list[dict], path: str) -> str | None:
     """Three panels, one bar group per serving point (mode, step budget): TTFT p50 / p99 (s), token
     gaps p50 / p99 / p99 while another prompt prefills (ms), saturated vs fixed-batch tokens/s."""
     rows = [r for r in _ok(rows, "serving") if r.get("ttft_p50_s") is not None]
     if not rows:
         return None
-    labels = [f"{r['mode']}\nbudget {r.get('step_tokens')}" + ("\n+ host tier" if (r.get("prefix_bytes") or {}).get("host")
-                                                                    else "") for r in rows]
+    labels = [_serving_label(r) for r in rows]
     x = np.arange(len(rows))
     panels = [("time to first token (s)", [("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")]),
               ("token gaps (ms)", [("tbt_p50_ms", "p50"), ("tbt_p99_ms", "p99"),

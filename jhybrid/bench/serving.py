@@ -12,7 +12,8 @@ greedy tokens (no stop token). Draws come from a fixed seed: the same config giv
 
 The run, per point (its mode: the offload section, through `backend_for` like the throughput task):
   1. a ServingEngine of `serving_slots` slots, `max_len` = longest prompt + decode_tokens + 1 (rounded
-     up to 64), `prefill_chunk`, `serving_step_tokens` prefill tokens per step (default: prefill_chunk),
+     up to 64), `prefill_chunk`, `serving_step_tokens` prefill tokens per step (default: prefill_chunk;
+     `serving_decoding_step_tokens` in a step that begins with requests decoding),
      `serving_prefill_order`, the prefix cache's device tier `serving_prefix_cache_mb` (default: the
      engine's) and host tier `serving_prefix_cache_host_mb`;
   2. warm-up (untimed, its own random tokens): 1, 2, 4 ... (up to the slots) requests of the
@@ -29,7 +30,7 @@ The run, per point (its mode: the offload section, through `backend_for` like th
      warm-up batch first; Generator excludes compile time from its prefill and decode seconds).
 
 Row fields: task, model, layers, mode, window, slots, requests, rate, contexts, shared_prefix,
-shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, packs_decode (the running requests'
+shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, decoding_step_tokens, packs_decode (the running requests'
   decode tokens ride in the step's first prefill call: `ServingEngine`),
   completed (requests that ended with max_tokens tokens; every one should), lost (the others),
   ttft_p50_s, ttft_p99_s, tbt_p50_ms, tbt_p99_ms (gaps between consecutive tokens of a request,
@@ -219,6 +220,8 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     backend, window = backend_for(offload, longest_prompt(bench))
     slots = bench.serving_slots
     step_tokens = bench.serving_step_tokens or bench.prefill_chunk
+    decoding_step_tokens = (None if bench.serving_decoding_step_tokens is None
+                            else min(bench.serving_decoding_step_tokens, step_tokens))
     vocab = model.config.vocab_size
     load = make_load(bench, vocab)
     n = len(load.prompts)
@@ -228,18 +231,20 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             "shared_share": bench.serving_shared_share, "shared_suffix": bench.serving_shared_suffix,
             "prefill_order": bench.serving_prefill_order, "decode_tokens": bench.decode_tokens, "max_len": max_len,
             "prefill_chunk": bench.prefill_chunk, "step_tokens": step_tokens,
+            "decoding_step_tokens": decoding_step_tokens,
             "packs_decode": bool(backend.packs_decode), "host_kv_dtype": offload.host_kv_dtype or "model"}
     prefix_cache = PrefixCacheConfig(
         device_bytes=None if bench.serving_prefix_cache_mb is None else int(bench.serving_prefix_cache_mb * 2**20),
         host_bytes=int(bench.serving_prefix_cache_host_mb * 2**20))
     # Steps over the whole run: warm-up and load, each request's prefill chunks and decode steps.
-    steps = sum(math.ceil(len(p) / min(step_tokens, bench.prefill_chunk)) for p in load.prompts)
+    steps = sum(math.ceil(len(p) / min(decoding_step_tokens or step_tokens, bench.prefill_chunk)) for p in load.prompts)
     step_log = 4 * (steps + n * bench.decode_tokens) + 1024
 
     report_phase(on_step, f"serving engine: {slots} slots of {max_len} tokens")
     engine = ServingEngine(model, backend, slots=slots, max_len=max_len, prefill_chunk=bench.prefill_chunk,
                            step_token_budget=step_tokens, prefix_cache=prefix_cache, step_log=step_log,
-                           prefill_order=bench.serving_prefill_order)
+                           prefill_order=bench.serving_prefill_order,
+                           decoding_step_token_budget=decoding_step_tokens)
     try:
         engine.start()
         t0 = time.perf_counter()

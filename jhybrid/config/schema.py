@@ -138,6 +138,9 @@ class BenchmarkSpec:
           tokens left first: prefix-cache hits are answered before long prompts finish).
       serving_slots: the engine's slots (requests decoded together), also the fixed batches' size.
       serving_step_tokens: prompt tokens prefilled per engine step (null: prefill_chunk).
+      serving_decoding_step_tokens: the same for a step that begins with requests decoding (the
+          engine's decoding_step_token_budget; null: serving_step_tokens): smaller keeps their token
+          gaps short while prompts prefill, at the cost of the prompts' time to first token.
       serving_prefix_cache_mb: the prefix cache's device tier in MiB (null: the engine's default, one
           slot's KV up to 1 GiB; 0: no prefix cache).
       serving_prefix_cache_host_mb: its host tier in MiB (blocks the device tier evicts spill there;
@@ -188,6 +191,7 @@ class BenchmarkSpec:
     serving_prefill_order: str = dataclasses.field(default="arrival", metadata=_choices("arrival", "shortest"))
     serving_slots: int = 4
     serving_step_tokens: int | None = None
+    serving_decoding_step_tokens: int | None = None
     serving_prefix_cache_mb: float | None = None
     serving_prefix_cache_host_mb: float = 0.0
     serving_slo_ttft_s: float | None = None
@@ -224,6 +228,7 @@ POSITIVE = {"tokens", "scored_tokens", "niah_length", "niah_needles", "answer_to
             "decode_tokens", "prefill_chunk", "prefill_repeats", "block_size", "window_tokens", "budget",
             "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s", "tp",
             "serving_requests", "serving_rate", "serving_slots", "serving_step_tokens", "serving_slo_ttft_s",
+            "serving_decoding_step_tokens",
             "serving_slo_tbt_ms", "serving_repeats"}
 NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib", "serving_shared_prefix",
                 "serving_prefix_cache_mb", "serving_prefix_cache_host_mb"}

@@ -8,7 +8,8 @@ each request runs in one row (slot) from admission to its end, then the row is e
   2. waiting requests take the free slots, in arrival order; with the prefix cache, a request
      whose prompt starts with cached blocks gets their KV copied into its row and starts its
      prefill after them (at least its last prompt token is always prefilled: it gives the logits);
-  3. prefill: up to `step_token_budget` prompt tokens of the prefilling requests (oldest first, or
+  3. prefill: up to `step_token_budget` prompt tokens of the prefilling requests (while any request
+     decodes, `decoding_step_token_budget` when set: see below) (oldest first, or
      with prefill_order="shortest" fewest prompt tokens left first: a prefix-cache hit's short
      suffix then does not wait behind long prompts), in calls of [R, W] tokens over the R rows
      taking part (R a power of two or slots, padded with idle rows; a call of every row runs over
@@ -34,8 +35,12 @@ each request runs in one row (slot) from admission to its end, then the row is e
   5. finished requests (stop token, max_tokens) leave; their rows are reset.
 
 A long prompt is thus prefilled over several steps, each followed by a decode step of the running
-requests: it never stalls them for more than one budget of prefill. Shapes are fixed (prefill
-[R, W] for each row count R, alone or packed with [slots] decode tokens, or [slots, chunk];
+requests: it never stalls them for more than one budget of prefill. While requests decode, the
+step's budget is `decoding_step_token_budget` when set (Sarathi-Serve's stall-free batching: a
+smaller budget keeps the running requests' token gaps near a decode step's time, at the cost of the
+prompts' time to first token), and it is strict for a `chunk_dependent` backend: its calls then
+take whole chunks within the budget (at least one chunk a step), where otherwise a call of R rows
+takes a chunk of each. Shapes are fixed (prefill [R, W] for each row count R, alone or packed with [slots] decode tokens, or [slots, chunk];
 decode [slots, 1]; the prefix copies run in pieces of one block count), each compiled once ahead of
 time (like `Generator._run`; `compile_steps` compiles every step shape up front): the steady state
 never recompiles.
@@ -282,6 +287,11 @@ class ServingEngine(Engine):
     step_token_budget: prompt tokens prefilled per engine step over all rows (default: prefill_chunk);
         with a backend that does not `prefills_rows`, the token positions its calls compute: each
         [slots, prefill_chunk] call counts whole, carrying a chunk of every prefilling request.
+    decoding_step_token_budget: the budget of a step that begins with requests decoding (at most
+        step_token_budget; default None: step_token_budget, by its rules). Calls keep their shapes
+        (a `prefills_rows` backend's width comes from step_token_budget): only how many tokens a
+        step takes changes; a `chunk_dependent` backend takes whole chunks within it, at least one
+        a step.
     prefix_cache: a PrefixCacheConfig, or None for no prefix cache. Used with a backend that says
         how a row's tokens lie (`backend.row_kv()`: full, quest) and with a single-device
         offloading backend (HybridAttention: its first tier lives on the host, module docstring); with any other
@@ -301,7 +311,8 @@ class ServingEngine(Engine):
     def __init__(self, model: CausalLM, backend: AttentionBackend | None = None, slots: int = 4,
                  max_len: int | None = None, prefill_chunk: int = 256, step_token_budget: int | None = None,
                  prefix_cache: PrefixCacheConfig | None = _DEFAULT_PREFIX_CACHE,
-                 prefix_cache_bytes: int | None = None, step_log: int = 1024, prefill_order: str = "arrival"):
+                 prefix_cache_bytes: int | None = None, step_log: int = 1024, prefill_order: str = "arrival",
+                 decoding_step_token_budget: int | None = None):
         backend = _FULL if backend is None else backend
         asked_for_prefix_cache = prefix_cache is not _DEFAULT_PREFIX_CACHE or prefix_cache_bytes is not None
         config = model.config
@@ -309,7 +320,10 @@ class ServingEngine(Engine):
         max_len = context if max_len is None else max_len
         step_token_budget = prefill_chunk if step_token_budget is None else step_token_budget
         for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
-                            ("step_token_budget", step_token_budget)):
+                            ("step_token_budget", step_token_budget),
+                            ("decoding_step_token_budget", decoding_step_token_budget)):
+            if name == "decoding_step_token_budget" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServingEngine {name}={value!r}; expected an integer >= 1")
         if prefill_order not in self.PREFILL_ORDERS:
@@ -334,6 +348,8 @@ class ServingEngine(Engine):
         self.max_len = max_len
         self.prefill_chunk = min(prefill_chunk, backend.max_prefill_chunk or prefill_chunk)
         self.step_token_budget = step_token_budget
+        self.decoding_step_token_budget = (None if decoding_step_token_budget is None
+                                           else min(decoding_step_token_budget, step_token_budget))
         self.prefill_order = prefill_order
         self.graphdef, self.params = nnx.split(model)
         params_signature = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
@@ -688,12 +704,16 @@ class ServingEngine(Engine):
             run.capture_to = min(len(run.prompt) // bs, self._pool.capacity) * bs
 
     def _prefill_and_decode(self) -> tuple[list[tuple[str, int]], list[str]]:
-        """Up to step_token_budget prompt tokens of the prefilling requests (in prefill_order), in
-        calls of [R, W] (`_take`; see the module docstring), and one token for every request past
-        its prefill: packed into the first prefill call when the backend `packs_decode`, else one
-        [slots, 1] call after the prefill.
+        """Up to step_token_budget prompt tokens of the prefilling requests (in prefill_order;
+        decoding_step_token_budget when the step begins with requests decoding), in calls of [R, W]
+        (`_take`; see the module docstring), and one token for every request past its prefill:
+        packed into the first prefill call when the backend `packs_decode`, else one [slots, 1]
+        call after the prefill.
         Returns ((request_id, prompt tokens) per request that prefilled, decoded request_ids)."""
-        budget, done = self.step_token_budget, collections.Counter()
+        # the running requests wait for this step: keep it within its budget
+        strict = self.decoding_step_token_budget is not None and bool(self._decoding())
+        budget = self.decoding_step_token_budget if strict else self.step_token_budget
+        done, first_call = collections.Counter(), True
         packs = self.backend.packs_decode
         decoding = self._decoding() if packs else []  # decided before the prefill: they ride in it
         packed = decoding
@@ -708,7 +728,10 @@ class ServingEngine(Engine):
                            and not r.cancel_requested), key=first)
             if not runs:
                 break
-            taken, size = self._take(runs, budget)
+            taken, size = self._take(runs, budget, strict, first_call)
+            if not taken:  # a strict budget's rest is less than a chunk
+                break
+            first_call = False
             budget -= self._call_cost(taken)
             self._prefill_call(taken, size, done, packed)
             packed = []  # the decode tokens ride with the first call only
@@ -734,12 +757,15 @@ class ServingEngine(Engine):
             return self.prefill_chunk
         return max(1, min(self.prefill_chunk, self.step_token_budget // rows))
 
-    def _take(self, runs: list[_Run], budget: int) -> tuple[list[tuple[_Run, int]], int]:
+    def _take(self, runs: list[_Run], budget: int, strict: bool = False,
+              first_call: bool = True) -> tuple[list[tuple[_Run, int]], int]:
         """The next prefill call from `runs` (in prefill order) within `budget` tokens: ((request,
         prompt tokens) each, the call's row count R). A backend that `prefills_rows` gets the row
         count R (a power of two) that gives the first request the most tokens, then the call the most
         (one shape per R: [R, _call_width(R)]; a `chunk_dependent` backend's requests each take a
-        whole chunk, the budget cutting none); any other backend [slots, prefill_chunk] calls, each
+        whole chunk, the budget cutting none, unless `strict`: then whole chunks within the budget,
+        one at least in a step's first call, none when less than a chunk is left in a later one);
+        any other backend [slots, prefill_chunk] calls, each
         taking up to prefill_chunk tokens of every prefilling request: such a call computes all its
         rows whether they carry tokens or not (`_call_cost`), so a row left empty saves nothing (a
         [4, 256] call carrying two rows prefilled at half a fixed batch's rate)."""
@@ -758,11 +784,17 @@ class ServingEngine(Engine):
         best = None
         for rows in self._row_counts():
             width = self._call_width(rows)
-            taken = greedy(width, rows, rows * width if self.backend.chunk_dependent else budget)
+            if not self.backend.chunk_dependent:
+                taken = greedy(width, rows, budget)
+            else:  # whole chunks: each row taking part gets one (or its prompt's last tokens)
+                carrying = min(rows, max(budget // width, int(first_call))) if strict else rows
+                taken = greedy(width, carrying, carrying * width)
+            if not taken:
+                continue
             score = (taken[0][1], sum(n for _, n in taken))
             if best is None or score > best[0]:
                 best = (score, taken, rows)
-        return best[1], best[2]
+        return ([], 0) if best is None else (best[1], best[2])
 
     def _row_counts(self) -> list[int]:
         """The row counts of prefill calls (backends that `prefills_rows`): powers of two below
