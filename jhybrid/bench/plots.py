@@ -254,7 +254,7 @@ def _serving_label(row: dict) -> str:
     label = f"{row['mode']}\nbudget {row.get('step_tokens')}"
     decoding = row.get("decoding_step_tokens")
     if decoding is not None and decoding != row.get("step_tokens"):
-        label += f" ({decoding} decoding)"
+        label += f"\n({decoding} decoding)"
     if (row.get("prefix_bytes") or {}).get("host"):
         label += "\n+ host tier"
     return label

@@ -168,12 +168,16 @@ class PrefillCopies:
         """At a step start (every prefill step; a decode step when the cache has copies or
         `holds_copies`): take the copies out of the cache (a decode step runs without them; a recall
         mode's copies of the last step are dropped too) and keep attach()'s aside for the next chunk,
-        or drop them after DECODE_GAP decode steps. Returns the cache without copies."""
+        or drop them after DECODE_GAP decode steps with no prefill step between (a chunk inside the
+        window counts: a prompt paused by another's such chunks resumes with its copies). Returns
+        the cache without copies."""
         self._evicted = None
         if self._attached:
             self._kept = tuple([(s.offloaded.k, s.offloaded.v) for s in cache.layers])
             self._attached, self._decode_steps = False, 0
-        if not prefill and self._kept is not None:
+        if prefill:  # a chunk of any row (inside the window too): the prefill goes on, the copies stay
+            self._decode_steps = 0
+        elif self._kept is not None:
             self._decode_steps += 1
             if self._decode_steps > self.DECODE_GAP:
                 self._kept = self._held = None  # frees their device memory for the decode steps
