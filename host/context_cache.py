@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from host.gather import copy_token_rows
 from host.memory import HostMemoryBudget, SlotArrays, SlotPool, arrays_nbytes
 from host.store_format import FORMAT_CODE, STORAGE_DTYPE, StoreConfig
 from host.paged_view import PagedKV
@@ -115,9 +116,47 @@ class ContextCache:
         stored tokens: block_number * block_size + row). Pages are allocated before any write and
         the counts are published last.
         """
-        m = heads.shape[0]
-        if m == 0:
+        if heads.shape[0] == 0:
             return
+        order, page_of_row, offset, counts = self._place_locked(layer, seq_id, heads)
+        if order is not None:
+            k_rows, v_rows, weights, positions, token_index = (
+                x[order] for x in (k_rows, v_rows, weights, positions, token_index))
+        a = self.layers[layer].arrays
+        a["k"][page_of_row, offset] = k_rows
+        a["v"][page_of_row, offset] = v_rows
+        self._write_small(a, page_of_row, offset, weights, positions, token_index)
+        self._heads[seq_id][layer].n_kept += counts
+
+    def append_from_store_locked(self, layer: int, seq_id, store_arrays: dict[str, np.ndarray], heads: np.ndarray,
+                                 slots: np.ndarray, rows: np.ndarray, weights: np.ndarray, positions: np.ndarray,
+                                 token_index: np.ndarray) -> None:
+        """`append_locked` of the tokens at (slots[i], heads[i], rows[i]) of the store's arena
+        (`store_arrays`: the layer's "k", "v" [slots, Hkv, bs, W]), their K/V copied straight into
+        the pages in parallel (`host.gather.copy_token_rows`), with no intermediate [m, W] copies.
+        slots, rows [m] int64; the other arguments as `append_locked`'s."""
+        if heads.shape[0] == 0:
+            return
+        order, page_of_row, offset, counts = self._place_locked(layer, seq_id, heads)
+        if order is not None:
+            heads, slots, rows, weights, positions, token_index = (
+                x[order] for x in (heads, slots, rows, weights, positions, token_index))
+        a = self.layers[layer].arrays
+        copy_token_rows(store_arrays["k"], store_arrays["v"], slots, heads, rows, a["k"], a["v"], page_of_row, offset)
+        self._write_small(a, page_of_row, offset, weights, positions, token_index)
+        self._heads[seq_id][layer].n_kept += counts
+
+    @staticmethod
+    def _write_small(a, page_of_row, offset, weights, positions, token_index) -> None:
+        a["weight"][page_of_row, offset] = weights
+        a["positions"][page_of_row, offset] = positions
+        a["token_index"][page_of_row, offset] = token_index
+
+    def _place_locked(self, layer: int, seq_id, heads: np.ndarray):
+        """Where `heads` [m] new rows go, pages allocated (counts not published): (order, the
+        permutation that makes the rows head-major, each head's in their order, or None when they
+        are; page_of_row, offset [m] int64 for the rows in that order; counts [Hkv] per head)."""
+        m = heads.shape[0]
         hp = self._heads[seq_id][layer]
         arena = self.layers[layer]
         p = self.cfg.context_page_tokens
@@ -136,19 +175,13 @@ class ContextCache:
                 hp.table[h, start:start + n_h] = new_pages[used:used + n_h]
                 used += n_h
             hp.n_pages += pages_needed.clip(0)
-        order = np.argsort(heads, kind="stable")
-        heads_sorted = heads[order]
+        order = None
+        if np.any(heads[1:] < heads[:-1]):  # a selection's rows are head-major already: no reordering
+            order = np.argsort(heads, kind="stable")
+            heads = heads[order]
         head_start = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        rows = hp.n_kept[heads_sorted] + np.arange(m) - head_start[heads_sorted]
-        page_of_row = hp.table[heads_sorted, rows // p]
-        offset = rows % p
-        a = arena.arrays
-        a["k"][page_of_row, offset] = k_rows[order]
-        a["v"][page_of_row, offset] = v_rows[order]
-        a["weight"][page_of_row, offset] = weights[order]
-        a["positions"][page_of_row, offset] = positions[order]
-        a["token_index"][page_of_row, offset] = token_index[order]
-        hp.n_kept += counts
+        rows = hp.n_kept[heads] + np.arange(m) - head_start[heads]
+        return order, hp.table[heads, rows // p], rows % p, counts
 
     def clear_head_locked(self, layer: int, seq_id, head: int) -> None:
         """Drop one head's selection (pages retire until no reader is in flight)."""
@@ -158,6 +191,21 @@ class ContextCache:
         hp.n_kept[head] = 0
 
     # ---- reading ----------------------------------------------------------------------------
+    def kept_since_locked(self, layer: int, seq_id, head: int, first_token: int) -> tuple[np.ndarray, ...]:
+        """One head's kept tokens whose token_index >= first_token, in order, as `append_locked`
+        takes them: k, v [n, D] storage dtype, weight [n] float32, positions [n] int64, token_index
+        [n] int64 (copies). Of the other kept tokens only the token indices are read: a
+        re-evaluation keeps the selection of the blocks evicted after its scoring snapshot, few or
+        none, where copying every kept token (`kept`) cost a sixth of its time."""
+        hp = self._heads[seq_id][layer]
+        p = self.cfg.context_page_tokens
+        rows = np.arange(int(hp.n_kept[head]))
+        pages, offsets = hp.table[head, rows // p], rows % p
+        a = self.layers[layer].arrays
+        since = a["token_index"][pages, offsets] >= first_token
+        pages, offsets = pages[since], offsets[since]
+        return tuple(a[name][pages, offsets] for name in ("k", "v", "weight", "positions", "token_index"))
+
     def kept_counts(self, layer: int, seq_id) -> np.ndarray:
         """Number of kept tokens per KV head, int64 [Hkv]."""
         with self.lock:

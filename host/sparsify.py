@@ -102,18 +102,18 @@ def select_salient(scores: np.ndarray, threshold: float, keep_after: int = 0,
     return extend_spans(keep, keep_after)
 
 
-def _gather_kept_locked(store, layer: int, seq_id, block_numbers: np.ndarray, keep: np.ndarray,
-                        scores: np.ndarray):
-    """Rows of kept tokens, head-major then in token order.
-    keep, scores [Hkv, n_blocks, block_size] for the blocks `block_numbers`."""
+def _append_kept_locked(store, layer: int, seq_id, block_numbers: np.ndarray, keep: np.ndarray,
+                        scores: np.ndarray) -> None:
+    """The kept tokens of the blocks `block_numbers` appended to the sequence's context cache,
+    head-major then in token order, their K/V copied straight from the store's arena.
+    keep, scores [Hkv, n_blocks, block_size]."""
     arrays = store.layers[layer].arrays
     slots = store.block_slots(layer, seq_id)[block_numbers]
     heads, bi, rows = np.nonzero(keep)
-    k_rows = arrays["k"][slots[bi], heads, rows]
-    v_rows = arrays["v"][slots[bi], heads, rows]
-    positions = arrays["positions"][slots[bi], rows]
     token_index = block_numbers[bi] * store.config.block_size + rows
-    return heads.astype(np.int64), k_rows, v_rows, scores[heads, bi, rows].astype(np.float32), positions, token_index
+    store.context.append_from_store_locked(layer, seq_id, arrays, heads.astype(np.int64), slots[bi], rows.astype(np.int64),
+                                           scores[heads, bi, rows].astype(np.float32),
+                                           arrays["positions"][slots[bi], rows], token_index)
 
 
 def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, window_tokens: int,
@@ -142,8 +142,7 @@ def sparsify_evicted(store, layer: int, seq_ids, block_numbers, beta: float, win
             slots = store.block_slots(layer, s)[blocks]
             maw = store.layers[layer].arrays["maw"][slots].transpose(1, 0, 2)  # [Hkv, n, bs]
             keep = select_salient(maw, threshold, keep_after, max_keep_share)
-            rows = _gather_kept_locked(store, layer, s, blocks, keep, maw)
-            store.context.append_locked(layer, s, *rows)
+            _append_kept_locked(store, layer, s, blocks, keep, maw)
             added[i] = keep.sum(axis=(1, 2))
     return added
 
@@ -177,17 +176,14 @@ def reevaluate(store, layer: int, seq_ids, queries: np.ndarray, beta: float, sca
             n_tok = nb * bs
             scores = probs[i, :, :n_tok].reshape(hkv, nb, bs)
             keep = select_salient(scores, salience_threshold(beta, n_tok), keep_after, max_keep_share)
-            fresh = _gather_kept_locked(store, layer, s, np.arange(nb, dtype=np.int64), keep, scores)
             # Tokens of blocks evicted after the snapshot: keep what eviction-time sparsify chose.
-            newer = [store.context.kept(layer, s, h) for h in range(hkv)]
             newer_rows = []
-            for h, d in enumerate(newer):
-                sel = d["token_index"] >= n_tok
-                newer_rows.append((np.full(int(sel.sum()), h, np.int64), d["k"][sel], d["v"][sel],
-                                   d["weight"][sel], d["positions"][sel], d["token_index"][sel]))
+            for h in range(hkv):
+                rows = store.context.kept_since_locked(layer, s, h, n_tok)
+                newer_rows.append((np.full(rows[-1].size, h, np.int64), *rows))
             for h in range(hkv):
                 store.context.clear_head_locked(layer, s, h)
-            store.context.append_locked(layer, s, *fresh)
+            _append_kept_locked(store, layer, s, np.arange(nb, dtype=np.int64), keep, scores)
             for rows in newer_rows:
                 store.context.append_locked(layer, s, *rows)
             kept[i] = store.context.kept_counts(layer, s)

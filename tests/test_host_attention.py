@@ -109,10 +109,9 @@ def test_context_cache_random_index_sets(rng, kv_dtype):
         nb = store.n_blocks(layer, s)
         keep = rng.random((hkv, nb, bs)) < rng.random((hkv, 1, 1))  # per-head density: ragged sizes
         keep[0] = False if s == seqs[1] else keep[0]                  # one empty head
-        from host.sparsify import _gather_kept_locked
+        from host.sparsify import _append_kept_locked
         with store.lock:
-            rows = _gather_kept_locked(store, layer, s, np.arange(nb), keep, np.ones(keep.shape, np.float32))
-            store.context.append_locked(layer, s, *rows)
+            _append_kept_locked(store, layer, s, np.arange(nb), keep, np.ones(keep.shape, np.float32))
         counts = store.context.kept_counts(layer, s)
         np.testing.assert_array_equal(counts, keep.sum(axis=(1, 2)))
     q = queries(rng, len(seqs), 1, hkv * 4, d)
@@ -124,13 +123,52 @@ def test_context_cache_random_index_sets(rng, kv_dtype):
     assert not np.isnan(o).any()
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp32", "int8"])
+def test_context_rows_copied_from_the_store_equal_numpy_gathered_rows(rng, kv_dtype):
+    """`append_from_store_locked` (the K/V rows copied straight from the store's arena in parallel,
+    host.gather.copy_token_rows) against `append_locked` of the same rows gathered by NumPy fancy
+    indexing, on two sequences of one store: random index sets over scattered slots, interleaved
+    heads (reordered head-major), an empty head, pages past the table's first capacity. Every field
+    of every head's kept tokens must be equal; bad indices are errors, not writes."""
+    from host.gather import copy_token_rows
+
+    hkv, d, bs = 3, 16, 4
+    store, seqs = make_store(rng, hkv=hkv, d=d, bs=bs, blocks=[40, 40], kv_dtype=kv_dtype)
+    layer, arrays = 1, store.layers[1].arrays
+    slots_of = store.block_slots(layer, seqs[0])
+    keep = rng.random((hkv, 40, bs)) < 0.7
+    keep[1] = False
+    heads, bi, rows = np.nonzero(keep)
+    token_major = np.lexsort((heads, bi * bs + rows))  # the heads interleaved, each head's rows in order
+    heads, bi, rows = heads[token_major], bi[token_major], rows[token_major]
+    slots = slots_of[bi]
+    weights = rng.random(heads.size).astype(np.float32)
+    positions, token_index = arrays["positions"][slots, rows], bi * bs + rows
+    with store.lock:
+        store.context.append_from_store_locked(layer, seqs[0], arrays, heads.astype(np.int64), slots,
+                                               rows.astype(np.int64), weights, positions, token_index)
+        store.context.append_locked(layer, seqs[1], heads.astype(np.int64), arrays["k"][slots, heads, rows],
+                                    arrays["v"][slots, heads, rows], weights, positions, token_index)
+    for h in range(hkv):
+        got, want = (store.context.kept(layer, s, h) for s in seqs)
+        assert got["token_index"].size == keep[h].sum()
+        for name in ("k", "v", "weight", "positions", "token_index"):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"head {h}: {name}")
+    out = store.context.layers[layer].arrays
+    one = np.zeros(1, np.int64)
+    with pytest.raises(IndexError, match="a value of rows outside"):
+        copy_token_rows(arrays["k"], arrays["v"], one, one, one + bs, out["k"], out["v"], one, one)
+    with pytest.raises(IndexError, match="a value of pages outside"):
+        copy_token_rows(arrays["k"], arrays["v"], one, one, one, out["k"], out["v"], one - 1, one)
+
+
 def test_context_snapshot_page_lists_match_each_heads_kept_tokens(rng):
     """snapshot_locked (the page lists gathered in nopython code) against `kept()`: every unit's
     pages, in order, hold exactly its kept tokens; tables grown past their first capacity, empty
     heads, a sequence order that is not the store's, an unknown sequence and a bad layer."""
     hkv, d, bs = 3, 16, 4
     store, seqs = make_store(rng, hkv=hkv, d=d, bs=bs, blocks=[40, 1, 25])  # 16-token pages: > 8 per head
-    from host.sparsify import _gather_kept_locked
+    from host.sparsify import _append_kept_locked
     layer = 0
     for s in seqs:
         nb = store.n_blocks(layer, s)
@@ -138,8 +176,7 @@ def test_context_snapshot_page_lists_match_each_heads_kept_tokens(rng):
         keep[1] = False  # an empty head in every sequence
         keep[0] |= s == seqs[0]  # 160 tokens: 10 pages, past the table's first capacity of 8
         with store.lock:
-            store.context.append_locked(layer, s, *_gather_kept_locked(store, layer, s, np.arange(nb), keep,
-                                                                        np.ones(keep.shape, np.float32)))
+            _append_kept_locked(store, layer, s, np.arange(nb), keep, np.ones(keep.shape, np.float32))
     order = [seqs[2], seqs[0], seqs[1]]
     with store.lock:
         view = store.context.snapshot_locked(layer, order)

@@ -119,11 +119,18 @@ def test_reevaluation_keeps_selection_of_blocks_evicted_later(rng):
     from host import sparsify as sp
     real_probabilities = sp.token_probabilities
 
+    newer = {}  # per head: the new block's kept tokens before the rebuild (every field)
+
     def attend_then_append(*args, **kwargs):
         out = real_probabilities(*args, **kwargs)
         kk = rng.standard_normal((1, BS, HKV, D)).astype(np.float32)
-        new = store.append_blocks(0, 0, kk, kk, np.ones((1, BS, HKV)), np.zeros((1, BS), np.int64))
+        vv = rng.standard_normal((1, BS, HKV, D)).astype(np.float32)
+        new = store.append_blocks(0, 0, kk, vv, np.ones((1, BS, HKV)), 7 + np.arange(BS)[None])
         sparsify_evicted(store, 0, [0], [new], beta=1.0, window_tokens=16)
+        for h in range(HKV):
+            kept = store.context.kept(0, 0, h)
+            newer[h] = {name: x[kept["token_index"] >= 2 * BS] for name, x in kept.items()
+                        if name != "weight_normalised"}
         return out
 
     sp.token_probabilities = attend_then_append
@@ -132,8 +139,13 @@ def test_reevaluation_keeps_selection_of_blocks_evicted_later(rng):
     finally:
         sp.token_probabilities = real_probabilities
     for h in range(HKV):
-        ti = store.context.kept(0, 0, h)["token_index"]
-        assert np.sum(ti >= 2 * BS) == BS   # the whole new block (MAW 1 > 1/16) survived the rebuild
+        kept = store.context.kept(0, 0, h)
+        after = kept["token_index"] >= 2 * BS
+        assert np.sum(after) == BS   # the whole new block (MAW 1 > 1/16) survived the rebuild ...
+        assert np.all(kept["token_index"][:-BS] < 2 * BS)  # ... after the rescored ones, in order
+        for name, want in newer[h].items():  # ... every field as eviction-time sparsify kept it
+            np.testing.assert_array_equal(kept[name][after], want, err_msg=name)
+        np.testing.assert_array_equal(newer[h]["positions"], 7 + np.arange(BS))
 
 
 def test_extend_spans_keeps_the_tokens_after_each_kept_one_across_blocks():

@@ -174,6 +174,8 @@ def test_growth_is_a_view_of_the_reservation_and_keeps_contents(rng):
                                     rows, rows)
     assert ctx.capacity >= 16 and ctx.slots.copies == 0 and store.context.kept_counts(0, 0).tolist() == [64, 64]
     assert np.all(store.context.kept(0, 0, 1)["v"] == 9)
+    for head in (0, 1):  # rows of interleaved heads: each head's rows in their order
+        np.testing.assert_array_equal(store.context.kept(0, 0, head)["positions"], rows[head::2])
 
 
 def test_growth_past_the_reservation_copies_and_says_so(rng, caplog):
