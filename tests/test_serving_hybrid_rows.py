@@ -98,7 +98,7 @@ def test_prefill_calls_over_some_rows_equal_whole_row_calls(model, rng, name):
     assert ("prefill", SLOTS) in calls  # ... and of every row (the whole batch) when 3 or 4 prefill
 
 
-@pytest.mark.parametrize("name", ["scout", "hgca"])
+@pytest.mark.parametrize("name", ["scout", pytest.param("hgca", marks=pytest.mark.slow)])  # hgca: 14 s more
 def test_a_step_that_begins_with_requests_decoding_prefills_whole_chunks_within_its_budget(model, rng, name):
     """4 chunks a step, one while a request decodes (`decoding_step_token_budget`): the offloading
     modes' rows depend on where chunks end, so such a step takes one whole chunk where a call of R
