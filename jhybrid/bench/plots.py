@@ -247,7 +247,6 @@ def plot_breakdown(rows: list[dict], path: str) -> str | None:
     return path
 
 
-
 def _serving_label(row: dict) -> str:
     """A serving row's bar label: its mode, step budget (and the budget while requests decode, when
     smaller) and whether the prefix cache had a host tier."""

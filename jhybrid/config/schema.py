@@ -227,9 +227,8 @@ SECTIONS = {"model": ModelSpec, "offload": OffloadConfig, "benchmark": Benchmark
 POSITIVE = {"tokens", "scored_tokens", "niah_length", "niah_needles", "answer_tokens", "batch", "context",
             "decode_tokens", "prefill_chunk", "prefill_repeats", "block_size", "window_tokens", "budget",
             "host_threads", "num_layers", "device_memory_gib", "host_memory_gib", "time_budget_s", "tp",
-            "serving_requests", "serving_rate", "serving_slots", "serving_step_tokens", "serving_slo_ttft_s",
-            "serving_decoding_step_tokens",
-            "serving_slo_tbt_ms", "serving_repeats"}
+            "serving_requests", "serving_rate", "serving_slots", "serving_step_tokens", "serving_decoding_step_tokens",
+            "serving_slo_ttft_s", "serving_slo_tbt_ms", "serving_repeats"}
 NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib", "serving_shared_prefix",
                 "serving_prefix_cache_mb", "serving_prefix_cache_host_mb"}
 

@@ -40,10 +40,10 @@ step's budget is `decoding_step_token_budget` when set (Sarathi-Serve's stall-fr
 smaller budget keeps the running requests' token gaps near a decode step's time, at the cost of the
 prompts' time to first token), and it is strict for a `chunk_dependent` backend: its calls then
 take whole chunks within the budget (at least one chunk a step), where otherwise a call of R rows
-takes a chunk of each. Shapes are fixed (prefill [R, W] for each row count R, alone or packed with [slots] decode tokens, or [slots, chunk];
-decode [slots, 1]; the prefix copies run in pieces of one block count), each compiled once ahead of
-time (like `Generator._run`; `compile_steps` compiles every step shape up front): the steady state
-never recompiles.
+takes a chunk of each. Shapes are fixed (prefill [R, W] for each row count R, alone or packed with
+[slots] decode tokens, or [slots, chunk]; decode [slots, 1]; the prefix copies run in pieces of one
+block count), each compiled once ahead of time (like `Generator._run`; `compile_steps` compiles
+every step shape up front): the steady state never recompiles.
 
 The prefix cache holds every layer's true K, V of whole prompt blocks, with either kind of backend:
   * one that keeps every token on the device and says how a row's tokens lie (`backend.row_kv()`:
@@ -710,12 +710,13 @@ class ServingEngine(Engine):
         packed into the first prefill call when the backend `packs_decode`, else one [slots, 1]
         call after the prefill.
         Returns ((request_id, prompt tokens) per request that prefilled, decoded request_ids)."""
+        decoding_now = self._decoding()
         # the running requests wait for this step: keep it within its budget
-        strict = self.decoding_step_token_budget is not None and bool(self._decoding())
+        strict = self.decoding_step_token_budget is not None and bool(decoding_now)
         budget = self.decoding_step_token_budget if strict else self.step_token_budget
         done, first_call = collections.Counter(), True
         packs = self.backend.packs_decode
-        decoding = self._decoding() if packs else []  # decided before the prefill: they ride in it
+        decoding = decoding_now if packs else []  # decided before the prefill: they ride in it
         packed = decoding
         if self.prefill_order == "shortest":
             def first(run):
