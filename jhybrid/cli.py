@@ -57,6 +57,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--decoding-step-token-budget", type=int, default=None,
                    help="the same for a step that begins with requests decoding: smaller keeps their "
                         "token gaps short while prompts prefill (default: --step-token-budget)")
+    p.add_argument("--decoding-max-backlog", type=int, default=None,
+                   help="with --decoding-step-token-budget: use it only while at most this many prompt tokens "
+                        "are left to prefill (admitted and waiting); above, --step-token-budget (default: always)")
     p.add_argument("--prefill-order", choices=("arrival", "shortest"), default="arrival",
                    help="which prompts take each step's prefill budget first: arrival order (default), or "
                         "fewest tokens left first (prefix-cache hits and short prompts answer sooner)")
@@ -87,9 +90,13 @@ def check_serve_args(args) -> None:
     for flag, value, least in (("--slots", args.slots, 1), ("--max-len", args.max_len, 1),
                                ("--prefill-chunk", args.prefill_chunk, 1),
                                ("--step-token-budget", args.step_token_budget, 1),
-                               ("--decoding-step-token-budget", args.decoding_step_token_budget, 1)):
+                               ("--decoding-step-token-budget", args.decoding_step_token_budget, 1),
+                               ("--decoding-max-backlog", args.decoding_max_backlog, 0)):
         if value is not None and value < least:
             raise ValueError(f"{flag} {value}; expected an integer >= {least}")
+    if args.decoding_max_backlog is not None and args.decoding_step_token_budget is None:
+        raise ValueError(f"--decoding-max-backlog {args.decoding_max_backlog} needs --decoding-step-token-budget "
+                         "(the budget it switches on and off)")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}; expected 0..65535 (0 = a free port)")
     for flag, value in (("--prefix-cache-mb", args.prefix_cache_mb), ("--drain-timeout", args.drain_timeout),
@@ -180,6 +187,8 @@ def _serving_engine(model, backend, args, max_len: int):
         settings["step_token_budget"] = args.step_token_budget
     if args.decoding_step_token_budget is not None:
         settings["decoding_step_token_budget"] = args.decoding_step_token_budget
+    if args.decoding_max_backlog is not None:
+        settings["decoding_budget_max_backlog"] = args.decoding_max_backlog
     if args.prefix_cache_mb is not None:
         settings["prefix_cache_bytes"] = int(args.prefix_cache_mb * 2**20)
     if args.prefix_cache_host_mb or args.prefix_cache_disk_mb:

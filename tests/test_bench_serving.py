@@ -19,7 +19,7 @@ name: tiny-serving
 model: {name: tiny}
 benchmark: {task: serving, decode_tokens: 4, prefill_chunk: 32, serving_requests: 6, serving_rate: 1000.0,
             serving_contexts: [64, 96], serving_shared_prefix: 48, serving_shared_share: 1.0, serving_slots: 2,
-            serving_decoding_step_tokens: 16}
+            serving_decoding_step_tokens: 16, serving_decoding_max_backlog: 200}
 sweep:
   - {offload.mode: full}
 """
@@ -48,7 +48,9 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
     assert FIELDS <= set(row), FIELDS - set(row)
     assert row["task"] == "serving" and row["mode"] == "full" and row["slots"] == 2
     assert row["requests"] == 6 and row["completed"] == 6 and row["lost"] == 0
-    assert (row["step_tokens"], row["decoding_step_tokens"]) == (32, 16)
+    assert (row["step_tokens"], row["decoding_step_tokens"], row["decoding_max_backlog"]) == (32, 16, 200)
+    prefill = row["load_steps"]["prefill"]
+    assert set(prefill["budgets"]) <= {"16", "32"} and sum(prefill["budgets"].values()) == prefill["steps"]
     assert row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
     assert row["tbt_p99_ms"] >= row["tbt_p50_ms"] > 0
     assert row["request_throughput"] > 0 and row["decode_tok_s"] > 0
@@ -179,7 +181,8 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
 
 def run_two_requests_config(extra: str) -> str:
     """CONFIG with 2 requests and `extra` (benchmark keys, YAML flow syntax)."""
-    text = CONFIG.replace("serving_decoding_step_tokens: 16}", f"serving_requests: 2, {extra}}}")
+    text = CONFIG.replace("serving_decoding_step_tokens: 16, serving_decoding_max_backlog: 200}",
+                          f"serving_requests: 2, {extra}}}")
     assert text != CONFIG
     return text.replace("serving_requests: 6, ", "")
 

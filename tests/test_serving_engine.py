@@ -402,30 +402,43 @@ def test_compile_steps_compiles_every_step_shape_up_front(model, alone, rng):
         engine.close(drain=False)
 
 
-def test_a_step_that_begins_with_requests_decoding_prefills_its_smaller_budget(model, alone, rng):
+@pytest.mark.parametrize("max_backlog", [None, 100])
+def test_a_step_that_begins_with_requests_decoding_prefills_its_smaller_budget(model, alone, rng, max_backlog):
     """4 slots, 48 prompt tokens a step, 12 while a request decodes (the test tracks, before each
-    step, whether a request had its first token and was not done). Calls keep their compiled shapes
-    (compile_steps' 7, none compiled by the load); outputs equal running alone."""
+    step, whether a request had its first token and was not done); with max_backlog 100, the 12
+    only while the prompt tokens left (submitted minus the step log's prefilled, counted by the
+    test) are at most 100, else 48. Calls keep their compiled shapes (compile_steps' 7, none
+    compiled by the load); outputs equal running alone."""
     engine = ServingEngine(model, FullAttention("jnp"), slots=4, max_len=MAX_LEN, prefill_chunk=CHUNK,
-                           step_token_budget=48, decoding_step_token_budget=12, prefix_cache=None)
+                           step_token_budget=48, decoding_step_token_budget=12, prefix_cache=None,
+                           decoding_budget_max_backlog=max_backlog)
     try:
         assert engine.compile_steps() == 7
         prompts = prompts_of(rng, [20, 90, 60, 33])
         handles = [engine.submit(Request(prompts[0], max_tokens=30))]
-        taken = []  # (a request was decoding when the step began, prompt tokens the step took)
+        taken = []  # (a request was decoding when the step began, prompt backlog then, tokens the step took)
         for _ in range(120):  # bounded
             decoding = any(h.tokens and not h.done for h in handles)
+            backlog = sum(len(p) for p in prompts[:len(handles)]) - sum(
+                n for record in engine.step_log() for _, n in record.prefill)
             before = engine.stats().steps
             if not engine.step() and len(handles) == len(prompts):
                 break
             if engine.stats().steps > before:
-                taken.append((decoding, sum(n for _, n in engine.step_log()[-1].prefill)))
+                record = engine.step_log()[-1]
+                taken.append((decoding, backlog, sum(n for _, n in record.prefill)))
+                assert record.budget == (12 if decoding and (max_backlog is None or backlog <= max_backlog)
+                                         else 48), taken
             if len(handles) < len(prompts) and handles[0].tokens:  # the rest arrive while "a" decodes
                 handles += [engine.submit(Request(p, max_tokens=5)) for p in prompts[1:]]
         assert [h.result(0).tokens for h in handles] == [alone(p, n)[0] for p, n in zip(prompts, (30, 5, 5, 5))]
-        assert taken[0] == (False, 20)
-        assert all(n <= 12 for decoding, n in taken if decoding), taken
-        assert sum(n for _, n in taken) == sum(map(len, prompts))
+        assert taken[0] == (False, 20, 20)
+        small = [n for decoding, backlog, n in taken
+                 if decoding and (max_backlog is None or backlog <= max_backlog)]
+        assert small and all(n <= 12 for n in small), taken
+        if max_backlog is not None:  # behind: the full budget although a request decodes
+            assert any(n > 12 for decoding, backlog, n in taken if decoding and backlog > max_backlog), taken
+        assert sum(n for _, _, n in taken) == sum(map(len, prompts))
         assert engine.stats().compiles == 7
     finally:
         engine.close(drain=False)
@@ -466,6 +479,10 @@ def test_constructor_errors(model):
         ServingEngine(model, slots=0)
     with pytest.raises(ValueError, match="decoding_step_token_budget=0; expected an integer >= 1"):
         ServingEngine(model, slots=2, decoding_step_token_budget=0)
+    with pytest.raises(ValueError, match="decoding_budget_max_backlog=-1; expected an integer >= 0"):
+        ServingEngine(model, slots=2, decoding_step_token_budget=8, decoding_budget_max_backlog=-1)
+    with pytest.raises(ValueError, match="decoding_budget_max_backlog=64 needs decoding_step_token_budget"):
+        ServingEngine(model, slots=2, decoding_budget_max_backlog=64)
 
 
 class FailingAttention(FullAttention):

@@ -254,6 +254,8 @@ def _serving_label(row: dict) -> str:
     decoding = row.get("decoding_step_tokens")
     if decoding is not None and decoding != row.get("step_tokens"):
         label += f"\n({decoding} decoding)"
+        if row.get("decoding_max_backlog") is not None:
+            label += f"\n(backlog <= {row['decoding_max_backlog']})"
     if (row.get("prefix_bytes") or {}).get("host"):
         label += "\n+ host tier"
     return label

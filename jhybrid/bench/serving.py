@@ -80,6 +80,7 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, decoding_step_
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -232,6 +233,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             "prefill_order": bench.serving_prefill_order, "decode_tokens": bench.decode_tokens, "max_len": max_len,
             "prefill_chunk": bench.prefill_chunk, "step_tokens": step_tokens,
             "decoding_step_tokens": decoding_step_tokens,
+            "decoding_max_backlog": None if decoding_step_tokens is None else bench.serving_decoding_max_backlog,
             "packs_decode": bool(backend.packs_decode), "host_kv_dtype": offload.host_kv_dtype or "model"}
     prefix_cache = PrefixCacheConfig(
         device_bytes=None if bench.serving_prefix_cache_mb is None else int(bench.serving_prefix_cache_mb * 2**20),
@@ -244,7 +246,9 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     engine = ServingEngine(model, backend, slots=slots, max_len=max_len, prefill_chunk=bench.prefill_chunk,
                            step_token_budget=step_tokens, prefix_cache=prefix_cache, step_log=step_log,
                            prefill_order=bench.serving_prefill_order,
-                           decoding_step_token_budget=decoding_step_tokens)
+                           decoding_step_token_budget=decoding_step_tokens,
+                           decoding_budget_max_backlog=(None if decoding_step_tokens is None
+                                                        else bench.serving_decoding_max_backlog))
     try:
         engine.start()
         t0 = time.perf_counter()
@@ -397,8 +401,9 @@ def _run_saturated(engine, request_type, load: Load, bench, vocab: int,
 def _step_breakdown(records) -> dict:
     """{"prefill": ..., "decode": ...}: the steps that prefilled (with or without decode tokens) and
     those that only decoded, each {steps, median_ms, p90_ms, max_ms, and the sums seconds, host_s,
-    call_s, capture_s, prefix_s (StepRecord's breakdown), calls, prompt_tokens}; None for a kind
-    without steps."""
+    call_s, capture_s, prefix_s (StepRecord's breakdown), calls, prompt_tokens}, the prefill steps
+    also budgets {budget: steps} (the budget each step could take: StepRecord.budget); None for a
+    kind without steps."""
     out = {}
     for kind, chosen in (("prefill", [r for r in records if r.prefill]),
                          ("decode", [r for r in records if not r.prefill and r.decode])):
@@ -415,6 +420,9 @@ def _step_breakdown(records) -> dict:
                      "prefix_s": round(sum(r.prefix_seconds for r in chosen), 3),
                      "calls": sum(r.times.calls for r in chosen),
                      "prompt_tokens": sum(t for r in chosen for _, t in r.prefill)}
+        if kind == "prefill":
+            budgets = collections.Counter(r.budget for r in chosen)
+            out[kind]["budgets"] = {str(b): budgets[b] for b in sorted(budgets)}
     return out
 
 

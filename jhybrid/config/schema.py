@@ -141,6 +141,9 @@ class BenchmarkSpec:
       serving_decoding_step_tokens: the same for a step that begins with requests decoding (the
           engine's decoding_step_token_budget; null: serving_step_tokens): smaller keeps their token
           gaps short while prompts prefill, at the cost of the prompts' time to first token.
+      serving_decoding_max_backlog: the engine's decoding_budget_max_backlog: the smaller budget
+          only while at most this many prompt tokens are left to prefill (admitted and waiting),
+          the full one above it (null: whenever requests decode).
       serving_prefix_cache_mb: the prefix cache's device tier in MiB (null: the engine's default, one
           slot's KV up to 1 GiB; 0: no prefix cache).
       serving_prefix_cache_host_mb: its host tier in MiB (blocks the device tier evicts spill there;
@@ -192,6 +195,7 @@ class BenchmarkSpec:
     serving_slots: int = 4
     serving_step_tokens: int | None = None
     serving_decoding_step_tokens: int | None = None
+    serving_decoding_max_backlog: int | None = None
     serving_prefix_cache_mb: float | None = None
     serving_prefix_cache_host_mb: float = 0.0
     serving_slo_ttft_s: float | None = None
@@ -230,7 +234,7 @@ POSITIVE = {"tokens", "scored_tokens", "niah_length", "niah_needles", "answer_to
             "serving_requests", "serving_rate", "serving_slots", "serving_step_tokens", "serving_decoding_step_tokens",
             "serving_slo_ttft_s", "serving_slo_tbt_ms", "serving_repeats"}
 NON_NEGATIVE = {"warmup_steps", "keep_after", "device_reserve_gib", "host_reserve_gib", "serving_shared_prefix",
-                "serving_prefix_cache_mb", "serving_prefix_cache_host_mb"}
+                "serving_prefix_cache_mb", "serving_prefix_cache_host_mb", "serving_decoding_max_backlog"}
 
 
 def allowed_keys() -> list[str]:

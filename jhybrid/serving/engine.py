@@ -40,7 +40,10 @@ step's budget is `decoding_step_token_budget` when set (Sarathi-Serve's stall-fr
 smaller budget keeps the running requests' token gaps near a decode step's time, at the cost of the
 prompts' time to first token), and it is strict for a `chunk_dependent` backend: its calls then
 take whole chunks within the budget (at least one chunk a step), where otherwise a call of R rows
-takes a chunk of each. Shapes are fixed (prefill [R, W] for each row count R, alone or packed with
+takes a chunk of each. With `decoding_budget_max_backlog` the smaller budget follows the load: it
+applies only while the prompt tokens left to prefill (admitted and waiting) are at most that many,
+so a saturated engine prefills at full rate and a lone long prompt does not stall the running
+requests. Shapes are fixed (prefill [R, W] for each row count R, alone or packed with
 [slots] decode tokens, or [slots, chunk]; decode [slots, 1]; the prefix copies run in pieces of one
 block count), each compiled once ahead of time (like `Generator._run`; `compile_steps` compiles
 every step shape up front): the steady state never recompiles.
@@ -182,7 +185,9 @@ class StepRecord:
     the spills' waits those caused; an offloading backend's: the wait for the store worker's jobs);
     started: its start (time.perf_counter); admitted: requests it took into slots; times: where the
     rest went (`StepTimes`); backend_seconds: the backend's time counters (`backend.counters()`,
-    the keys ending in _s) that grew during the step, by how much (name, seconds), largest first."""
+    the keys ending in _s) that grew during the step, by how much (name, seconds), largest first;
+    budget: the prompt tokens the step could prefill (step_token_budget, or decoding_step_token_budget
+    where it applied)."""
 
     step: int
     prefill: tuple[tuple[str, int], ...]
@@ -193,6 +198,7 @@ class StepRecord:
     admitted: int = 0
     times: StepTimes = dataclasses.field(default_factory=StepTimes)
     backend_seconds: tuple[tuple[str, float], ...] = ()
+    budget: int = 0
 
 
 def _time_counters(backend: AttentionBackend) -> dict[str, float]:
@@ -292,6 +298,12 @@ class ServingEngine(Engine):
         (a `prefills_rows` backend's width comes from step_token_budget): only how many tokens a
         step takes changes; a `chunk_dependent` backend takes whole chunks within it, at least one
         a step.
+    decoding_budget_max_backlog: with decoding_step_token_budget, a budget that follows the load:
+        the smaller budget applies only while the prompt backlog (the prompt tokens the admitted
+        requests have left to prefill plus the waiting requests' prompts) is at most this many
+        tokens; above it the engine is behind and a step takes step_token_budget even while
+        requests decode (throughput first). Default None: the smaller budget whenever requests
+        decode.
     prefix_cache: a PrefixCacheConfig, or None for no prefix cache. Used with a backend that says
         how a row's tokens lie (`backend.row_kv()`: full, quest) and with a single-device
         offloading backend (HybridAttention: its first tier lives on the host, module docstring); with any other
@@ -312,7 +324,7 @@ class ServingEngine(Engine):
                  max_len: int | None = None, prefill_chunk: int = 256, step_token_budget: int | None = None,
                  prefix_cache: PrefixCacheConfig | None = _DEFAULT_PREFIX_CACHE,
                  prefix_cache_bytes: int | None = None, step_log: int = 1024, prefill_order: str = "arrival",
-                 decoding_step_token_budget: int | None = None):
+                 decoding_step_token_budget: int | None = None, decoding_budget_max_backlog: int | None = None):
         backend = _FULL if backend is None else backend
         asked_for_prefix_cache = prefix_cache is not _DEFAULT_PREFIX_CACHE or prefix_cache_bytes is not None
         config = model.config
@@ -326,6 +338,13 @@ class ServingEngine(Engine):
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServingEngine {name}={value!r}; expected an integer >= 1")
+        if decoding_budget_max_backlog is not None:
+            if not isinstance(decoding_budget_max_backlog, int) or decoding_budget_max_backlog < 0:
+                raise ValueError(f"ServingEngine decoding_budget_max_backlog={decoding_budget_max_backlog!r}; "
+                                 "expected an integer >= 0")
+            if decoding_step_token_budget is None:
+                raise ValueError(f"ServingEngine decoding_budget_max_backlog={decoding_budget_max_backlog} "
+                                 "needs decoding_step_token_budget (the budget it switches on and off)")
         if prefill_order not in self.PREFILL_ORDERS:
             raise ValueError(f"ServingEngine prefill_order={prefill_order!r}; expected one of {self.PREFILL_ORDERS}")
         if not backend.reuses_rows:
@@ -350,6 +369,7 @@ class ServingEngine(Engine):
         self.step_token_budget = step_token_budget
         self.decoding_step_token_budget = (None if decoding_step_token_budget is None
                                            else min(decoding_step_token_budget, step_token_budget))
+        self.decoding_budget_max_backlog = decoding_budget_max_backlog
         self.prefill_order = prefill_order
         self.graphdef, self.params = nnx.split(model)
         params_signature = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
@@ -386,6 +406,7 @@ class ServingEngine(Engine):
         self._step_window: list[tuple[float, int, int]] = []  # (seconds, prompt, decode tokens) since the last summary
         self._prefix_seconds = 0.0  # the current step's time in the prefix cache (StepRecord.prefix_seconds)
         self._times = StepTimes()  # the current step's calls (StepRecord.times)
+        self._step_budget = self.step_token_budget  # the current step's (StepRecord.budget)
         self._inserting: list[_Run] = []  # finished prompts whose blocks enter the prefix cache (full)
         self._unstored: list[_Run] = []  # requests whose captured reads await a store job (`_submit_stores`)
         # The store worker (an offloading backend's prefix cache): it runs the store jobs submitted
@@ -611,7 +632,8 @@ class ServingEngine(Engine):
                 self._counts.steps += 1
                 self._log.append(StepRecord(self._counts.steps, tuple(prefilled), tuple(decoded), seconds,
                                             self._prefix_seconds, start, len(admitted), self._times,
-                                            _grown(counted, _time_counters(self.backend))))
+                                            _grown(counted, _time_counters(self.backend)),
+                                            self._step_budget))
                 self._log_steps(seconds, sum(n for _, n in prefilled), len(decoded))
             if self._prefix is not None and not self._stores:
                 self._prefix_stats = self._prefix.stats()
@@ -709,11 +731,14 @@ class ServingEngine(Engine):
         (`_take`; see the module docstring), and one token for every request past its prefill:
         packed into the first prefill call when the backend `packs_decode`, else one [slots, 1]
         call after the prefill.
+        decoding_budget_max_backlog, when set, keeps the smaller budget to steps whose prompt backlog is
+        within it.
         Returns ((request_id, prompt tokens) per request that prefilled, decoded request_ids)."""
         decoding_now = self._decoding()
         # the running requests wait for this step: keep it within its budget
-        strict = self.decoding_step_token_budget is not None and bool(decoding_now)
+        strict = self._decoding_budget_applies(decoding_now)
         budget = self.decoding_step_token_budget if strict else self.step_token_budget
+        self._step_budget = budget
         done, first_call = collections.Counter(), True
         packs = self.backend.packs_decode
         decoding = decoding_now if packs else []  # decided before the prefill: they ride in it
@@ -741,6 +766,22 @@ class ServingEngine(Engine):
         if decoding and not (packs and done):
             self._decode_call(decoding)
         return list(done.items()), [run.request_id for run in decoding]
+
+    def _decoding_budget_applies(self, decoding_now: list[_Run]) -> bool:
+        """Whether this step takes decoding_step_token_budget: it is set, the step begins with
+        requests decoding, and (decoding_budget_max_backlog set) the prompt backlog is within it."""
+        if self.decoding_step_token_budget is None or not decoding_now:
+            return False
+        return (self.decoding_budget_max_backlog is None
+                or self._prompt_backlog() <= self.decoding_budget_max_backlog)
+
+    def _prompt_backlog(self) -> int:
+        """Prompt tokens not yet prefilled: the admitted requests' rest and the waiting requests'
+        whole prompts (a prefix-cache hit, found at admission, is not subtracted)."""
+        with self._cond:
+            waiting = sum(len(run.prompt) for run in self._waiting if not run.cancel_requested)
+        return waiting + sum(len(r.prompt) - r.prefilled for r in self._rows
+                             if r is not None and r.state is _State.PREFILL and not r.cancel_requested)
 
     def _call_cost(self, taken: list[tuple[_Run, int]]) -> int:
         """What a prefill call of `taken` spends of the step's budget: its prompt tokens when the
