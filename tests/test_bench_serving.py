@@ -71,7 +71,7 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
             if steps is None:
                 continue
             assert steps["calls"] >= steps["steps"] > 0
-            parts = steps["host_s"] + steps["call_s"] + steps["capture_s"] + steps["prefix_s"]
+            parts = steps["host_s"] + steps["call_s"] + steps["capture_s"] + steps["reset_s"] + steps["prefix_s"]
             assert 0 < parts <= steps["seconds"] + 1e-3, (phase, kind, steps)
             assert steps["median_ms"] <= steps["p90_ms"] <= steps["max_ms"]
 
@@ -162,7 +162,7 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
     b = RequestOutput("b", [5], FinishReason.LENGTH, 64, token_times=[1.3])
     records = [StepRecord(1, (("a", 8),), (), 0.01, 0.0, 0.99, 1),
                StepRecord(2, (), ("a",), 0.02, 0.0, 1.0),
-               StepRecord(3, (("b", 32),), ("a",), 0.03, 0.0, 1.02),
+               StepRecord(3, (("b", 32),), ("a",), 0.03, 0.0, 1.02, 0, StepTimes(reset_seconds=0.012)),
                StepRecord(4, (("b", 32),), ("a", "c"), 0.08, 0.05, 1.07, 1,
                           StepTimes(host_seconds=0.01, call_seconds=0.015, capture_seconds=0.002, calls=2),
                           (("recall_s", 0.004), ("evict_s", 0.001)))]
@@ -170,7 +170,8 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
     assert [round(g.seconds, 6) for g in gaps] == [0.03, 0.1]
     assert [g.step.step for g in gaps] == [3, 4] and [g.previous.step for g in gaps] == [2, 3]
     step_4 = {"gap_ms": 100.0, "step": 4, "step_ms": 80.0, "prefix_ms": 50.0, "host_ms": 10.0, "call_ms": 15.0,
-              "capture_ms": 2.0, "calls": 2, "between_ms": 20.0, "prefill_tokens": 32, "decode_rows": 2,
+              "capture_ms": 2.0, "calls": 2, "between_ms": 20.0, "previous_step_ms": 30.0, "previous_reset_ms": 12.0,
+              "prefill_tokens": 32, "decode_rows": 2,
               "admitted": 1, "backend_ms": {"recall_s": 4.0, "evict_s": 1.0}}
     assert _longest_gaps(gaps, n=1) == [step_4]
     # c's gap (90 ms, its first) also ended in step 4: one row per step, the step's longest gap
@@ -227,11 +228,16 @@ def test_the_compile_recorder_counts_the_compiles_inside_its_block():
     fn = jax.jit(double)
     three, five, seven = jnp.ones(3), jnp.ones(5), jnp.ones(7)  # made outside: they compile too
     fn(three)  # compiled before the block
-    with CompileRecorder() as recorder:
-        fn(three)      # cached
-        fn(five)       # a new shape: one compile
-        fn(five)
-    fn(seven)          # after the block
+    enabled = jax.config.jax_enable_compilation_cache  # the suite's persistent cache (conftest) would
+    jax.config.update("jax_enable_compilation_cache", False)  # load a former run's compile instead
+    try:
+        with CompileRecorder() as recorder:
+            fn(three)      # cached
+            fn(five)       # a new shape: one compile
+            fn(five)
+        fn(seven)          # after the block
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
     summary = recorder.summary()
     assert summary["count"] == 1 and summary["by_name"][0][:2] == ["jit(double)", 1], summary
 

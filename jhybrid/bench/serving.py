@@ -401,7 +401,7 @@ def _run_saturated(engine, request_type, load: Load, bench, vocab: int,
 def _step_breakdown(records) -> dict:
     """{"prefill": ..., "decode": ...}: the steps that prefilled (with or without decode tokens) and
     those that only decoded, each {steps, median_ms, p90_ms, max_ms, and the sums seconds, host_s,
-    call_s, capture_s, prefix_s (StepRecord's breakdown), calls, prompt_tokens}, the prefill steps
+    call_s, capture_s, reset_s, prefix_s (StepRecord's breakdown), calls, prompt_tokens}, the prefill steps
     also budgets {budget: steps} (the budget each step could take: StepRecord.budget); None for a
     kind without steps."""
     out = {}
@@ -417,6 +417,7 @@ def _step_breakdown(records) -> dict:
                      "host_s": round(sum(r.times.host_seconds for r in chosen), 3),
                      "call_s": round(sum(r.times.call_seconds for r in chosen), 3),
                      "capture_s": round(sum(r.times.capture_seconds for r in chosen), 3),
+                     "reset_s": round(sum(r.times.reset_seconds for r in chosen), 3),
                      "prefix_s": round(sum(r.prefix_seconds for r in chosen), 3),
                      "calls": sum(r.times.calls for r in chosen),
                      "prompt_tokens": sum(t for r in chosen for _, t in r.prefill)}
@@ -559,7 +560,8 @@ def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
     its step did (what sets the p99): gap_ms, step_ms (the
     step that ended it), prefix_ms (of which in the prefix cache), host_ms, call_ms, capture_ms and
     calls (`StepTimes`), between_ms (from the previous step's end to this one's start),
-    prefill_tokens, decode_rows, admitted, and backend_ms: the backend's time counters that grew
+    previous_step_ms and previous_reset_ms (the previous step's time and, of it, the rows reset after
+    its tokens: part of this gap, not of this step), prefill_tokens, decode_rows, admitted, and backend_ms: the backend's time counters that grew
     in the step (the largest BACKEND_SHOWN, ms; background threads' included)."""
     rows, shown = [], set()
     for gap, record, previous in sorted(gaps, key=lambda g: -g.seconds):
@@ -575,6 +577,8 @@ def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
                      "call_ms": round(record.times.call_seconds * 1e3, 2),
                      "capture_ms": round(record.times.capture_seconds * 1e3, 2), "calls": record.times.calls,
                      "between_ms": None if between is None else round(between * 1e3, 2),
+                     "previous_step_ms": None if previous is None else round(previous.seconds * 1e3, 2),
+                     "previous_reset_ms": None if previous is None else round(previous.times.reset_seconds * 1e3, 2),
                      "prefill_tokens": sum(t for _, t in record.prefill), "decode_rows": len(record.decode),
                      "admitted": record.admitted,
                      "backend_ms": {name: round(d * 1e3, 2) for name, d in record.backend_seconds[:BACKEND_SHOWN]}})

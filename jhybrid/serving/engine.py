@@ -168,12 +168,15 @@ class StepTimes:
     work and the host attention before them; a prefill call that ends no prompt is not waited for:
     the next call's host work overlaps it), capture_seconds dispatching reads of prefilled K, V from
     the device window for the prefix cache (offloading backends; the store worker waits for them);
-    calls: how many."""
+    calls: how many; reset_seconds emptying the rows of the requests that ended in the step, after
+    their tokens (`backend.reset_rows`: an offloading backend first waits for its background work, a
+    delay the running requests' next token gap carries)."""
 
     host_seconds: float = 0.0
     call_seconds: float = 0.0
     capture_seconds: float = 0.0
     calls: int = 0
+    reset_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -620,7 +623,8 @@ class ServingEngine(Engine):
         admitted = self._admit()
         prefilled, decoded = self._prefill_and_decode()
         self._insert_pending()
-        self._reset_released_rows()
+        with self._timed("reset_seconds"):
+            self._reset_released_rows()
         if not any(r is not None for r in self._rows):  # out of work: nothing to overlap the stores with
             self._submit_stores()
             self._join_stores()
