@@ -36,16 +36,15 @@ def _shared_compiles() -> None:
     """Many tests build the same small programs (the same model, backend and shapes, a fresh jit
     each time): JAX's persistent compilation cache lets every test after the first load them instead
     of compiling again, across the pytest workers and the tests' subprocesses (the directory travels
-    in the environment). Keyed by the program, the compile options and the JAX version, so a stale
-    entry is never used. $JHYBRID_TEST_COMPILE_CACHE: the directory (default .pytest_cache/jax-compiles
-    in the repository), or 0 to compile everything afresh."""
+    in JAX_COMPILATION_CACHE_DIR). Keyed by the program, the compile options, the XLA flags and the JAX
+    version, so a stale entry is never used. $JHYBRID_TEST_COMPILE_CACHE: the directory (default
+    .pytest_cache/jax-compiles in the repository), or 0 to compile everything afresh."""
     where = os.environ.get(COMPILE_CACHE_ENV) or os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax-compiles")
     if where == "0":
         return
-    os.environ[COMPILE_CACHE_ENV] = where
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", where)
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = where  # the tests' subprocesses
+    jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 

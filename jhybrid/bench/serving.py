@@ -223,6 +223,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     step_tokens = bench.serving_step_tokens or bench.prefill_chunk
     decoding_step_tokens = (None if bench.serving_decoding_step_tokens is None
                             else min(bench.serving_decoding_step_tokens, step_tokens))
+    decoding_max_backlog = None if decoding_step_tokens is None else bench.serving_decoding_max_backlog
     vocab = model.config.vocab_size
     load = make_load(bench, vocab)
     n = len(load.prompts)
@@ -233,7 +234,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             "prefill_order": bench.serving_prefill_order, "decode_tokens": bench.decode_tokens, "max_len": max_len,
             "prefill_chunk": bench.prefill_chunk, "step_tokens": step_tokens,
             "decoding_step_tokens": decoding_step_tokens,
-            "decoding_max_backlog": None if decoding_step_tokens is None else bench.serving_decoding_max_backlog,
+            "decoding_max_backlog": decoding_max_backlog,
             "packs_decode": bool(backend.packs_decode), "host_kv_dtype": offload.host_kv_dtype or "model"}
     prefix_cache = PrefixCacheConfig(
         device_bytes=None if bench.serving_prefix_cache_mb is None else int(bench.serving_prefix_cache_mb * 2**20),
@@ -247,8 +248,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
                            step_token_budget=step_tokens, prefix_cache=prefix_cache, step_log=step_log,
                            prefill_order=bench.serving_prefill_order,
                            decoding_step_token_budget=decoding_step_tokens,
-                           decoding_budget_max_backlog=(None if decoding_step_tokens is None
-                                                        else bench.serving_decoding_max_backlog))
+                           decoding_budget_max_backlog=decoding_max_backlog)
     try:
         engine.start()
         t0 = time.perf_counter()
