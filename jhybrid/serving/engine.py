@@ -152,11 +152,19 @@ class _State(enum.Enum):
     DONE = "done"
 
 
-def _sample_last(model, hidden, positions, sampling: RowSampling) -> jax.Array:
-    """Each row's token sampled from its last valid position: hidden [R, T, d], positions [R, T] -> [R]."""
+def _last_logits(model, hidden, positions) -> jax.Array:
+    """Each row's logits at its last valid position: hidden [R, T, d], positions [R, T] -> [R, V] float32."""
     last = jnp.argmax(positions, axis=1)
     last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    return sample_rows(model.logits(last_hidden), sampling)
+    return model.logits(last_hidden).astype(jnp.float32)
+
+
+# The tokens are drawn in a program of their own, after the step's: `sample_rows` decides on the
+# device whether any row samples (a `lax.cond`), and a GPU program with a conditional waits on the
+# host for its predicate, so a step sampling inside it would return from its dispatch only when the
+# device had run the whole model (the host work before the next call no longer overlapping it).
+# A prefill call that ends no prompt draws nothing.
+_sample = jax.jit(sample_rows)
 
 
 @dataclasses.dataclass
@@ -874,30 +882,32 @@ class ServingEngine(Engine):
         positions = batch_positions[rows]
         decode_tokens, decode_positions = self._decode_inputs(packed)
         batch_positions[:, 0] = np.where(decode_positions >= 0, decode_positions, batch_positions[:, 0])
+        sampling = self._row_sampling()  # each row at its next token (read before the tokens are accepted)
         self._before_step(batch_positions)
         with self._timed("call_seconds"):
             if packed:
-                (sampled, decoded), self._cache = self._run(
+                (logits, decode_logits), self._cache = self._run(
                     "packed", self._packed_fn, (6,), self.params, tokens, positions, rows, decode_tokens,
-                    decode_positions, self._cache, self._row_sampling())
+                    decode_positions, self._cache)
             elif not whole:
-                sampled, self._cache = self._run("prefill_rows", self._prefill_rows_fn, (4,), self.params, tokens,
-                                                 positions, rows, self._cache, self._row_sampling())
+                logits, self._cache = self._run("prefill_rows", self._prefill_rows_fn, (4,), self.params, tokens,
+                                                positions, rows, self._cache)
             else:
-                sampled, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
-                                                 positions, self._cache, self._row_sampling())
+                logits, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
+                                                positions, self._cache)
         self._submit_stores()  # the earlier calls' captures, while this call runs
-        # A chunk's sampled token is used only when it ends its prompt: other calls are not waited
-        # for, so the next call's host work (its before_step) overlaps this one on the device.
-        if packed or any(run.prefilled + n == len(run.prompt) for run, n in taken):
+        # A chunk's token is drawn only when it ends its prompt: other calls are not waited for, so
+        # the next call's host work (its before_step) overlaps this one on the device.
+        if any(run.prefilled + n == len(run.prompt) for run, n in taken):
             with self._timed("call_seconds"):
-                sampled = np.asarray(sampled)
+                sampled = np.asarray(_sample(logits, jax.tree_util.tree_map(lambda x: x[rows], sampling)))
         with self._cond:
             self._counts.prefill_calls += 1
             self._counts.prefill_tokens += sum(n for _, n in taken)
             self._counts.decode_steps += bool(packed)
         if packed:
-            decoded = np.asarray(decoded)
+            with self._timed("call_seconds"):
+                decoded = np.asarray(_sample(decode_logits, sampling))
             for run in packed:
                 self._accept(run, int(decoded[run.slot]))
         for run, n in taken:
@@ -923,13 +933,14 @@ class ServingEngine(Engine):
     def _decode_call(self, runs: list[_Run]) -> None:
         """One token for each of `runs` (one [slots, 1] call)."""
         tokens, positions = self._decode_inputs(runs)
+        sampling = self._row_sampling()
         self._before_step(positions[:, None])
         with self._timed("call_seconds"):
-            sampled, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
-                                             self._cache, self._row_sampling())
+            logits, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
+                                            self._cache)
         self._submit_stores()
         with self._timed("call_seconds"):
-            sampled = np.asarray(sampled)
+            sampled = np.asarray(_sample(logits, sampling))
         with self._cond:
             self._counts.decode_steps += 1
         for run in runs:
@@ -1141,25 +1152,25 @@ class ServingEngine(Engine):
 
     # ---- compiled pieces (pure functions of params, tokens and cache) -------------------------------
 
-    def _prefill_fn(self, params, tokens, positions, cache, sampling):
-        """[slots, C] prompt tokens -> (each row's token sampled from its last valid position [slots], cache)."""
+    def _prefill_fn(self, params, tokens, positions, cache):
+        """[slots, C] prompt tokens -> (each row's logits at its last valid position [slots, V] float32, cache)."""
         model = nnx.merge(self.graphdef, params)
         hidden, cache, _ = model.hidden_states(tokens, positions, cache, self.backend)
-        return _sample_last(model, hidden, positions, sampling), cache
+        return _last_logits(model, hidden, positions), cache
 
-    def _prefill_rows_fn(self, params, tokens, positions, rows, cache, sampling):
-        """[R, C] prompt tokens of batch rows `rows` [R] (distinct) -> (each one's token sampled from
-        its last valid position [R], cache): the other rows' KV and lengths are untouched."""
+    def _prefill_rows_fn(self, params, tokens, positions, rows, cache):
+        """[R, C] prompt tokens of batch rows `rows` [R] (distinct) -> (each one's logits at its last
+        valid position [R, V] float32, cache): the other rows' KV and lengths are untouched."""
         model = nnx.merge(self.graphdef, params)
         selected = KVCache(layers=cache.layers, lengths=cache.lengths[rows], meta=self.backend.rows_meta(cache.meta, rows))
         hidden, selected, _ = model.hidden_states(tokens, positions, selected, self.backend)
         cache = KVCache(layers=selected.layers, lengths=cache.lengths.at[rows].set(selected.lengths), meta=cache.meta)
-        return _sample_last(model, hidden, positions, jax.tree_util.tree_map(lambda x: x[rows], sampling)), cache
+        return _last_logits(model, hidden, positions), cache
 
-    def _packed_fn(self, params, tokens, positions, rows, decode_tokens, decode_positions, cache, sampling):
+    def _packed_fn(self, params, tokens, positions, rows, decode_tokens, decode_positions, cache):
         """_prefill_rows_fn's [R, C] chunks of batch rows `rows` and _decode_fn's [slots] decode
         tokens in one call (PackedRows: the weights are read once for both) -> ((the chunks' rows'
-        tokens sampled from their last valid positions [R], next tokens [slots]), cache)."""
+        logits at their last valid positions [R, V], the decode logits [slots, V], float32), cache)."""
         model = nnx.merge(self.graphdef, params)
         prefill_lengths = jnp.maximum(cache.lengths[rows], jnp.max(positions, axis=1) + 1)
         decode_lengths = jnp.maximum(cache.lengths, decode_positions + 1)
@@ -1169,15 +1180,15 @@ class ServingEngine(Engine):
                                                 packed, self.backend)
         hidden_chunks, hidden_decode = meta.split(hidden)
         lengths = jnp.maximum(cache.lengths.at[rows].max(prefill_lengths), decode_lengths)
-        sampled = _sample_last(model, hidden_chunks, positions, jax.tree_util.tree_map(lambda x: x[rows], sampling))
-        decoded = sample_rows(model.logits(hidden_decode[:, 0]), sampling)
-        return (sampled, decoded), KVCache(layers=packed.layers, lengths=lengths, meta=cache.meta)
+        decode_logits = model.logits(hidden_decode[:, 0]).astype(jnp.float32)
+        return (_last_logits(model, hidden_chunks, positions), decode_logits), \
+            KVCache(layers=packed.layers, lengths=lengths, meta=cache.meta)
 
-    def _decode_fn(self, params, tokens, positions, cache, sampling):
-        """tokens, positions [slots] -> (next tokens [slots], cache)."""
+    def _decode_fn(self, params, tokens, positions, cache):
+        """tokens, positions [slots] -> (next-token logits [slots, V] float32, cache)."""
         model = nnx.merge(self.graphdef, params)
         logits, cache = model(tokens[:, None], positions[:, None], cache, self.backend)
-        return sample_rows(logits[:, 0], sampling), cache
+        return logits[:, 0].astype(jnp.float32), cache
 
     def _run(self, name: str, fn, donate: tuple, *args: Any):
         """fn compiled ahead of time once per shapes (`_executable`) and run on args."""
@@ -1190,8 +1201,8 @@ class ServingEngine(Engine):
         The object, not an equal one: an offloading backend's compiled host calls reach its own runtime."""
         varying = [a for a in args if a is not self.params]
         leaves, treedef = jax.tree_util.tree_flatten(varying)
-        key = (name, self._structure_id, id(self.backend), treedef) + tuple(
-            (a.shape, str(a.dtype)) for a in leaves)
+        # (the dtype objects themselves: str() of 500 dtypes took ~3 ms of every 32-layer call's dispatch)
+        key = (name, self._structure_id, id(self.backend), treedef) + tuple([(a.shape, a.dtype) for a in leaves])
         with _executables_lock:
             backend, executable = _executables.get(key, (None, None))
             if backend is not self.backend:  # an id reused by a newer object
@@ -1215,30 +1226,35 @@ class ServingEngine(Engine):
 
     def compile_steps(self) -> int:
         """Compiles every step shape this engine can run (decode; prefill of each row count, alone and
-        packed with decode tokens) without running them, so that no request waits for a compile.
-        The prefix cache's copies compile on their first use. Returns how many were compiled now."""
+        packed with decode tokens) and the token draw of each, without running the steps, so that no
+        request waits for a compile. The prefix cache's copies compile on their first use. Returns
+        how many steps were compiled now."""
         with self._step_lock:
             before = self._counts.compiles
-            sampling, chunk = self._row_sampling(), self.prefill_chunk  # chunk: [slots, chunk] prefill
+            chunk = self.prefill_chunk  # [slots, chunk] prefill
             decode = (np.zeros(self.slots, np.int32), np.full(self.slots, -1, np.int32))
-            self._executable("decode", self._decode_fn, (3,), self.params, *decode, self._cache, sampling)
+            self._executable("decode", self._decode_fn, (3,), self.params, *decode, self._cache)
             if not self.backend.prefills_rows:
                 prefill = (np.zeros((self.slots, chunk), np.int32), np.full((self.slots, chunk), -1, np.int32))
-                self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill, self._cache, sampling)
+                self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill, self._cache)
             else:
                 for size in self._row_counts():
                     width = self._call_width(size)
                     prefill = (np.zeros((size, width), np.int32), np.full((size, width), -1, np.int32),
                                np.arange(size, dtype=np.int32))
                     if size == self.slots:  # a call of every row: the whole batch (`_prefill_call`)
-                        self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill[:2],
-                                         self._cache, sampling)
+                        self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill[:2], self._cache)
                     else:
                         self._executable("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill,
-                                         self._cache, sampling)
+                                         self._cache)
                     if self.backend.packs_decode:
                         self._executable("packed", self._packed_fn, (6,), self.params, *prefill, *decode,
-                                         self._cache, sampling)
+                                         self._cache)
+            sampling = self._row_sampling()
+            for size in sorted(set(self._row_counts()) | {self.slots}):  # logits as a step leaves them
+                logits = jax.device_put(np.zeros((size, self.config.vocab_size), np.float32),
+                                        self._cache.lengths.sharding)
+                _sample(logits, jax.tree_util.tree_map(lambda x: x[:size], sampling))
             return self._counts.compiles - before
 
     # ---- shutdown --------------------------------------------------------------------------------

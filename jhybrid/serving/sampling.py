@@ -91,7 +91,10 @@ def sample_rows(logits: jax.Array, sampling: RowSampling) -> jax.Array:
 
     The sort of the filters and the random draw run only when some row needs them (`lax.cond`
     outside the per-row map: under vmap a cond would run both branches). A vocabulary sort costs
-    more than a decode step's attention on a small batch, and serving is mostly greedy."""
+    more than a decode step's attention on a small batch, and serving is mostly greedy. On a GPU a
+    program with a cond reads its predicate on the host: run this in a program of its own, not inside
+    a model step (the serving engine's steps return logits), or the step's dispatch waits for the
+    device."""
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

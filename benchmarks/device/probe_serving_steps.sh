@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# benchmarks/probe_serving_steps.py on one H100 (two of its prefill calls traced: $OUT/probe-trace-*) with the device cache carried (.device_cache):
+#   bash benchmarks/device/probe_serving_steps.sh [extra probe args]
+set -uo pipefail
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jhybrid-jax-cache}
+start=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source benchmarks/device/device_cache.sh
+device_cache_restore .device_cache
+bash scripts/build_native.sh python3 2>&1 | tail -1
+timeout -s INT -k 10 "${PROBE_S:-500}" python3 benchmarks/probe_serving_steps.py configs/serving-h100-hybrid.yaml \
+  --set benchmark.prefill_chunk=128 --output "$OUT/probe-serving-steps.json" --trace-dir /tmp/ptrace "$@" 2>&1 \
+  | grep -v "^W0\|^I0" | tail -40
+for kind in window-only-chunk device-copy-chunk; do  # each traced prefill call's device time, per kernel and op
+  [ -d "/tmp/ptrace/$kind" ] || continue
+  timeout 60 python3 benchmarks/trace_summary.py "/tmp/ptrace/$kind" --top 60 --detail "." \
+    --json "$OUT/probe-trace-$kind.json" > "$OUT/probe-trace-$kind.txt" 2>&1
+  grep -A30 "^/device:GPU:0" "$OUT/probe-trace-$kind.txt" | head -34 | cut -c1-200
+done
+echo "probe ended after $(( $(date +%s) - start )) s"
