@@ -6,6 +6,7 @@ Phases, each over the same running requests:
   chunk       steps that prefill one chunk of the fourth request and decode the three
   chunk-sync  the same, every model call waited for right after its dispatch: each call's own
               device time (its dispatch + wait), and the host work between calls no longer overlapped
+  budget      steps that prefill the whole step budget (serving_step_tokens) beside the decoding requests
 --trace-dir DIR: a profiler trace of one prefill call of each kind alone (a window-only chunk, one
 attending a device copy), the device idle before it: DIR/<kind>/.
 Per phase: the medians of the step, its host work (`before_step`), its calls, and the backend's
@@ -154,6 +155,8 @@ def main() -> None:
     sync["on"] = True
     measure("chunk-sync", args.steps, trace_at=(5, "device-copy-chunk"))
     sync["on"] = False
+    engine.decoding_step_token_budget = None  # the whole step budget beside the decoding requests
+    measure("budget", max(4, args.steps // 3))
     newcomer.cancel()
     for handle in running:
         handle.cancel()

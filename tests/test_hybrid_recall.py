@@ -136,6 +136,31 @@ def test_async_recall_applied_later_exact_and_byte_equal(model, tokens, referenc
         assert np.isfinite(logits).all()
 
 
+def test_precompiled_host_work_leaves_no_recall_scatter_to_compile(model, tokens, exact_scout, monkeypatch):
+    """`precompile_host` compiles `apply_recall` for every padded size and pool layout a recall can
+    stage: a run's recalls then compile nothing (a compile on the recall thread holds the GIL the
+    serving engine's thread needs). With an empty compile cache, so the run would compile its sizes."""
+    from jhybrid.hybrid.modes import scout as scout_module
+
+    lowered = []
+    real = scout_module.apply_recall
+
+    class Counting:
+        def lower(self, *specs):
+            lowered.append(specs)
+            return real.lower(*specs)
+
+    monkeypatch.setattr(scout_module, "apply_recall", Counting())
+    monkeypatch.setattr(scout_module, "_compiled", {})
+    run = Run(model, exact_scout, *tokens)
+    exact_scout.precompile_host(run.cache)
+    precompiled = len(lowered)
+    assert precompiled >= 1
+    run.run(STEPS, before=wait_all)
+    assert run.scout.recall_log, "no recall ran: the check below would be empty"
+    assert len(lowered) == precompiled
+
+
 def test_recall_racing_with_eviction_stays_consistent(model, tokens, reference, exact_scout):
     """The background job is held while steps go on and the ring evicts blocks into the store;
     steps never wait for it, and once released it is applied and exact."""

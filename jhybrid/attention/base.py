@@ -136,6 +136,12 @@ class AttentionBackend(abc.ABC):
         """Longest prefill chunk the backend accepts (None: any)."""
         return None
 
+    def precompile_host(self, cache) -> None:
+        """Compile ahead what this backend's host side would otherwise compile on first use during
+        steps (scout: its recall scatter for every padded size), for an open batch whose cache is
+        `cache`; a compile on a background thread holds the GIL a serving engine's thread needs.
+        Nothing for a backend without such work."""
+
     def counters(self) -> dict:
         """Cumulative instrumentation of the open batch (seconds, counts); {} when there is none."""
         return {}

@@ -188,6 +188,12 @@ class HybridAttention(AttentionBackend):
         self.runtime.reset_rows(rows)
         return reset_cache_rows(cache, rows, self._empty)
 
+    def precompile_host(self, cache) -> None:
+        """The evictor's gathers and the mode's host compiles (`HostRuntime.precompile`)."""
+        if self.runtime is None:
+            raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) before precompile_host")
+        self.runtime.precompile(cache if not self._mixed else self._plan.offloaded_layers(cache))
+
     @property
     def max_prefill_chunk(self) -> int:
         return self.config.max_prefill_chunk

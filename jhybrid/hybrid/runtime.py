@@ -483,6 +483,12 @@ class HostRuntime:
                 self.core_counters.add(exchange_wait_s=timing[0] / 1e3, exchange_gpu_s=timing[1] / 1e3,
                                        exchange_timed_layers=timing[2])
 
+    def precompile(self, cache) -> None:
+        """Compile the evictor's gathers and the mode's lazily compiled host work (`ModeHost.precompile`)
+        for this batch's cache layout, so that no step compiles them."""
+        self.evictor.precompile(cache.layers)
+        self.mode_host.precompile(cache)
+
     def before_step(self, cache, positions):
         """Call with the cache and the step's positions [B, T] (-1 = padding) before the step."""
         self._raise_pending()

@@ -1226,8 +1226,8 @@ class ServingEngine(Engine):
 
     def compile_steps(self) -> int:
         """Compiles every step shape this engine can run (decode; prefill of each row count, alone and
-        packed with decode tokens) and the token draw of each, without running the steps, so that no
-        request waits for a compile. The prefix cache's copies compile on their first use. Returns
+        packed with decode tokens), the token draw of each and the backend's host-side compiles
+        (`precompile_host`), without running the steps, so that no request waits for a compile. The prefix cache's copies compile on their first use. Returns
         how many steps were compiled now."""
         with self._step_lock:
             before = self._counts.compiles
@@ -1250,6 +1250,7 @@ class ServingEngine(Engine):
                     if self.backend.packs_decode:
                         self._executable("packed", self._packed_fn, (6,), self.params, *prefill, *decode,
                                          self._cache)
+            self.backend.precompile_host(self._cache)  # e.g. scout's recall scatters
             sampling = self._row_sampling()
             for size in sorted(set(self._row_counts()) | {self.slots}):  # logits as a step leaves them
                 logits = jax.device_put(np.zeros((size, self.config.vocab_size), np.float32),

@@ -263,6 +263,9 @@ class ModeHost:
         eviction."""
         return cache
 
+    def precompile(self, cache) -> None:
+        """Compile now what this mode's host work compiles on first use (`HostRuntime.precompile`)."""
+
     def exchange_pages(self, published: np.ndarray):
         """(Exchange worker thread, store lock held) the pages this decode step's host calls read
         for blocks `published` [B] owned by the host side (host.exchange_worker.ContextPages /

@@ -297,21 +297,32 @@ def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, 
     with store.lock:  # the arena may be reallocated by a concurrent append; blocks never change
         arrays = store.layers[plan.layer].arrays
         gather_rows(arrays["k"], arrays["v"], arena_slot, plan.h.astype(np.int64), k_st, v_st)
-    if c.kv_dtype == "int8":  # uploaded as stored (half the bytes), dequantized on the device (apply_recall)
-        k_host, v_host = k_st, v_st
-    else:
-        k_host, v_host = stored_as(k_st, c.kv_dtype, dtype), stored_as(v_st, c.kv_dtype, dtype)
     pad = size - n
     idx = [np.concatenate([x, np.full(pad, fill, np.int32)]) for x, fill in
            ((plan.b, batch), (plan.h, 0), (plan.r, 0), (plan.block, -1))]
-    out = tuple([jax.device_put(x, device) for x in idx]) + (to_device(k_host, device), to_device(v_host, device))
-    apply = None
-    if pool_specs is not None:
-        now = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
-        apply = compiled_apply(tuple(pool_specs) + tuple([_spec(x) for x in out]) + (now,))
+    out = _upload(idx, k_st, v_st, c.kv_dtype, dtype, device)
+    apply = None if pool_specs is None else _apply_for(pool_specs, out, batch, device)
     jax.block_until_ready(out)
     plan.bg_s = time.perf_counter() - start
     return out, apply
+
+
+def _upload(idx: list, k_st: np.ndarray, v_st: np.ndarray, kv_dtype: str, dtype, device) -> tuple:
+    """A staged recall on `device`: (b, h, r, block int32 [Np], k, v [Np, bs, row]): the rows in the
+    model dtype, or as stored when the store holds int8 rows (half the bytes; `apply_recall`
+    dequantizes them)."""
+    if kv_dtype == "int8":
+        k_host, v_host = k_st, v_st
+    else:
+        k_host, v_host = stored_as(k_st, kv_dtype, dtype), stored_as(v_st, kv_dtype, dtype)
+    return tuple([jax.device_put(x, device) for x in idx]) + (to_device(k_host, device), to_device(v_host, device))
+
+
+def _apply_for(pool_specs: tuple, staged: tuple, batch: int, device):
+    """`apply_recall` compiled for a layer's pool (pool_specs: the pool's and next_pool_blocks'
+    ShapeDtypeStructs, the latter None when absent) and these staged arrays."""
+    now = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
+    return compiled_apply(tuple(pool_specs) + tuple([_spec(x) for x in staged]) + (now,))
 
 
 def _spec(x):
@@ -486,6 +497,30 @@ class ScoutHost(ModeHost):
         """Block until every in-flight recall is staged (tests); the next step start applies them."""
         for plan in list(self.pending.values()):
             plan.future.exception(timeout=timeout)
+
+    def precompile(self, cache) -> None:
+        """`apply_recall` compiled for every padded size a recall can stage (8 up to the most (block,
+        head) rows one layer's recall moves, B x Hkv x min(k, recall_blocks), in powers of two) and
+        each layer's pool layout: otherwise each new size compiles on the recall thread in the middle
+        of serving (seven in a scout serving load on the H100), its tracing holding the GIL."""
+        ctx, cfg = self.ctx, self.ctx.config
+        if not cfg.recall_blocks:
+            return
+        shape, c = ctx.shape, ctx.store.config
+        most = max(8, next_pow2(shape.batch * shape.hkv * min(self.k, cfg.recall_blocks)))
+        row_dtype = ctx.store.layers[0].arrays["k"].dtype
+        staged = {}  # size -> zero arrays staged as a recall of that size stages them
+        for layer, state in enumerate(cache.layers):
+            device = next(iter(state.pool.k.devices()))
+            prev = cache.layers[layer - 1].next_pool_blocks if layer > 0 else None
+            specs = (pool_spec(state.pool), pool_spec(prev))
+            size = 8
+            while size <= most:
+                if size not in staged:
+                    rows = np.zeros((size, c.block_size, c.row_width), row_dtype)
+                    staged[size] = _upload([np.zeros(size, np.int32)] * 4, rows, rows, c.kv_dtype, shape.dtype, device)
+                _apply_for(specs, staged[size], shape.batch, device)
+                size *= 2
 
     def step_start(self, cache):
         return _commit(cache)
