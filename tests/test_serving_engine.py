@@ -559,6 +559,34 @@ def test_close_without_draining_cancels_and_with_draining_finishes(model, alone,
 # ----------------------------------------------------------------------------- an offloading mode
 
 
+def test_compile_steps_compiles_the_prefill_over_every_copy_size(model, alone, rng):
+    """An offloading mode whose prefill attends to its offloaded prompt on the device (prefill
+    copies, whose token count P is part of the step's shapes): `compile_steps` compiles the prefill
+    of each row count over the cache as it is, with a chunk inside the window, and with copies of
+    every size `PrefillCopies.sizes` gives (each ~15 s on the H100, which a request would otherwise
+    wait for). Prompts from inside the window to near max_len then compile no step, and their
+    outputs equal running each alone (hgca keeping every token: exact)."""
+    from jhybrid.hybrid import make_backend
+
+    engine = ServingEngine(model, make_backend("hgca", **KEEP_ALL, prefill_offloaded="device"), slots=2,
+                           max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
+    with engine:
+        sizes = engine.backend.runtime.prefill.sizes()
+        assert sizes == [16, 32, 64, 128]  # max_len 128 = 8 blocks of 16: from an eighth up
+        variants = 2 + len(sizes)  # as it is, a chunk inside the window, each copy size
+        assert engine.compile_steps() == 1 + variants * 2  # decode; prefill of 1 and 2 rows each
+        compiled = engine.stats().compiles
+        lengths, max_tokens = [20, 100, 60, 110], [4, 4, 8, 4]
+        prompts = prompts_of(rng, lengths)
+        engine.start()
+        handles = [engine.submit(Request(p, max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+        for handle, prompt, m in zip(handles, prompts, max_tokens):
+            out = handle.result(TIMEOUT * 2)
+            assert (out.tokens, out.finish_reason) == alone(prompt, m)
+        assert engine.backend.counters()["n_prefill_device_chunks"] > 0
+        assert engine.stats().compiles == compiled
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prefill_offloaded", ["host", "device"])
 def test_an_offloading_mode_serves_the_same_outputs(model, alone, rng, caplog, prefill_offloaded):

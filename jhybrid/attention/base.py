@@ -136,6 +136,13 @@ class AttentionBackend(abc.ABC):
         """Longest prefill chunk the backend accepts (None: any)."""
         return None
 
+    def prefill_variants(self, cache) -> list:
+        """The caches of an open batch's prefill steps, as `before_step` can hand them to a step
+        (arrays or ShapeDtypeStructs of the same shapes), for compiling every prefill shape ahead
+        (`ServingEngine.compile_steps`): a backend whose prefill cache never changes its shapes
+        returns [cache]."""
+        return [cache]
+
     def precompile_host(self, cache) -> None:
         """Compile ahead what this backend's host side would otherwise compile on first use during
         steps (scout: its recall scatter for every padded size), for an open batch whose cache is

@@ -42,7 +42,7 @@ from jhybrid.hybrid.prefill import offloaded_attention
 from jhybrid.hybrid.rows import check_rows, part_of_rows, reset_cache_rows, with_part_of_rows
 from jhybrid.hybrid.runtime import HostRuntime
 from jhybrid.hybrid.sliding import LayerPlan, SlidingWindow, init_sliding, sliding_attention
-from jhybrid.hybrid.state import DeviceCopy, LayerState, StepMeta
+from jhybrid.hybrid.state import DeviceCopy, LayerState, NothingOffloaded, StepMeta
 from jhybrid.hybrid.transfer import log_once
 from jhybrid.hybrid.window import exact_window_attention, init_window, update_maw, write_tokens
 from jhybrid.merge import merge_partials
@@ -187,6 +187,32 @@ class HybridAttention(AttentionBackend):
         jax.block_until_ready(cache)  # the last step has run: its host calls are done with the rows
         self.runtime.reset_rows(rows)
         return reset_cache_rows(cache, rows, self._empty)
+
+    def prefill_variants(self, cache) -> list:
+        """The cache without copies (the host path; between steps it may still hold the last
+        chunk's), with `NothingOffloaded` (a chunk inside the window), and, where the device path can
+        run, with `DeviceCopy`s of each size the runtime attaches (`PrefillCopies.sizes`;
+        ShapeDtypeStructs [B, Hkv, P, D] in the model dtype, n_valid [B] int32): on the H100 each
+        compiles for ~15 s, which a request would otherwise wait for."""
+        if self.runtime is None:
+            raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) before prefill_variants")
+        runtime = self.runtime
+
+        def with_offloaded(make):
+            return cache.replace(layers=tuple([s.replace(offloaded=make(s)) if isinstance(s, LayerState) else s
+                                               for s in cache.layers]))
+
+        variants = [with_offloaded(lambda s: None), with_offloaded(lambda s: NothingOffloaded())]
+        if runtime.prefill.may_use_device():
+            on = jax.sharding.SingleDeviceSharding(runtime.device)
+            valid = jax.ShapeDtypeStruct((runtime.batch,), jnp.int32, sharding=on)
+            for p in runtime.prefill.sizes():
+                def copy(s, p=p):
+                    b, hkv, _, d = s.window.k_ring.shape
+                    kv = jax.ShapeDtypeStruct((b, hkv, p, d), s.window.k_ring.dtype, sharding=on)
+                    return DeviceCopy(kv, kv, valid)
+                variants.append(with_offloaded(copy))
+        return variants
 
     def precompile_host(self, cache) -> None:
         """The evictor's gathers and the mode's host compiles (`HostRuntime.precompile`)."""

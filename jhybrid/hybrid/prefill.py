@@ -200,6 +200,23 @@ class PrefillCopies:
         p = min(max(next_pow2(int(blocks.max(initial=0))), floor), nb_max) * self.runtime.config.block_size
         return max(p, self._kept[0][0].shape[2]) if self._kept is not None else p
 
+    def sizes(self) -> list[int]:
+        """Every P `_tokens` can give (the copies' token counts, ascending): the step compiles once
+        for each."""
+        nb_max, bs = self.runtime.nb_max, self.runtime.config.block_size
+        blocks, out = max(1, next_pow2(nb_max) // 8), []
+        while True:
+            out.append(min(blocks, nb_max) * bs)
+            if blocks >= nb_max:
+                return out
+            blocks *= 2
+
+    def may_use_device(self) -> bool:
+        """Can a prefill chunk take the device path at all (config.prefill_offloaded and the platform)?
+        `uses_device` decides per chunk."""
+        choice = self.runtime.config.prefill_offloaded
+        return choice == "device" or (choice == "auto" and self.runtime.device.platform == "gpu")
+
     def uses_device(self, cache, after: np.ndarray, active: np.ndarray) -> bool:
         """Does the prefill chunk that brings the sequences to `after` [B] tokens attend to its
         offloaded prompt on the device (copies) rather than on the host? `active` [B] bool: the rows
@@ -207,8 +224,7 @@ class PrefillCopies:
         attends to the window alone: the runtime's `NothingOffloaded`). (config.prefill_offloaded,
         the platform, and the copies' size against prefill_upload_max_bytes.)"""
         runtime, cfg = self.runtime, self.runtime.config
-        device = runtime.device
-        if cfg.prefill_offloaded == "host" or (cfg.prefill_offloaded == "auto" and device.platform != "gpu"):
+        if not self.may_use_device():
             return False
         blocks = np.where(active, evicted_blocks(after, cfg), 0)
         nbytes = copies_bytes(runtime.store.config, blocks, runtime.dtype.itemsize, self._tokens(blocks))

@@ -46,7 +46,8 @@ so a saturated engine prefills at full rate and a lone long prompt does not stal
 requests. Shapes are fixed (prefill [R, W] for each row count R, alone or packed with
 [slots] decode tokens, or [slots, chunk]; decode [slots, 1]; the prefix copies run in pieces of one
 block count), each compiled once ahead of time (like `Generator._run`; `compile_steps` compiles
-every step shape up front): the steady state never recompiles.
+every step shape up front, an offloading mode's prefill over each size of its prefill copies and its
+host side's own compiles too): the steady state never recompiles.
 
 The prefix cache holds every layer's true K, V of whole prompt blocks, with either kind of backend:
   * one that keeps every token on the device and says how a row's tokens lie (`backend.row_kv()`:
@@ -1226,30 +1227,30 @@ class ServingEngine(Engine):
 
     def compile_steps(self) -> int:
         """Compiles every step shape this engine can run (decode; prefill of each row count, alone and
-        packed with decode tokens), the token draw of each and the backend's host-side compiles
-        (`precompile_host`), without running the steps, so that no request waits for a compile. The prefix cache's copies compile on their first use. Returns
+        packed with decode tokens, over each of the backend's `prefill_variants`, e.g. an offloading
+        mode's prefill copies of each size), the token draw of each and the backend's host-side
+        compiles (`precompile_host`), without running the steps, so that no request waits for a compile. The prefix cache's copies compile on their first use. Returns
         how many steps were compiled now."""
         with self._step_lock:
             before = self._counts.compiles
             chunk = self.prefill_chunk  # [slots, chunk] prefill
             decode = (np.zeros(self.slots, np.int32), np.full(self.slots, -1, np.int32))
             self._executable("decode", self._decode_fn, (3,), self.params, *decode, self._cache)
-            if not self.backend.prefills_rows:
-                prefill = (np.zeros((self.slots, chunk), np.int32), np.full((self.slots, chunk), -1, np.int32))
-                self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill, self._cache)
-            else:
+            for cache in self.backend.prefill_variants(self._cache):  # e.g. each size of prefill copies
+                if not self.backend.prefills_rows:
+                    prefill = (np.zeros((self.slots, chunk), np.int32), np.full((self.slots, chunk), -1, np.int32))
+                    self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill, cache)
+                    continue
                 for size in self._row_counts():
                     width = self._call_width(size)
                     prefill = (np.zeros((size, width), np.int32), np.full((size, width), -1, np.int32),
                                np.arange(size, dtype=np.int32))
                     if size == self.slots:  # a call of every row: the whole batch (`_prefill_call`)
-                        self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill[:2], self._cache)
+                        self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill[:2], cache)
                     else:
-                        self._executable("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill,
-                                         self._cache)
+                        self._executable("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill, cache)
                     if self.backend.packs_decode:
-                        self._executable("packed", self._packed_fn, (6,), self.params, *prefill, *decode,
-                                         self._cache)
+                        self._executable("packed", self._packed_fn, (6,), self.params, *prefill, *decode, cache)
             self.backend.precompile_host(self._cache)  # e.g. scout's recall scatters
             sampling = self._row_sampling()
             for size in sorted(set(self._row_counts()) | {self.slots}):  # logits as a step leaves them
