@@ -10,8 +10,8 @@ Phases, each over the same running requests:
 --trace-dir DIR: a profiler trace of one prefill call of each kind alone (a window-only chunk, one
 attending a device copy), the device idle before it: DIR/<kind>/.
 Per phase: the medians of the step, its host work (`before_step`), its calls, and the backend's
-counters that grew, and (sync) each call kind's time. Also the time of `_device_copy` dispatches
-(scout's recall snapshot) and of the store-worker joins.
+counters that grew, each call kind's dispatch (the time until it returned) and (sync) its whole
+time; also the time of `_device_copy` dispatches (scout's recall snapshot).
 
     PYTHONPATH=. python3 benchmarks/probe_serving_steps.py configs/serving-h100-hybrid.yaml \
         --set benchmark.prefill_chunk=128 --output $OUT/probe-serving-steps.json
@@ -29,7 +29,13 @@ import numpy as np
 
 
 def _median(values):
+    """The median of seconds, in ms (None: no value)."""
     return round(1e3 * statistics.median(values), 2) if values else None
+
+
+def _spread(values) -> dict:
+    """{"n", "median", "max"} of seconds, in ms."""
+    return {"n": len(values), "median": _median(values), "max": round(1e3 * max(values), 2) if values else None}
 
 
 def main() -> None:
@@ -57,10 +63,11 @@ def main() -> None:
     bench = point.benchmark
     model, _ = load_model(point.model)
     backend, window = backend_for(point.offload, args.context)
+    prefix_cache = PrefixCacheConfig(device_bytes=None, host_bytes=int((bench.serving_prefix_cache_mb or 64) * 2**20))
     engine = ServingEngine(model, backend, slots=4, max_len=args.context + 512, prefill_chunk=bench.prefill_chunk,
                            step_token_budget=bench.serving_step_tokens or 4 * bench.prefill_chunk, step_log=100_000,
-                           prefix_cache=PrefixCacheConfig(device_bytes=None, host_bytes=int((bench.serving_prefix_cache_mb or 64) * 2**20)),
-                           prefill_order="shortest", decoding_step_token_budget=bench.prefill_chunk)
+                           prefix_cache=prefix_cache, prefill_order="shortest",
+                           decoding_step_token_budget=bench.prefill_chunk)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
 
@@ -135,20 +142,17 @@ def main() -> None:
             "call_ms": _median([r.times.call_seconds for r in records]),
             "capture_ms": _median([r.times.capture_seconds for r in records]),
             "prefix_ms": _median([r.prefix_seconds for r in records]),
-            "calls": _median([r.times.calls / 1e3 for r in records]),
+            "calls": statistics.median([r.times.calls for r in records]) if records else None,
             "prefill_tokens": sum(n for r in records for _, n in r.prefill),
             "backend_ms_median_per_step": {k: round(1e3 * statistics.median(v + [0.0] * (len(records) - len(v))), 2)
                                           for k, v in sorted(grown.items())},
-            "device_copy_ms": {"n": len(copies), "median": _median(copies), "max": round(1e3 * max(copies), 2) if copies else None},
-            "dispatch_ms": {k: {"n": len(v), "median": _median(v), "max": round(1e3 * max(v), 2)}
-                            for k, v in dispatch.items()},
-            "calls_ms": {k: {"n": len(v), "median": _median(v), "max": round(1e3 * max(v), 2)} for k, v in calls.items()},
+            "device_copy_ms": _spread(copies),
+            "dispatch_ms": {k: _spread(v) for k, v in dispatch.items()},
+            "calls_ms": {k: _spread(v) for k, v in calls.items()},
         }
         print(label, json.dumps(phases[label]), flush=True)
 
     measure("decode", args.steps)
-    sync["on"] = True
-    sync["on"] = False
     newcomer = engine.submit(Request(prompt=prompt(), max_tokens=4, request_id="p"))
     engine.step()  # admitted, first chunk
     measure("chunk", args.steps, trace_at=(2, "window-only-chunk"))

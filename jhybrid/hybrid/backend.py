@@ -195,7 +195,8 @@ class HybridAttention(AttentionBackend):
         ShapeDtypeStructs [B, Hkv, P, D] in the model dtype, n_valid [B] int32): on the H100 each
         compiles for ~15 s, which a request would otherwise wait for."""
         if self.runtime is None:
-            raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) before prefill_variants")
+            raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) "
+                               "before prefill_variants")
         runtime = self.runtime
 
         def with_offloaded(make):

@@ -1229,8 +1229,9 @@ class ServingEngine(Engine):
         """Compiles every step shape this engine can run (decode; prefill of each row count, alone and
         packed with decode tokens, over each of the backend's `prefill_variants`, e.g. an offloading
         mode's prefill copies of each size), the token draw of each and the backend's host-side
-        compiles (`precompile_host`), without running the steps, so that no request waits for a compile. The prefix cache's copies compile on their first use. Returns
-        how many steps were compiled now."""
+        compiles (`precompile_host`), without running the steps, so that no request waits for a
+        compile. The prefix cache's copies compile on their first use. Returns how many steps were
+        compiled now."""
         with self._step_lock:
             before = self._counts.compiles
             chunk = self.prefill_chunk  # [slots, chunk] prefill
