@@ -883,7 +883,6 @@ class ServingEngine(Engine):
         positions = batch_positions[rows]
         decode_tokens, decode_positions = self._decode_inputs(packed)
         batch_positions[:, 0] = np.where(decode_positions >= 0, decode_positions, batch_positions[:, 0])
-        sampling = self._row_sampling()  # each row at its next token (read before the tokens are accepted)
         self._before_step(batch_positions)
         with self._timed("call_seconds"):
             if packed:
@@ -898,17 +897,19 @@ class ServingEngine(Engine):
                                                 positions, self._cache)
         self._submit_stores()  # the earlier calls' captures, while this call runs
         # A chunk's token is drawn only when it ends its prompt: other calls are not waited for, so
-        # the next call's host work (its before_step) overlaps this one on the device.
+        # the next call's host work (its before_step) overlaps this one on the device. The draws come
+        # before any token of this call is accepted (`_row_sampling`: each row at its next token).
         if any(run.prefilled + n == len(run.prompt) for run, n in taken):
             with self._timed("call_seconds"):
-                sampled = np.asarray(_sample(logits, jax.tree_util.tree_map(lambda x: x[rows], sampling)))
+                chunk_sampling = jax.tree_util.tree_map(lambda x: x[rows], self._row_sampling())
+                sampled = np.asarray(_sample(logits, chunk_sampling))
         with self._cond:
             self._counts.prefill_calls += 1
             self._counts.prefill_tokens += sum(n for _, n in taken)
             self._counts.decode_steps += bool(packed)
         if packed:
             with self._timed("call_seconds"):
-                decoded = np.asarray(_sample(decode_logits, sampling))
+                decoded = np.asarray(_sample(decode_logits, self._row_sampling()))
             for run in packed:
                 self._accept(run, int(decoded[run.slot]))
         for run, n in taken:
@@ -934,14 +935,13 @@ class ServingEngine(Engine):
     def _decode_call(self, runs: list[_Run]) -> None:
         """One token for each of `runs` (one [slots, 1] call)."""
         tokens, positions = self._decode_inputs(runs)
-        sampling = self._row_sampling()
         self._before_step(positions[:, None])
         with self._timed("call_seconds"):
             logits, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
                                             self._cache)
         self._submit_stores()
         with self._timed("call_seconds"):
-            sampled = np.asarray(_sample(logits, sampling))
+            sampled = np.asarray(_sample(logits, self._row_sampling()))
         with self._cond:
             self._counts.decode_steps += 1
         for run in runs:
