@@ -152,6 +152,51 @@ def test_reset_row_runs_its_new_sequence_as_alone(model, case):
     np.testing.assert_allclose(np.concatenate([first[:, 0], second[:, 0]]), want_x, atol=TOL, rtol=0)
     np.testing.assert_allclose(first[:, 1], want_y, atol=TOL, rtol=0)
     np.testing.assert_allclose(second[:, 1], want_z, atol=TOL, rtol=0)
+def test_scout_reset_leaves_a_recall_in_flight_and_it_skips_the_row(model):
+    """A scout recall held in its background job (its plan already made, holding row 1's blocks)
+    while row 1 is reset: the reset returns without waiting for it; the job, released only then,
+    leaves row 1 out (its blocks are no longer in the store: reading them fails); row 1's new
+    sequence z is prefilled and both rows' logits equal their runs alone (row 0's recalls land on
+    schedule)."""
+    backend = backend_of("scout")
+    step = make_step(model, backend)
+    run = Rows(model, backend, 2, step)
+    x, y, z, cx, cy, cz = sequences()
+    run.prefill(0, x)
+    run.prefill(1, y)
+    first = [run.decode(np.array([cx[i], cy[i]])) for i in range(STEPS[0] - 1)]
+    scout = backend.runtime.mode_host
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        assert gate.wait(120), "test gate never opened"
+
+    scout.recall_hook = hold
+    last = STEPS[0] - 1
+    first.append(run.decode(np.array([cx[last], cy[last]])))  # its step start triggers recalls: held
+    assert entered.wait(60) and scout.pending
+    held = [plan for plan in scout.pending.values() if plan.b.size]  # the job in the hook has planned
+    assert len(held) == 1 and (held[0].b == 1).any()
+    reset = threading.Thread(target=run.reset, args=([1],))
+    reset.start()
+    reset.join(timeout=60)  # bounds the wait: a reset that waited for the job would still be in it
+    returned = not reset.is_alive()
+    scout.recall_hook = None
+    gate.set()  # the job reads the store only now: row 1 holds an empty sequence, or z
+    reset.join()
+    assert returned, "reset_rows waited for the recall in flight"
+    run.prefill(1, z)
+    second = np.stack([run.decode(np.array([cx[STEPS[0] + i], cz[i]])) for i in range(STEPS[1])])
+    assert not (held[0].b == 1).any()  # row 1 left out
+    check_host_side(backend, run, "scout")
+    first = np.stack(first)
+    want_x, want_y, want_z = (alone(model, backend, step, p, c) for p, c in ((x, cx), (y, cy), (z, cz)))
+    np.testing.assert_allclose(np.concatenate([first[:, 0], second[:, 0]]), want_x, atol=TOL, rtol=0)
+    np.testing.assert_allclose(first[:, 1], want_y, atol=TOL, rtol=0)
+    np.testing.assert_allclose(second[:, 1], want_z, atol=TOL, rtol=0)
+
+
 def check_host_side(backend, run, case) -> None:
     """The host side after the batched run: the store holds row 1's new sequence only."""
     if backend.config.mode == "quest":

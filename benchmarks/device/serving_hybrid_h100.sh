@@ -17,7 +17,7 @@
 # JAX's compilation cache lives in /tmp/jhybrid-jax-cache: a second call on the same warm machine
 # reuses the step compiles of the first. A fresh machine reuses a former call's compiles (Numba's and
 # JAX's) when they travel with the tree (benchmarks/device/device_cache.sh): SAVE_CACHE=1 writes them
-# to $OUT/device-cache.tgz.part*; copy those into .device_cache/ here and name it in the call's carry.
+# to $OUT/device-cache.txz.part*; copy those into .device_cache/ here and name it in the call's carry.
 # The kernels' warm-up through the CPU serving point is then skipped (the 32-layer exchange warm-up
 # still runs, from the cache).
 # PROBE=1 first times and traces one prefill-copy-sized upload and download (transfer_probe.py).

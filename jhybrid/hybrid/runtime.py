@@ -377,8 +377,9 @@ class HostRuntime:
           2. the eviction thread: every started copy and queued background work has landed (a copy
              of an old sequence's blocks lands before its store rows are freed, never in the new
              sequence's); the rows' block counts are 0 and the pending jobs publish none for them
-          3. the mode's host state of the rows (`ModeHost.reset_rows`: waits for its own background
-             work on them, e.g. scout's recalls)
+          3. the mode's host state of the rows (`ModeHost.reset_rows`: its own background work on
+             them either waits or, like scout's recalls, skips rows reset since it began, checked
+             under the store's lock against this reset)
           4. the store: the rows' sequences are freed (their slots and context pages recycled, so
              reusing a row does not grow host memory) and added again empty, in one critical section
           5. token counts, slot tables, the prefill copies, the transports' last block ids

@@ -178,8 +178,8 @@ class StepTimes:
     the next call's host work overlaps it), capture_seconds dispatching reads of prefilled K, V from
     the device window for the prefix cache (offloading backends; the store worker waits for them);
     calls: how many; reset_seconds emptying the rows of the requests that ended in the step, after
-    their tokens (`backend.reset_rows`: an offloading backend first waits for its background work, a
-    delay the running requests' next token gap carries)."""
+    their tokens (`backend.reset_rows`: an offloading backend first waits for the exchange and the
+    evictions in flight, a delay the running requests' next token gap carries)."""
 
     host_seconds: float = 0.0
     call_seconds: float = 0.0

@@ -228,6 +228,7 @@ class RecallPlan:
     future: Future | None = None
     bg_s: float = 0.0  # background seconds (gather + conversion + upload)
     void: np.ndarray | None = None  # rows reset since the trigger: their part is dropped when applied
+    resets: np.ndarray | None = None  # int64 [B]: the rows' reset counts at the trigger
 
     @property
     def n(self) -> int:
@@ -268,10 +269,13 @@ def plan_recall(cpu_ids: np.ndarray, pool_ids: np.ndarray, pool_used: np.ndarray
             cand[bi, hi, ji].astype(np.int32))
 
 
-def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, pool_specs=None):
+def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, pool_specs=None, resets=None):
     """Background: gather plan's (block, head) rows from the host store and upload them.
 
-    Returns (staged, apply): staged = device arrays (b, h, r, block int32 [Np], k, v [Np, bs, D]
+    `resets` int64 [B] (live, the rows' reset counts; with plan.resets, the counts at the trigger):
+    a row reset since the trigger is left out of the plan, its blocks unread (the runtime may have
+    freed its sequence, or a new one may hold the row). Returns None when no row is left, else
+    (staged, apply): staged = device arrays (b, h, r, block int32 [Np], k, v [Np, bs, D]
     dtype), Np = next power of two >= N (padding rows have b = batch, dropped by the scatter);
     apply = `apply_recall` compiled ahead of time for these shapes when pool_specs (the
     ShapeDtypeStructs of the pool and of next_pool_blocks, None when absent) are given,
@@ -281,19 +285,29 @@ def stage_recall(store, plan: RecallPlan, batch: int, dtype, device, hook=None, 
     if hook is not None:
         hook()
     c = store.config
+    arena_slot = np.zeros(plan.n, np.int64)
+    kept = np.ones(plan.n, bool)
+    for b in np.unique(plan.b):
+        rows = np.nonzero(plan.b == b)[0]
+        with store.lock:  # a row's reset count moves before the runtime frees its sequence (under this lock)
+            if resets is not None and resets[b] != plan.resets[b]:
+                kept[rows] = False  # reset since the trigger: dropped when applied anyway
+                continue
+            slots = store.block_slots(plan.layer, int(b))  # a copy
+        if plan.block[rows].max() >= slots.shape[0]:
+            raise RuntimeError(f"scout recall: block {int(plan.block[rows].max())} of sequence {int(b)} "
+                               f"layer {plan.layer} is not in the host store ({slots.shape[0]} blocks)")
+        arena_slot[rows] = slots[plan.block[rows]]
+    if not kept.all():
+        plan.b, plan.h, plan.r, plan.block = (x[kept] for x in (plan.b, plan.h, plan.r, plan.block))
+        arena_slot = arena_slot[kept]
+        if plan.n == 0:
+            return None
     n = plan.n
     size = max(8, next_pow2(n))
     dtype = np.dtype(dtype)
     k_st = np.zeros((size, c.block_size, c.row_width), store.layers[plan.layer].arrays["k"].dtype)
     v_st = np.zeros_like(k_st)
-    arena_slot = np.zeros(n, np.int64)
-    for b in np.unique(plan.b):
-        rows = np.nonzero(plan.b == b)[0]
-        slots = store.block_slots(plan.layer, int(b))  # copy, under the store's lock
-        if plan.block[rows].max() >= slots.shape[0]:
-            raise RuntimeError(f"scout recall: block {int(plan.block[rows].max())} of sequence {int(b)} "
-                               f"layer {plan.layer} is not in the host store ({slots.shape[0]} blocks)")
-        arena_slot[rows] = slots[plan.block[rows]]
     with store.lock:  # the arena may be reallocated by a concurrent append; blocks never change
         arrays = store.layers[plan.layer].arrays
         gather_rows(arrays["k"], arrays["v"], arena_slot, plan.h.astype(np.int64), k_st, v_st)
@@ -409,6 +423,7 @@ class ScoutHost(ModeHost):
         self.stale = np.ones(shape.batch, bool)
         self.warm = np.zeros((shape.n_layers, shape.batch), bool)  # (layer, row) warm-start recall still due
         self.epoch = 0  # bumped when the store is replaced: older recalls are void
+        self.resets = np.zeros(shape.batch, np.int64)  # per row: how many times it was reset
         self.recall_hook = None  # tests: called at the start of each background recall job
         # tensor parallelism: {layer: CPU blocks [B] of the last step over every shard} and the shards' KV heads
         self.shared_counts: dict[int, np.ndarray | None] | None = None
@@ -483,10 +498,12 @@ class ScoutHost(ModeHost):
 
     def reset_rows(self, rows):
         """The rows' pool tables are empty (the device side empties their pools), their last CPU
-        ids stale, no warm start due; an in-flight recall (its gather reads the rows' store blocks:
-        waited for here, before the runtime frees them) drops its rows of them when applied, the
-        other rows' part lands on schedule."""
-        self.wait(self.ctx.config.exchange_timeout_s)
+        ids stale, no warm start due; an in-flight recall is not waited for: its gather skips the
+        rows (their reset count moves here, before the runtime frees their sequences, and the gather
+        checks it under the store's lock) and it drops them when applied; the other rows' part
+        lands on schedule."""
+        with self.ctx.store.lock:
+            self.resets[rows] += 1
         for plan in self.pending.values():
             plan.void = rows.copy() if plan.void is None else np.union1d(plan.void, rows)
         self.pool_ids[:, rows] = -1
@@ -584,7 +601,7 @@ class ScoutHost(ModeHost):
             start = time.perf_counter()
             state = cache.layers[layer]
             plan = RecallPlan(layer, *(np.zeros(0, np.int32),) * 4, trigger_step=ctx.decode_steps,
-                              epoch=self.epoch, warm=warm)
+                              epoch=self.epoch, warm=warm, resets=self.resets.copy())
             # Snapshots the job may use after this step has donated the cache: the CPU's ids, the
             # host pool table, the slots' last use (a device copy, dispatched, read by the job:
             # reading it here waited for the call before this step start, the prefill call a serving
@@ -613,7 +630,7 @@ class ScoutHost(ModeHost):
         staged = None
         if plan.n:
             staged = stage_recall(store, plan, self.ctx.shape.batch, self.ctx.shape.dtype, device,
-                                  hook=self.recall_hook, pool_specs=specs)
+                                  hook=self.recall_hook, pool_specs=specs, resets=self.resets)
         plan.bg_s = time.perf_counter() - start
         return staged
 
