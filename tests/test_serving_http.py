@@ -613,6 +613,29 @@ def test_serve_prefix_cache_tiers_reach_the_engine(tmp_path):
         engine.close(drain=False)
 
 
+def test_serve_compile_steps_compiles_before_listening(capsys):
+    """`jhybrid serve --compile-steps` compiles every step shape of its engine before the server
+    starts (none left to compile afterwards, progress on stderr); without it nothing is compiled."""
+    from jhybrid import cli
+    from jhybrid.models import create_model
+    from tests.hybrid_support import TINY
+
+    parser = cli.build_parser()
+    model = create_model(TINY, seed=0)
+    for flag in ([], ["--compile-steps"]):
+        args = parser.parse_args(["serve", "--slots", "2", "--prefill-chunk", "16", *flag])
+        engine = cli._serving_engine(model, None, args, max_len=64)
+        try:
+            compiled = cli.compile_serving_steps(engine, args)
+            if flag:
+                assert compiled > 0 and engine.compile_steps() == 0
+                assert f"compiled {compiled} step programs" in capsys.readouterr().err
+            else:
+                assert compiled == 0 and engine.stats().compiles == 0 and capsys.readouterr().err == ""
+        finally:
+            engine.close(drain=False)
+
+
 def test_serve_reports_a_port_in_use_before_loading(capsys, monkeypatch):
     from jhybrid import cli
     from jhybrid.serving.server import bind_socket
