@@ -147,11 +147,19 @@ def test_reset_row_runs_its_new_sequence_as_alone(model, case):
     first, second = scenario(run)
     check_host_side(backend, run, case)  # before the reference runs reopen the backend
 
+    assert_each_as_alone(model, backend, step, first, second)
+
+
+def assert_each_as_alone(model, backend, step, first, second) -> None:
+    """`scenario`'s logits (first [STEPS[0], 2, V], second [STEPS[1], 2, V]) equal x, y and z run
+    alone (`alone`: reopens the backend)."""
     x, y, z, cx, cy, cz = sequences()
     want_x, want_y, want_z = (alone(model, backend, step, p, c) for p, c in ((x, cx), (y, cy), (z, cz)))
     np.testing.assert_allclose(np.concatenate([first[:, 0], second[:, 0]]), want_x, atol=TOL, rtol=0)
     np.testing.assert_allclose(first[:, 1], want_y, atol=TOL, rtol=0)
     np.testing.assert_allclose(second[:, 1], want_z, atol=TOL, rtol=0)
+
+
 def test_scout_reset_leaves_a_recall_in_flight_and_it_skips_the_row(model):
     """A scout recall held in its background job (its plan already made, holding row 1's blocks)
     while row 1 is reset: the reset returns without waiting for it; the job, released only then,
@@ -190,11 +198,7 @@ def test_scout_reset_leaves_a_recall_in_flight_and_it_skips_the_row(model):
     second = np.stack([run.decode(np.array([cx[STEPS[0] + i], cz[i]])) for i in range(STEPS[1])])
     assert not (held[0].b == 1).any()  # row 1 left out
     check_host_side(backend, run, "scout")
-    first = np.stack(first)
-    want_x, want_y, want_z = (alone(model, backend, step, p, c) for p, c in ((x, cx), (y, cy), (z, cz)))
-    np.testing.assert_allclose(np.concatenate([first[:, 0], second[:, 0]]), want_x, atol=TOL, rtol=0)
-    np.testing.assert_allclose(first[:, 1], want_y, atol=TOL, rtol=0)
-    np.testing.assert_allclose(second[:, 1], want_z, atol=TOL, rtol=0)
+    assert_each_as_alone(model, backend, step, np.stack(first), second)
 
 
 def check_host_side(backend, run, case) -> None:
