@@ -9,6 +9,11 @@ Phases, each over the same running requests:
   budget      steps that prefill the whole step budget (serving_step_tokens) beside the decoding requests
 --trace-dir DIR: a profiler trace of one prefill call of each kind alone (a window-only chunk, one
 attending a device copy), the device idle before it: DIR/<kind>/.
+--compare OPTIONS (a JSON dict of XLA compile options, `ServingEngine.compiler_options`): instead of
+the four phases, decode and chunk phases with the default options, with OPTIONS, and with the
+default again (the running requests' contexts grow between passes: the repeat bounds that drift);
+each pass's programs compiled in unmeasured steps before it (no `compile_steps`). E.g.
+--compare '{"xla_gpu_enable_command_buffer": ""}' (kernels launched one by one, no CUDA graphs).
 Per phase: the medians of the step, its host work (`before_step`), its calls, and the backend's
 counters that grew, each call kind's dispatch (the time until it returned) and (sync) its whole
 time; also the time of `_device_copy` dispatches (scout's recall snapshot).
@@ -47,6 +52,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--output", required=True)
     parser.add_argument("--trace-dir")
+    parser.add_argument("--compare", type=json.loads, help="a JSON dict of XLA compile options to compare")
     args = parser.parse_args()
 
     import jax
@@ -117,7 +123,8 @@ def main() -> None:
     for _ in range(8):  # the decode step compiled, recalls warm
         engine.step()
     print(f"three requests decoding after {time.perf_counter() - t0:.1f} s", flush=True)
-    engine.compile_steps()
+    if args.compare is None:
+        engine.compile_steps()
 
     phases = {}
 
@@ -152,16 +159,30 @@ def main() -> None:
         }
         print(label, json.dumps(phases[label]), flush=True)
 
-    measure("decode", args.steps)
-    newcomer = engine.submit(Request(prompt=prompt(), max_tokens=4, request_id="p"))
-    engine.step()  # admitted, first chunk
-    measure("chunk", args.steps, trace_at=(2, "window-only-chunk"))
-    sync["on"] = True
-    measure("chunk-sync", args.steps, trace_at=(5, "device-copy-chunk"))
-    sync["on"] = False
-    engine.decoding_step_token_budget = None  # the whole step budget beside the decoding requests
-    measure("budget", max(4, args.steps // 3))
-    newcomer.cancel()
+    if args.compare is not None:
+        for n, (label, options) in enumerate((("default", {}), ("compared", args.compare), ("default-again", {}))):
+            engine.compiler_options = options
+            for _ in range(2):  # this pass's decode step compiled (the first pass's is)
+                engine.step()
+            measure(f"decode-{label}", args.steps)
+            newcomer = engine.submit(Request(prompt=prompt(), max_tokens=4, request_id=f"p{n}"))
+            for _ in range(2):  # admitted, its first chunks (the chunk program compiled)
+                engine.step()
+            measure(f"chunk-{label}", args.steps)
+            newcomer.cancel()
+            engine.step()  # its row reset
+        phases["compared_options"] = args.compare
+    else:
+        measure("decode", args.steps)
+        newcomer = engine.submit(Request(prompt=prompt(), max_tokens=4, request_id="p"))
+        engine.step()  # admitted, first chunk
+        measure("chunk", args.steps, trace_at=(2, "window-only-chunk"))
+        sync["on"] = True
+        measure("chunk-sync", args.steps, trace_at=(5, "device-copy-chunk"))
+        sync["on"] = False
+        engine.decoding_step_token_budget = None  # the whole step budget beside the decoding requests
+        measure("budget", max(4, args.steps // 3))
+        newcomer.cancel()
     for handle in running:
         handle.cancel()
     while engine.step():

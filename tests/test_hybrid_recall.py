@@ -8,6 +8,7 @@ back while the ring evicts stays consistent, and a recall of a previous batch is
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import numpy as np
@@ -134,6 +135,31 @@ def test_async_recall_applied_later_exact_and_byte_equal(model, tokens, referenc
         np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
     else:            # predicted query: approximate, but the pool path stays consistent
         assert np.isfinite(logits).all()
+
+
+def test_recall_layers_per_step_spreads_a_burst_over_steps(model, tokens, reference, exact_scout):
+    """recall_layers_per_step=1 on the two-layer model: uncapped, both layers' warm starts trigger
+    (and land) at one step start; capped, each step start triggers and applies at most one recall,
+    the second layer's warm start comes at the next step start (its warm flag kept), every layer still
+    recalls, and the pool holds the store's bytes and the logits full attention's (exact query)."""
+    def per_step(log, field):
+        return collections.Counter(entry[field] for entry in log)
+
+    uncapped = Run(model, exact_scout, *tokens)
+    uncapped.run(STEPS, before=wait_all)
+    assert max(per_step(uncapped.scout.recall_log, "trigger_step").values()) == 2  # a burst to spread
+    assert max(per_step(uncapped.scout.recall_log, "apply_step").values()) == 2
+
+    capped = Run(model, make_backend("scout", predict_query=False, recall_layers_per_step=1, **KEEP_ALL), *tokens)
+    logits = capped.run(STEPS, before=wait_all)
+    log = capped.scout.recall_log
+    assert max(per_step(log, "trigger_step").values()) == 1
+    assert max(per_step(log, "apply_step").values()) == 1
+    warm = sorted(entry["trigger_step"] for entry in log if entry["warm"])
+    assert {entry["layer"] for entry in log if entry["warm"]} == {0, 1} and warm[1] == warm[0] + 1
+    assert {entry["layer"] for entry in log if not entry["warm"]} == {0, 1}  # both keep recalling, in turn
+    assert assert_pool_matches_store(capped) > 0
+    np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
 
 
 def test_precompiled_host_work_leaves_no_recall_scatter_to_compile(model, tokens, exact_scout, monkeypatch):

@@ -490,6 +490,41 @@ def test_constructor_errors(model):
         ServingEngine(model, slots=2, decoding_step_token_budget=8, decoding_budget_max_backlog=-1)
     with pytest.raises(ValueError, match="decoding_budget_max_backlog=64 needs decoding_step_token_budget"):
         ServingEngine(model, slots=2, decoding_budget_max_backlog=64)
+    with pytest.raises(ValueError, match=r"compiler_options=\{'xla_no_such_option': ''\}: XLA refused them "
+                                         r"\(.*No such compile option: 'xla_no_such_option'"):
+        ServingEngine(model, slots=2, compiler_options={"xla_no_such_option": ""})
+    with pytest.raises(ValueError, match="compiler_options=.*expected a dict of XLA option names"):
+        ServingEngine(model, slots=2, compiler_options=["xla_gpu_enable_command_buffer"])
+
+
+def test_compiler_options_reach_every_step_compile(model, alone, rng, monkeypatch):
+    """The engine's compiler_options go to each step program's compile (and key its executables: an
+    engine without them compiles its own); outputs still equal each request run alone."""
+    import jax
+
+    seen = []
+    compile_lowered = jax.stages.Lowered.compile
+
+    def recording(self, compiler_options=None, **kwargs):
+        seen.append(compiler_options)
+        return compile_lowered(self, compiler_options=compiler_options, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
+    options = {"xla_gpu_enable_command_buffer": ""}
+    prompts = prompts_of(rng, [9, 21])
+    for compiler_options in (None, options):
+        engine = ServingEngine(model, FullAttention("jnp"), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                               prefix_cache=None, compiler_options=compiler_options)
+        try:
+            seen.clear()
+            assert engine.compile_steps() > 0
+            assert seen and all(o == compiler_options for o in seen)  # (None: XLA's defaults)
+            handles = [engine.submit(Request(p, max_tokens=5)) for p in prompts]
+            while engine.step():
+                pass
+            assert [h.result(0).tokens for h in handles] == [alone(p, 5)[0] for p in prompts]
+        finally:
+            engine.close(drain=False)
 
 
 class FailingAttention(FullAttention):

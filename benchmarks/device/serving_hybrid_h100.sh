@@ -37,24 +37,12 @@ if [ "${PROBE:-0}" = 1 ]; then python3 benchmarks/device/transfer_probe.py 2>&1 
 if [ "${DUMP_HLO:-0}" = 1 ]; then
   hlo_flags="--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=prefill --xla_dump_hlo_as_text"  # the bench's alone
 fi
-warm_kernels() {  # $1: mode; compiles its bf16 host kernels into host/__pycache__ through the CPU serving point
-  JAX_PLATFORMS=cpu JHYBRID_LOG_LEVEL=WARNING timeout 300 python3 -m jhybrid.cli bench configs/serving-cpu.yaml \
-    --output-dir "/tmp/numba-warm-$1" --only "$1" --set model.dtype=bfloat16 --set offload.prefill_offloaded=host \
-    > "/tmp/numba-warm-$1.log" 2>&1
-  local rc=$?
-  echo "host kernels of $1 compiled $(( $(date +%s) - start )) s after the start (rc $rc)"
-}
-# the mode's kernels and the 32-layer exchange worker compile side by side (a lock serialises the cache writes)
+source benchmarks/device/warm_host.sh
+# the mode's kernels and the 32-layer exchange worker compile side by side
 if [ "$restored" = 1 ]; then echo "host kernels: from the device cache"; else warm_kernels "$mode" & warm_pid=$!; fi
-# the native exchange worker's 32-layer specialization (a tuple's length is part of its type; the CPU
-# point's model has 2 layers): compiled in the bench's warm-up otherwise (call 6 of 2026-11-27 traced
-# 4 s of a warm-up step inside a Numba compile, the GPU idle)
-# (WARM_EXCHANGE=0 leaves it to the warm-up: 138 s here on a fresh machine, call 1 of 2026-11-27b)
-if [ "${WARM_EXCHANGE:-1}" = 1 ]; then
-  python3 scripts/warm_host_kernels.py --layers 32 --keep --jobs 8 > /tmp/numba-warm-32.log 2>&1
-  rc=$?
-  echo "32-layer exchange worker compiled $(( $(date +%s) - start )) s after the start (rc $rc)"
-fi
+# (WARM_EXCHANGE=0 leaves the exchange worker to the warm-up: 138 s here on a fresh machine, call 1 of
+# 2026-11-27b; call 6 of 2026-11-27 traced 4 s of a warm-up step inside a Numba compile, the GPU idle)
+[ "${WARM_EXCHANGE:-1}" = 1 ] && warm_exchange
 [ -n "${warm_pid:-}" ] && wait "$warm_pid"
 if [ -n "${BG_WARM:-}" ] && [ "$restored" = 0 ]; then warm_kernels "$BG_WARM" & fi
 left=$(( ${BENCH_S:-520} - ($(date +%s) - start) ))

@@ -95,6 +95,12 @@ class OffloadConfig:
         start after its upload finished, never waited for; an int N = exactly N decode steps after
         its trigger, waiting for the upload if needed: results do not depend on timing (accuracy
         runs, tests).
+    recall_layers_per_step: scout: None (default) = every layer due recalls at a step start; an int N
+        = at most N layers start a recall at one step start, and (recall_lag_steps None) at most N
+        recalls are applied at one: the others wait for the next steps (the layers taken in turn
+        from where the last step stopped). Spreads a burst (every layer's warm start after a
+        prefill) over steps: each recall costs the step start a dispatch and its background job
+        CPU time beside the host attention.
     predict_query: scout: CPU attention uses the layer-ahead predicted query (True, the paper's
         design, approximate) or each layer's exact query (False; exact).
     scout_exact_layers: scout with predict_query: the layers that select and attend with their exact
@@ -147,6 +153,7 @@ class OffloadConfig:
     recall_threshold: float = 0.12
     recall_min_interval: int = 4
     recall_lag_steps: int | None = None
+    recall_layers_per_step: int | None = None
     predict_query: bool = True
     scout_exact_layers: tuple[int, ...] | int | str = "auto"
     scout_min_cos: float = 0.9
@@ -192,6 +199,9 @@ class OffloadConfig:
         check("recall_lag_steps", self.recall_lag_steps is None or (_is_int(self.recall_lag_steps)
                                                                 and self.recall_lag_steps >= 1),
               "expected None (apply when ready) or an int >= 1 (decode steps after the trigger)")
+        check("recall_layers_per_step", self.recall_layers_per_step is None
+              or (_is_int(self.recall_layers_per_step) and self.recall_layers_per_step >= 1),
+              "expected None (every layer due) or an int >= 1 (layers a step start)")
         check("recall_blocks", self.recall_blocks is None or (_is_int(self.recall_blocks) and self.recall_blocks >= 0),
               "expected None (twice the budget) or an int >= 0")
         check("gpu_ratio", self.gpu_ratio is None or (_is_number(self.gpu_ratio) and 0.0 < self.gpu_ratio <= 1.0),

@@ -14,13 +14,13 @@ this order (docs/design.md, "One decode step"):
      copies due at this step (one jitted gather, an asynchronous transfer, the store append and the
      mode's `blocks_stored` / `blocks_evicted` in a background thread), and fix the blocks the host
      side owns during the step
-  4. the mode's `every_step` (scout: apply finished recalls)
-  5. prefill chunk: the mode's `before_prefill_chunk`, then the prefill copies (or, when the
+  4. prefill chunk: the mode's `before_prefill_chunk`, then the prefill copies (or, when the
      chunk's rows have nothing offloaded, `NothingOffloaded`: no host call);
-     decode step: the mode's `before_decode` (hgca: re-evaluation; recall: upload; scout: recalls),
+     decode step: the mode's `before_decode` (hgca: re-evaluation; recall: upload; scout: apply
+     finished recalls, start new ones),
      then, with the native exchange, the step's plan to the exchange worker (which layers submit,
      and the pages each may read: `ModeHost.exchange_pages`)
-  6. the step's `StepMeta` (offloaded blocks per sequence) into the cache
+  5. the step's `StepMeta` (offloaded blocks per sequence) into the cache
 
 Counters (cumulative, `counters()`; `history` holds one dict of deltas per step plus wall_s, the
 time between two step starts): the core's `HostCounters` fields, the mode's own (e.g.
@@ -524,7 +524,6 @@ class HostRuntime:
         device_prefill = prefill and not window_only and self.prefill.uses_device(cache, after, n_new > 0)
         cache, owned = self.evictor.before_step(cache, after, prefill, device_prefill or window_only,
                                                 self.decode_steps, width=pos.shape[1], rows=n_new > 0)
-        cache = self.mode_host.every_step(cache)
         if prefill:
             self.mode_host.before_prefill_chunk(pos)
             if device_prefill:

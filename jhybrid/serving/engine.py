@@ -153,6 +153,22 @@ class _State(enum.Enum):
     DONE = "done"
 
 
+def _checked_compiler_options(options) -> dict[str, str | bool | int]:
+    """options ({name: value} XLA compile options, or None) checked by compiling a trivial program
+    with them: an unknown name or a bad value is a ValueError now, not an error in a request's step."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"ServingEngine compiler_options={options!r}; expected a dict of XLA option names "
+                         "to values, e.g. {'xla_gpu_enable_command_buffer': ''}")
+    try:
+        jax.jit(lambda x: x + 1).lower(np.zeros(1, np.float32)).compile(compiler_options=dict(options) or None)
+    except Exception as exc:  # noqa: BLE001 - XLA's error, first line, named
+        raise ValueError(f"ServingEngine compiler_options={options!r}: XLA refused them "
+                         f"({str(exc).splitlines()[0]})") from None
+    return dict(options)
+
+
 def _last_logits(model, hidden, positions) -> jax.Array:
     """Each row's logits at its last valid position: hidden [R, T, d], positions [R, T] -> [R, V] float32."""
     last = jnp.argmax(positions, axis=1)
@@ -328,6 +344,11 @@ class ServingEngine(Engine):
         order) or "shortest" (fewest prompt tokens left to prefill, then admission order; lowers
         the time to first token of short prompts and prefix-cache hits, as SGLang's
         longest-prefix-match policy does, at the cost of long prompts under a sustained load).
+    compiler_options: XLA compile options of the step programs ({name: value}, as in
+        `jax.stages.Lowered.compile`), e.g. {"xla_gpu_enable_command_buffer": ""}: a GPU step launches
+        its kernels one by one instead of through CUDA graphs (a graph is updated with the step's
+        buffer addresses before each launch: milliseconds of host time a call on the 32-layer model).
+        Checked here: an option XLA does not know is a ValueError.
     """
 
     PREFILL_ORDERS = ("arrival", "shortest")
@@ -336,8 +357,10 @@ class ServingEngine(Engine):
                  max_len: int | None = None, prefill_chunk: int = 256, step_token_budget: int | None = None,
                  prefix_cache: PrefixCacheConfig | None = _DEFAULT_PREFIX_CACHE,
                  prefix_cache_bytes: int | None = None, step_log: int = 1024, prefill_order: str = "arrival",
-                 decoding_step_token_budget: int | None = None, decoding_budget_max_backlog: int | None = None):
+                 decoding_step_token_budget: int | None = None, decoding_budget_max_backlog: int | None = None,
+                 compiler_options: dict[str, str | bool | int] | None = None):
         backend = _FULL if backend is None else backend
+        compiler_options = _checked_compiler_options(compiler_options)
         asked_for_prefix_cache = prefix_cache is not _DEFAULT_PREFIX_CACHE or prefix_cache_bytes is not None
         config = model.config
         context = config.max_position_embeddings
@@ -383,6 +406,7 @@ class ServingEngine(Engine):
                                            else min(decoding_step_token_budget, step_token_budget))
         self.decoding_budget_max_backlog = decoding_budget_max_backlog
         self.prefill_order = prefill_order
+        self.compiler_options = compiler_options
         self.graphdef, self.params = nnx.split(model)
         params_signature = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
                                  for x in jax.tree_util.tree_leaves(self.params))
@@ -1203,7 +1227,8 @@ class ServingEngine(Engine):
         varying = [a for a in args if a is not self.params]
         leaves, treedef = jax.tree_util.tree_flatten(varying)
         # (the dtype objects themselves: str() of 500 dtypes took ~3 ms of every 32-layer call's dispatch)
-        key = (name, self._structure_id, id(self.backend), treedef) + tuple([(a.shape, a.dtype) for a in leaves])
+        options = tuple(sorted(self.compiler_options.items()))
+        key = (name, self._structure_id, id(self.backend), options, treedef) + tuple([(a.shape, a.dtype) for a in leaves])
         with _executables_lock:
             backend, executable = _executables.get(key, (None, None))
             if backend is not self.backend:  # an id reused by a newer object
@@ -1212,7 +1237,8 @@ class ServingEngine(Engine):
                 _executables.move_to_end(key)
         if executable is None:
             start = time.perf_counter()
-            executable = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            executable = jax.jit(fn, donate_argnums=donate).lower(*args).compile(
+                compiler_options=self.compiler_options or None)
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             log.info("compiled the %s step in %.1f s (its 4-D inputs: %s)", name, seconds,

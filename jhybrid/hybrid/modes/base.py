@@ -238,7 +238,7 @@ class OffloadMode:
 class ModeHost:
     """A mode's host work between steps; every hook is a no-op unless the mode overrides it.
     Call order at a step start: step_start -> (eviction: blocks_stored per block batch, then
-    blocks_evicted) -> every_step -> before_prefill_chunk | before_decode."""
+    blocks_evicted) -> before_prefill_chunk | before_decode."""
 
     def step_start(self, cache):
         """First thing at a step start (the previous step may still be running)."""
@@ -251,9 +251,6 @@ class ModeHost:
 
     def blocks_evicted(self, layer: int, numbers_by_seq: dict[int, np.ndarray]) -> None:
         """The ring evicted these blocks of `layer` (sequence -> block numbers), all stored."""
-
-    def every_step(self, cache):
-        return cache
 
     def before_prefill_chunk(self, positions: np.ndarray) -> None:
         """Before a prefill / append chunk with positions [B, T] (-1 = padding)."""

@@ -16,8 +16,8 @@ Host side (`ScoutHost`): asynchronous incremental recall into the pool (§3.4; "
 below): at a step start, per layer, when the CPU's share of the
 layer's selected blocks at the last step exceeded `recall_threshold` (and `recall_min_interval`
 steps passed, and none of its recalls is in flight), a background thread plans, gathers and
-uploads the recall; the first step start at which it has finished applies it with one jitted,
-buffer-donating scatter; no step waits for it (recall_lag_steps None; an int N applies each one
+uploads the recall; the first decode step start at which it has finished applies it with one
+jitted, buffer-donating scatter (`recall_layers_per_step` bounds both per step start); no step waits for it (recall_lag_steps None; an int N applies each one
 exactly N steps after its trigger, for replayable runs). Warm start, as the paper's GPU keeps the
 blocks selected after prefill: at the second decode step after a row's prefill (or an adopted store)
 every layer recalls what its first decode step selected (like every recall, never waited for).
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 class Scout(OffloadMode):
     name = "scout"
     settings = frozenset({"budget", "recall_blocks", "recall_threshold", "recall_min_interval", "recall_lag_steps",
-                          "predict_query", "scout_exact_layers", "scout_min_cos"})
+                          "recall_layers_per_step", "predict_query", "scout_exact_layers", "scout_min_cos"})
     host_target = CHOSEN_BLOCKS
 
     default_window_tokens = 272  # the sinks + the last 256 tokens: the paper's regime (module docstring)
@@ -418,6 +418,7 @@ class ScoutHost(ModeHost):
         self.pool_ids = np.full((shape.n_layers, shape.batch, shape.hkv, cfg.recall_blocks), -1, np.int32)
         self.pending: dict[int, RecallPlan] = {}  # layer -> its in-flight recall
         self.last_recall = np.full(shape.n_layers, -10**9)
+        self.next_trigger_layer = 0  # recall_layers_per_step: where the next step start's triggers begin
         # rows whose last CPU block ids are not their sequence's last decode step's (a prefill chunk
         # or a reset since): left out of the recall trigger and plans until their next decode step
         self.stale = np.ones(shape.batch, bool)
@@ -542,15 +543,17 @@ class ScoutHost(ModeHost):
     def step_start(self, cache):
         return _commit(cache)
 
-    def every_step(self, cache):
-        return self._apply_ready(cache) if self.pending else cache
-
     def before_prefill_chunk(self, positions):
         rows = (positions >= 0).any(axis=1)
         self.stale |= rows
         self.warm[:, rows] = True
 
     def before_decode(self, cache, offloaded_before):
+        # Recalls land at decode step starts only: the pool serves decode steps, and a serving step's
+        # prefill call starts with the device idle (its host work is the step's critical path), while
+        # its decode call's host work overlaps the prefill on the device.
+        if self.pending:
+            cache = self._apply_ready(cache)
         if self.ctx.config.recall_blocks and not self.stale.all():
             self._trigger(cache, offloaded_before)
         self.stale[:] = False  # this step's ids are every row's own
@@ -586,7 +589,12 @@ class ScoutHost(ModeHost):
         """Start the recalls due at this step start; never blocks on one."""
         ctx, cfg = self.ctx, self.ctx.config
         last_pos = ctx.tokens() - 1  # the previous decode step's token positions [B]
-        for layer in range(ctx.shape.n_layers):
+        cap = cfg.recall_layers_per_step
+        n_layers, started = ctx.shape.n_layers, 0
+        first = self.next_trigger_layer if cap is not None else 0
+        for layer in [(first + i) % n_layers for i in range(n_layers)]:
+            if cap is not None and started == cap:  # the rest (their warm flags kept) at the next steps
+                break
             if layer in self.pending:
                 continue
             share = self.cpu_share(layer, n_blocks)
@@ -617,6 +625,8 @@ class ScoutHost(ModeHost):
                                               last_pos.copy(), device, specs)
             self.pending[layer] = plan
             self.last_recall[layer] = ctx.decode_steps
+            started += 1
+            self.next_trigger_layer = (layer + 1) % n_layers
             self.stats.add(n_recall_triggers=1, recall_s=time.perf_counter() - start)
 
     def _job(self, plan: RecallPlan, store, cpu_ids, pool_ids, pool_used, last_pos, device, specs):
@@ -636,18 +646,25 @@ class ScoutHost(ModeHost):
 
     def _apply_ready(self, cache):
         """Apply the in-flight recalls that are due (one jitted scatter per layer): with
-        recall_lag_steps None each one whose upload has finished (never waiting), else each one
+        recall_lag_steps None each one whose upload has finished (never waiting; at most
+        recall_layers_per_step of them, the oldest triggers first), else each one
         exactly recall_lag_steps decode steps after its trigger (waiting for its upload if needed:
         a schedule that does not depend on timing, for accuracy runs and tests)."""
         ctx = self.ctx
         layers = list(cache.layers)
-        for layer in sorted(self.pending):
+        lag = ctx.config.recall_lag_steps
+        cap = ctx.config.recall_layers_per_step if lag is None else None
+        order = sorted(self.pending) if cap is None else sorted(self.pending, key=lambda n: self.pending[n].trigger_step)
+        applied = 0
+        for layer in order:  # (with a cap, the oldest triggers first)
             plan = self.pending[layer]
-            lag = ctx.config.recall_lag_steps
+            if cap is not None and applied == cap:
+                break
             if lag is None and not plan.future.done():
                 continue
             if lag is not None and ctx.decode_steps < plan.trigger_step + lag:
                 continue
+            applied += 1
             start = time.perf_counter()
             del self.pending[layer]
             exc = plan.future.exception(timeout=ctx.config.exchange_timeout_s)
