@@ -22,7 +22,9 @@ Never imports jax: the device side lives in jhybrid.hybrid.exchange.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import logging
 import os
 import queue
@@ -452,6 +454,12 @@ class ExchangeWorker:
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="jhybrid-exchange", daemon=True)
         self._thread.start()
+        # A process that exits with a step armed but never run (its owner not closed: an error or an
+        # interrupt between before_step and the call) stops this thread first: the native exchange's
+        # release at exit (a weakref.finalize, registered earlier, so run later) would free the
+        # mailboxes its wait polls.
+        self._close_at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._close_at_exit)
 
     def arm(self, plan: StepPlan) -> None:
         """Serve `plan` once the step's submits arrive (call before dispatching the step)."""
@@ -485,6 +493,7 @@ class ExchangeWorker:
         the owner is closing). -> True once the thread has ended (then its pinned mailboxes may be
         freed); False if it is still inside a layer's attention after `timeout` seconds (default
         timeout_s): the caller must then leave the memory it reads alone."""
+        atexit.unregister(self._close_at_exit)
         self.closing = True
         self.abort[0] = 1
         self._plans.put(None)
@@ -547,6 +556,13 @@ class ExchangeWorker:
             self.error = error
         log.error("host exchange failed: %s: %s", type(error).__name__, error)
         self.exchange.fail(f"{type(error).__name__}: {error}")
+
+
+def _close_at_exit(worker_ref, timeout: float = 5.0) -> None:
+    """At interpreter exit: close the worker if it is still alive (`ExchangeWorker.__init__`)."""
+    worker = worker_ref()
+    if worker is not None:
+        worker.close(timeout=timeout)
 
 
 __all__ = ["NativeExchange", "Mailboxes", "ExchangeWorker", "StepPlan", "ContextPages", "BlockPages",

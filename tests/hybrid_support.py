@@ -48,7 +48,7 @@ def xla_flags(devices: int) -> str:
 
 
 def wait_recalls(backend) -> None:
-    """Block until scout's in-flight recalls are staged (the next step start applies them); a
+    """Block until scout's in-flight recalls are staged (the next decode step start applies them); a
     tensor-parallel backend's on every shard."""
     shards = getattr(backend, "runtimes", None)
     for runtime in shards.values() if shards else [getattr(backend, "runtime", None)]:

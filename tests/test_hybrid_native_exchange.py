@@ -125,3 +125,38 @@ def test_missing_library_falls_back_or_is_a_clear_error(monkeypatch, caplog):
     with pytest.raises(RuntimeError, match="host_exchange='ffi'.*/nonexistent/libjhybrid_exchange.so not found"):
         make_backend("hgca", host_exchange="ffi", **KEEP_ALL)
     assert type(make_backend("recall", **KEEP_ALL).exchange).__name__ == "CallbackExchange"  # no host decode
+
+
+def test_a_process_exiting_with_an_armed_step_stops_the_worker_first():
+    """A decode step armed (before_step) but never run, its backend never closed (an error or an
+    interrupt between the two): at interpreter exit the worker is closed before the native exchange
+    is released (its wait would poll freed mailboxes): the exit functions leave no live worker and
+    no error. The subprocess runs them explicitly, then leaves with os._exit (no second run)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import atexit, os
+import numpy as np
+from jhybrid.hybrid import make_backend
+from jhybrid.models import create_model
+from tests.hybrid_support import TINY, WINDOW
+model = create_model(TINY, seed=0)
+backend = make_backend("topk", **WINDOW)
+backend.open(model.config, 2, 128)
+cache = model.init_cache(2, 128, backend)
+worker = backend.runtime.worker
+assert worker is not None, "no native exchange worker"
+cache = backend.before_step(cache, np.zeros((2, 1), np.int32))  # a decode step armed, never run
+assert not worker._idle.is_set()
+atexit._run_exitfuncs()
+print("worker alive:", worker._thread.is_alive(), "error:", worker.error, flush=True)
+os._exit(0)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "worker alive: False error: None" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "host exchange failed" not in done.stderr

@@ -84,7 +84,7 @@ def reference(model, tokens):
 
 
 def wait_all(_i, scout):
-    """Make the run deterministic: every recall is staged before the next step start applies it."""
+    """Make the run deterministic: every recall is staged before the next decode step start applies it."""
     scout.wait()
 
 

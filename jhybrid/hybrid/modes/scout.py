@@ -512,7 +512,7 @@ class ScoutHost(ModeHost):
         self.warm[:, rows] = False
 
     def wait(self, timeout: float | None = 60.0) -> None:
-        """Block until every in-flight recall is staged (tests); the next step start applies them."""
+        """Block until every in-flight recall is staged (tests); the next decode step start applies them."""
         for plan in list(self.pending.values()):
             plan.future.exception(timeout=timeout)
 
