@@ -346,9 +346,10 @@ class ServingEngine(Engine):
         longest-prefix-match policy does, at the cost of long prompts under a sustained load).
     compiler_options: XLA compile options of the step programs ({name: value}, as in
         `jax.stages.Lowered.compile`), e.g. {"xla_gpu_enable_command_buffer": ""}: a GPU step launches
-        its kernels one by one instead of through CUDA graphs (a graph is updated with the step's
-        buffer addresses before each launch: milliseconds of host time a call on the 32-layer model).
-        Checked here: an option XLA does not know is a ValueError.
+        its kernels one by one instead of through CUDA graphs (slower on the H200 for the 32-layer
+        model: BENCHMARKS.md, "CUDA graphs or not"). Checked here: an option XLA does not know is a
+        ValueError. May be replaced later (`benchmarks/probe_serving_steps.py --compare`): later
+        steps compile with the new options.
     """
 
     PREFILL_ORDERS = ("arrival", "shortest")
@@ -360,7 +361,6 @@ class ServingEngine(Engine):
                  decoding_step_token_budget: int | None = None, decoding_budget_max_backlog: int | None = None,
                  compiler_options: dict[str, str | bool | int] | None = None):
         backend = _FULL if backend is None else backend
-        compiler_options = _checked_compiler_options(compiler_options)
         asked_for_prefix_cache = prefix_cache is not _DEFAULT_PREFIX_CACHE or prefix_cache_bytes is not None
         config = model.config
         context = config.max_position_embeddings
@@ -406,7 +406,7 @@ class ServingEngine(Engine):
                                            else min(decoding_step_token_budget, step_token_budget))
         self.decoding_budget_max_backlog = decoding_budget_max_backlog
         self.prefill_order = prefill_order
-        self.compiler_options = compiler_options
+        self.compiler_options = compiler_options  # (the property: checked, and the executables' key part)
         self.graphdef, self.params = nnx.split(model)
         params_signature = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
                                  for x in jax.tree_util.tree_leaves(self.params))
@@ -452,6 +452,16 @@ class ServingEngine(Engine):
         self._stores: list[concurrent.futures.Future] = []
         self.store_seconds = 0.0  # the store worker's time in jobs (waits for reads, inserts)
         self._counts = _Counters()
+
+    @property
+    def compiler_options(self) -> dict[str, str | bool | int]:
+        """The XLA compile options of the step programs (constructor docstring)."""
+        return dict(self._compiler_options)
+
+    @compiler_options.setter
+    def compiler_options(self, options: dict[str, str | bool | int] | None) -> None:
+        self._compiler_options = _checked_compiler_options(options)
+        self._options_key = tuple(sorted(self._compiler_options.items()))  # made once, not per dispatch
 
     def _open_prefix_cache(self, config: PrefixCacheConfig | None, asked_for: bool):
         """(PrefixCache, its first tier's pool), or (None, None) when off or the backend keeps KV the
@@ -1227,8 +1237,8 @@ class ServingEngine(Engine):
         varying = [a for a in args if a is not self.params]
         leaves, treedef = jax.tree_util.tree_flatten(varying)
         # (the dtype objects themselves: str() of 500 dtypes took ~3 ms of every 32-layer call's dispatch)
-        options = tuple(sorted(self.compiler_options.items()))
-        key = (name, self._structure_id, id(self.backend), options, treedef) + tuple([(a.shape, a.dtype) for a in leaves])
+        key = ((name, self._structure_id, id(self.backend), self._options_key, treedef)
+               + tuple([(a.shape, a.dtype) for a in leaves]))
         with _executables_lock:
             backend, executable = _executables.get(key, (None, None))
             if backend is not self.backend:  # an id reused by a newer object
@@ -1238,7 +1248,7 @@ class ServingEngine(Engine):
         if executable is None:
             start = time.perf_counter()
             executable = jax.jit(fn, donate_argnums=donate).lower(*args).compile(
-                compiler_options=self.compiler_options or None)
+                compiler_options=self._compiler_options or None)
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             log.info("compiled the %s step in %.1f s (its 4-D inputs: %s)", name, seconds,

@@ -17,8 +17,9 @@ below): at a step start, per layer, when the CPU's share of the
 layer's selected blocks at the last step exceeded `recall_threshold` (and `recall_min_interval`
 steps passed, and none of its recalls is in flight), a background thread plans, gathers and
 uploads the recall; the first decode step start at which it has finished applies it with one
-jitted, buffer-donating scatter (`recall_layers_per_step` bounds both per step start); no step waits for it (recall_lag_steps None; an int N applies each one
-exactly N steps after its trigger, for replayable runs). Warm start, as the paper's GPU keeps the
+jitted, buffer-donating scatter (`recall_layers_per_step` bounds both per step start); no step
+waits for it (recall_lag_steps None; an int N applies each one exactly N steps after its trigger,
+for replayable runs). Warm start, as the paper's GPU keeps the
 blocks selected after prefill: at the second decode step after a row's prefill (or an adopted store)
 every layer recalls what its first decode step selected (like every recall, never waited for).
 The share and the plans count only rows whose last step was a decode step of their own sequence
@@ -654,9 +655,8 @@ class ScoutHost(ModeHost):
         layers = list(cache.layers)
         lag = ctx.config.recall_lag_steps
         cap = ctx.config.recall_layers_per_step if lag is None else None
-        order = sorted(self.pending) if cap is None else sorted(self.pending, key=lambda n: self.pending[n].trigger_step)
         applied = 0
-        for layer in order:  # (with a cap, the oldest triggers first)
+        for layer in sorted(self.pending, key=lambda n: (self.pending[n].trigger_step, n)):  # oldest first
             plan = self.pending[layer]
             if cap is not None and applied == cap:
                 break
