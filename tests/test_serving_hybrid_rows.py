@@ -37,11 +37,13 @@ def model():
     return create_model(TINY, seed=0)
 
 
-def backend_of(name, whole_rows: bool):
+def backend_of(name, whole_rows: bool, packs: bool = True):
     options = {**POLICY, **MODES[name]}
     backend = make_backend(options.pop("mode"), **options)
     if whole_rows:  # the same backend, its prefill calls over every row
         backend.__class__ = type("WholeRowCalls", (type(backend),), {"prefills_rows": False})
+    elif not packs:  # the same backend, its decode tokens in calls of their own
+        backend.__class__ = type("UnpackedCalls", (type(backend),), {"packs_decode": False})
     return backend
 
 
@@ -68,7 +70,7 @@ def cache_arrays(engine):
 @pytest.mark.parametrize("name", ["scout", "hgca"])
 def test_prefill_calls_over_some_rows_equal_whole_row_calls(model, rng, name):
     prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (100, 41, 70, 23, 57, 90)]
-    engines = [ServingEngine(model, backend_of(name, whole), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+    engines = [ServingEngine(model, backend_of(name, whole, packs=False), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
                              step_token_budget=CHUNK, prefix_cache=None, prefill_order="arrival")
                for whole in (False, True)]
     rows_engine, whole_engine = engines

@@ -26,6 +26,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 if TYPE_CHECKING:  # the models import the attention package, not the other way round
     from jhybrid.models.config import ModelConfig
@@ -97,6 +98,27 @@ class AttentionBackend(abc.ABC):
     def before_step(self, cache, positions):
         """Per-step host work before the step with positions [B, T] (NumPy int32); returns the cache."""
         return cache
+
+    def can_pack(self, positions) -> bool:
+        """(a backend that `packs_decode`) May the prefill chunks of positions [B, C] (NumPy int32,
+        -1 = padding; rows without a token in them may decode) ride in one call with decode tokens?"""
+        return self.packs_decode
+
+    def packed_variant(self, cache):
+        """The cache as `before_packed_step` hands it to a packed step (arrays or ShapeDtypeStructs),
+        for compiling the packed steps ahead (`ServingEngine.compile_steps`), of a `prefill_variants`
+        cache; None: such a prefill never packs. By default the cache."""
+        return cache
+
+    def before_packed_step(self, cache, positions, decode_positions):
+        """The host work before a packed step (`packs_decode`, `PackedRows`): prefill chunks at
+        positions [B, C] (NumPy int32, -1 = padding) and decode tokens at decode_positions [B] (-1: the
+        row does not decode; a row is in at most one group). Returns the cache. By default the
+        `before_step` of the positions with each decode position in its row's first column."""
+        merged = np.array(positions, np.int32, copy=True)
+        decode_positions = np.asarray(decode_positions)
+        merged[:, 0] = np.where(decode_positions >= 0, decode_positions, merged[:, 0])
+        return self.before_step(cache, merged)
 
     # True when `reset_rows` is implemented: a serving engine may then start a new sequence in a row
     # while the other rows go on (continuous batching).

@@ -33,7 +33,7 @@ the extra products are exact zeros. Longer chunks (prefill, compute bound) use t
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -70,17 +70,20 @@ class PrefillRows:
 
 @struct.dataclass
 class PackedRows:
-    """`KVCache.meta` of a `full` step packing prefill chunks and decode tokens into one token row
+    """`KVCache.meta` of a step packing prefill chunks and decode tokens into one token row
     [1, R*C + B]: tokens [0, R*C) are R chunks of C tokens, chunk r of batch row rows[r]; token
     R*C + b is batch row b's decode token (position -1: row b does not decode). A row is in at most
     one group with valid positions (a padding chunk, all -1, may repeat a decoding row).
 
     rows [R] int32 distinct; prefill_lengths [R] int32, decode_lengths [B] int32: each group's rows'
-    lengths including this step's tokens (the [1] lengths the decoder derives are not read)."""
+    lengths including this step's tokens (the [1] lengths the decoder derives are not read).
+    step: the backend's own meta of the whole batch for this step (`KVCache.meta` as its
+    `before_packed_step` left it; None for `full`), e.g. an offloading mode's `StepMeta`."""
 
     rows: jax.Array
     prefill_lengths: jax.Array
     decode_lengths: jax.Array
+    step: Any = None
 
     def split(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[1, R*C + B, ...] -> (chunks [R, C, ...], decode [B, 1, ...])."""

@@ -33,6 +33,7 @@ import numpy as np
 
 from host.targets import ALL_OFFLOADED
 from jhybrid.attention.base import AttentionBackend, LayerContext
+from jhybrid.attention.full import PackedRows, pack_rows
 from jhybrid.hybrid.config import OffloadConfig
 from jhybrid.hybrid.exchange import (CallbackExchange, FfiExchange, RuntimeHandle, ShardedRuntimes, after,
                                      register_ffi_targets)
@@ -62,6 +63,13 @@ class HybridAttention(AttentionBackend):
         """A prefill step may run over some rows (`rows_meta`), on one device; a tensor-parallel
         template's steps (`ShardedRuntimes`) run over every row."""
         return not isinstance(self._handle, ShardedRuntimes)
+
+    @property
+    def packs_decode(self) -> bool:
+        """A serving step may pack prefill chunks and decode tokens into one call (`PackedRows`):
+        on one device, for a mode that `packs_decode` (scout, topk, streaming), when the chunks'
+        offloaded prompt is attended on the device (`can_pack`)."""
+        return self.prefills_rows and self.mode.packs_decode
 
     def __init__(self, config: OffloadConfig, handle: RuntimeHandle | ShardedRuntimes | None = None):
         """handle: where the traced step's host calls find their runtime; a `ShardedRuntimes` makes
@@ -171,6 +179,32 @@ class HybridAttention(AttentionBackend):
         stepped = self.runtime.before_step(self._plan.offloaded_layers(cache), positions)
         return self._plan.merge(cache, stepped)
 
+    def can_pack(self, positions) -> bool:
+        return self.packs_decode and self.runtime is not None and self.runtime.packable(positions)
+
+    def packed_variant(self, cache):
+        """The cache with a packed step's meta (`StepMeta.decode_offloaded_blocks` set); None for a
+        variant of chunks on the host path (no `LayerState.offloaded`), which never pack."""
+        if any(isinstance(s, LayerState) and s.offloaded is None for s in cache.layers):
+            return None
+        meta = cache.meta
+        return cache.replace(meta=meta.replace(decode_offloaded_blocks=meta.offloaded_blocks))
+
+    def before_packed_step(self, cache, positions, decode_positions):
+        """`before_step` of a packed step (`HostRuntime.before_step` with decode_positions)."""
+        if self.runtime is None:
+            raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) before stepping")
+        if not self.can_pack(positions):
+            raise ValueError("hybrid: these prefill chunks cannot be packed with decode tokens (can_pack is False: "
+                             f"mode {self.name!r}, or their offloaded prompt is attended on the host)")
+        if len(cache.layers) != self._plan.num_layers:
+            raise ValueError(f"a cache of {len(cache.layers)} layers; the backend was opened for "
+                             f"{self._plan.num_layers}")
+        if not self._mixed:
+            return self.runtime.before_step(cache, positions, decode_positions)
+        stepped = self.runtime.before_step(self._plan.offloaded_layers(cache), positions, decode_positions)
+        return self._plan.merge(cache, stepped)
+
     def reset_rows(self, cache, rows):
         """Empties rows `rows` for new sequences (continuous batching; `AttentionBackend.reset_rows`):
         waits for the last step (its host calls read the store), then the host side forgets the
@@ -186,6 +220,8 @@ class HybridAttention(AttentionBackend):
                              f"the backend was opened for {self._plan.num_layers} x {self.runtime.batch}")
         jax.block_until_ready(cache)  # the last step has run: its host calls are done with the rows
         self.runtime.reset_rows(rows)
+        if cache.meta.decode_offloaded_blocks is not None:  # a packed step's meta: the empty one has none
+            cache = cache.replace(meta=cache.meta.replace(decode_offloaded_blocks=None))
         return reset_cache_rows(cache, rows, self._empty)
 
     def prefill_variants(self, cache) -> list:
@@ -289,6 +325,8 @@ class HybridAttention(AttentionBackend):
 
     def attend(self, layer_idx, q, k, v, positions, lengths, layer_cache: LayerState | SlidingWindow,
                context: LayerContext):
+        if isinstance(context.meta, PackedRows):
+            return self._attend_packed(layer_idx, q, k, v, positions, layer_cache, context)
         rows = context.meta.rows
         if rows is None:
             return self._attend(layer_idx, q, k, v, positions, lengths, layer_cache, context, None)
@@ -303,6 +341,27 @@ class HybridAttention(AttentionBackend):
         o, part, carry = self._attend(layer_idx, q, k, v, positions, lengths, part,
                                       dataclasses.replace(context, meta=meta), (rows, offloaded.shape[0]))
         return o, with_part_of_rows(layer_cache, part, rows), carry
+
+    def _attend_packed(self, layer_idx, q, k, v, positions, layer_cache: LayerState | SlidingWindow,
+                       context: LayerContext):
+        """attend for a packed step (`PackedRows`, its `step` the batch's StepMeta): q, k, v
+        [1, R*C + B, H, D]. The chunks attend as a prefill step over their rows, then the decode
+        tokens as a decode step of the whole batch (the chunks' rows at position -1: untouched),
+        over the state the chunks left; the carry to the next layer is the decode tokens'."""
+        packed: PackedRows = context.meta
+        step: StepMeta = packed.step
+        rows, offloaded = packed.rows, step.offloaded_blocks
+        (q_c, q_d), (k_c, k_d), (v_c, v_d), (p_c, p_d) = (packed.split(x) for x in (q, k, v, positions))
+        chunk_context = dataclasses.replace(context, next_query=None, meta=StepMeta(offloaded_blocks=offloaded[rows]))
+        o_c, part, _ = self._attend(layer_idx, q_c, k_c, v_c, p_c, packed.prefill_lengths,
+                                    part_of_rows(layer_cache, rows), chunk_context, (rows, offloaded.shape[0]))
+        layer_cache = with_part_of_rows(layer_cache, part, rows)
+        next_query = None if context.next_query is None else packed.split(context.next_query)[1]
+        decode_context = dataclasses.replace(context, next_query=next_query,
+                                             meta=StepMeta(offloaded_blocks=step.decode_offloaded_blocks))
+        o_d, layer_cache, carry = self._attend(layer_idx, q_d, k_d, v_d, p_d, packed.decode_lengths, layer_cache,
+                                               decode_context, None)
+        return pack_rows(o_c, o_d[:, 0]), layer_cache, carry
 
     def _attend(self, layer_idx, q, k, v, positions, lengths, layer_cache: LayerState | SlidingWindow,
                 context: LayerContext, batch_rows: tuple | None):

@@ -147,6 +147,41 @@ class Evictor:
         self.runtime.core_counters.add(evict_s=time.perf_counter() - start_time)
         return cache, owned
 
+    def before_packed_step(self, cache, after: np.ndarray, chunk_rows: np.ndarray, decode_rows: np.ndarray,
+                           step: int, width: int):
+        """`before_step` of a packed step (the serving engine's `PackedRows`): the prefill chunks of
+        `chunk_rows` [B] bool, which attend to device copies of their offloaded prompt or have none
+        (host-free), and the decode tokens of `decode_rows` [B] bool (disjoint), in one call. Each
+        group is evicted and owns blocks as it would in a call of its own at this step start: the
+        decode rows publish what is due for them (the chunk rows' jobs stay deferred), the chunk
+        rows start all their due blocks (kept on the device for their copies), the decode rows
+        theirs spread over steps (published eviction_lag_steps later); owned [B] = started for the
+        chunk rows, published for the others. Returns (cache, owned)."""
+        cfg, bs = self.config, self.config.block_size
+        start_time = time.perf_counter()
+        self._publish(lambda job: job.publish_step is None or job.publish_step <= step, decode_rows)
+        target = evicted_blocks(after, cfg).astype(np.int64)
+        due = target > self.started
+        start = due & chunk_rows
+        if start.any():
+            cache = self._start(cache, np.where(start, target, self.started), keep_on_device=True,
+                                publish_step=None, min_rows=self.runtime.batch * -(-width // bs))
+        start = due & decode_rows
+        if cfg.eviction_spread:
+            phase = (step + np.arange(self.runtime.batch)) % bs == 0
+            soon = after + cfg.eviction_lag_steps + 1 - cfg.sink - cfg.ring_capacity
+            start &= phase | (-(-np.maximum(soon, 0) // bs) > self.started)
+        if start.any():
+            cache = self._start(cache, np.where(start, target, self.started), keep_on_device=False,
+                                publish_step=step + cfg.eviction_lag_steps)
+        need = -(-np.maximum(after - cfg.sink - cfg.ring_capacity, 0) // bs)
+        owned = np.where(chunk_rows, self.started, self.published)
+        if np.any((owned < need) & (chunk_rows | decode_rows)):  # the background is very late: wait
+            self.publish_all()
+            owned = np.where(chunk_rows, self.started, self.published)
+        self.runtime.core_counters.add(evict_s=time.perf_counter() - start_time)
+        return cache, owned
+
     def background(self, fn, *args) -> Future:
         """Run fn(*args) on the eviction thread, after the copies already started (its errors are
         raised by the next `wait_background` or publication)."""

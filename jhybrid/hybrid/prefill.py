@@ -226,10 +226,9 @@ class PrefillCopies:
         runtime, cfg = self.runtime, self.runtime.config
         if not self.may_use_device():
             return False
-        blocks = np.where(active, evicted_blocks(after, cfg), 0)
-        nbytes = copies_bytes(runtime.store.config, blocks, runtime.dtype.itemsize, self._tokens(blocks))
+        fits, nbytes = self.fits_device(after, active)
         limit = cfg.prefill_upload_max_bytes
-        if limit is not None and nbytes > limit:
+        if not fits:
             if not runtime.core_counters.n_prefill_host_chunks:
                 log.warning("hybrid %s: a prefill chunk's offloaded prompt (%d bytes on the device) exceeds "
                             "prefill_upload_max_bytes=%d; such chunks attend to it on the CPU (slower)",
@@ -238,6 +237,15 @@ class PrefillCopies:
             self.reset()
             return False
         return True
+
+    def fits_device(self, after: np.ndarray, active: np.ndarray) -> tuple[bool, int]:
+        """(whether the copies of a chunk that brings the sequences to `after` [B] tokens fit
+        prefill_upload_max_bytes, their device bytes) for its `active` [B] rows; no side effect."""
+        runtime, cfg = self.runtime, self.runtime.config
+        blocks = np.where(active, evicted_blocks(after, cfg), 0)
+        nbytes = copies_bytes(runtime.store.config, blocks, runtime.dtype.itemsize, self._tokens(blocks))
+        limit = cfg.prefill_upload_max_bytes
+        return limit is None or nbytes <= limit, nbytes
 
     def attach(self, cache, blocks: np.ndarray, active: np.ndarray):
         """Before a prefill chunk on the device path: each layer's state gets the copies of `blocks`

@@ -490,55 +490,102 @@ class HostRuntime:
         self.evictor.precompile(cache.layers)
         self.mode_host.precompile(cache)
 
-    def before_step(self, cache, positions):
-        """Call with the cache and the step's positions [B, T] (-1 = padding) before the step."""
+    def before_step(self, cache, positions, decode_positions=None):
+        """Call with the cache and the step's positions [B, T] (-1 = padding) before the step.
+        decode_positions [B] (-1 = none): a packed step (`packable`; the serving engine's
+        `PackedRows`), whose prefill chunks at `positions` (T > 1) and decode tokens (each in a row
+        without a chunk token) run in one call: each group gets its own host work as in a call of
+        its own (eviction, the mode's `before_prefill_chunk` and `before_decode`, the chunks'
+        device copies, the exchange plan)."""
         self._raise_pending()
         pos = np.asarray(positions).astype(np.int64)
         if pos.ndim != 2 or pos.shape[0] != self.batch:
             raise ValueError(f"positions of shape {pos.shape}; expected [B={self.batch}, T]")
+        packed = decode_positions is not None
+        decode_pos = np.full(self.batch, -1, np.int64)
+        if packed:
+            decode_pos = np.asarray(decode_positions).astype(np.int64).reshape(-1)
+            if decode_pos.shape != (self.batch,) or pos.shape[1] < 2:
+                raise ValueError(f"a packed step of chunk positions {pos.shape} and decode positions "
+                                 f"{decode_pos.shape}; expected [B={self.batch}, C > 1] and [{self.batch}]")
         prefill = pos.shape[1] > 1
         cache = self.mode_host.step_start(cache)
         if prefill or self.prefill.holds_copies or cache.layers[0].offloaded is not None:
             cache = self.prefill.step_start(cache, prefill)  # last step's device copies (prefill, recall)
         self._record_step()
         valid = pos >= 0
-        n_new = valid.sum(axis=1)
+        decode_rows = decode_pos >= 0
+        chunk_rows = valid.any(axis=1)
+        if np.any(chunk_rows & decode_rows):
+            raise ValueError(f"rows {np.flatnonzero(chunk_rows & decode_rows).tolist()} both prefill and decode "
+                             "in a packed step; a row is in at most one group")
+        n_chunk = valid.sum(axis=1)
+        n_new = n_chunk + decode_rows
         self.step_rows = n_new > 0
-        first = np.where(valid.any(axis=1), np.where(valid, pos, np.iinfo(np.int64).max).min(axis=1), self.n_tokens)
+        first = np.where(chunk_rows, np.where(valid, pos, np.iinfo(np.int64).max).min(axis=1),
+                         np.where(decode_rows, decode_pos, self.n_tokens))
         if np.any(first != self.n_tokens):
             raise ValueError(f"positions start at {first.tolist()} but the sequences hold {self.n_tokens.tolist()} "
                              "tokens (hybrid attention needs contiguous appends)")
-        if prefill and n_new.max() > self.config.max_prefill_chunk:
-            raise ValueError(f"a prefill chunk of {int(n_new.max())} tokens does not fit the GPU ring of "
+        if prefill and n_chunk.max() > self.config.max_prefill_chunk:
+            raise ValueError(f"a prefill chunk of {int(n_chunk.max())} tokens does not fit the GPU ring of "
                              f"{self.config.ring_tokens} tokens; use chunks of at most {self.config.max_prefill_chunk}")
         after = self.n_tokens + n_new
         if np.any(after > self.max_len):
             raise ValueError(f"sequence lengths {after.tolist()} exceed the cache's max_len={self.max_len}")
-        if not prefill and self.decode_steps == 0:
+        if (packed or not prefill) and self.decode_steps == 0:
             self.evictor.precompile(cache.layers)  # no timed decode step compiles an eviction
         before = self.evictor.published.copy()
         # a chunk whose rows have nothing offloaded (their prompts still inside the window) needs
         # no host call and no published block; one with an offloaded part attends to it on the device
         # (prefill copies) or on the host
-        window_only = prefill and not np.any(evicted_blocks(after, self.config)[n_new > 0])
-        device_prefill = prefill and not window_only and self.prefill.uses_device(cache, after, n_new > 0)
-        cache, owned = self.evictor.before_step(cache, after, prefill, device_prefill or window_only,
-                                                self.decode_steps, width=pos.shape[1], rows=n_new > 0)
+        window_only = prefill and not np.any(evicted_blocks(after, self.config)[chunk_rows])
+        device_prefill = prefill and not window_only and self.prefill.uses_device(cache, after, chunk_rows)
+        if packed:
+            if not (window_only or device_prefill):
+                raise RuntimeError("a packed step's chunks must attend to their offloaded prompt on the device "
+                                   "or have none (check `packable` first)")
+            cache, owned = self.evictor.before_packed_step(cache, after, chunk_rows, decode_rows, self.decode_steps,
+                                                           width=pos.shape[1])
+        else:
+            cache, owned = self.evictor.before_step(cache, after, prefill, device_prefill or window_only,
+                                                    self.decode_steps, width=pos.shape[1], rows=n_new > 0)
         if prefill:
+            self.step_rows = chunk_rows
             self.mode_host.before_prefill_chunk(pos)
             if device_prefill:
-                cache = self.prefill.attach(cache, owned, n_new > 0)
+                cache = self.prefill.attach(cache, owned, chunk_rows)
             elif window_only:
                 cache = cache.replace(layers=tuple([s.replace(offloaded=NothingOffloaded()) for s in cache.layers]))
                 self.core_counters.add(n_prefill_window_chunks=1)
-        else:
+        if not prefill or packed:
+            self.step_rows = decode_rows if packed else n_new > 0
             cache = self.mode_host.before_decode(cache, before)
             self.decode_steps += 1
             if self.worker is not None and self.mode.host_target is not None:
                 self.worker.arm(self._plan())
+        self.step_rows = n_new > 0
         self.n_tokens = after
+        if packed:
+            owned_d, decoding_d = jax.device_put([owned.astype(np.int32), np.where(chunk_rows, 0, owned).astype(np.int32)],
+                                                 self.device)
+            return cache.replace(meta=StepMeta(offloaded_blocks=owned_d, decode_offloaded_blocks=decoding_d))
         meta = StepMeta(offloaded_blocks=jax.device_put(owned.astype(np.int32), self.device))
         return cache.replace(meta=meta)
+
+    def packable(self, positions) -> bool:
+        """May the prefill chunks of positions [B, C] (-1 = padding) ride in one call with the other
+        rows' decode tokens (`before_step` with decode_positions)? When the mode `packs_decode` and
+        the chunks attend to their offloaded prompt on the device (its copies fit
+        prefill_upload_max_bytes) or have none; no side effect."""
+        pos = np.asarray(positions)
+        if not self.mode.packs_decode or pos.ndim != 2 or pos.shape != (self.batch, pos.shape[1]) or pos.shape[1] < 2:
+            return False
+        active = (pos >= 0).any(axis=1)
+        after = self.n_tokens + (pos >= 0).sum(axis=1)
+        if not np.any(evicted_blocks(after, self.config)[active]):
+            return True
+        return self.prefill.may_use_device() and self.prefill.fits_device(after, active)[0]
 
     def _plan(self) -> StepPlan:
         """The decode step's work for the exchange worker: every layer submits, in layer order; the

@@ -119,10 +119,14 @@ class StepMeta:
     rows              [R] int32 (distinct), or None: a prefill step over some rows of the batch (the
                       serving engine's `HybridAttention.rows_meta`, set inside the step): its token
                       row r is batch row rows[r], and every layer attends and writes those rows only.
+    decode_offloaded_blocks  [B] int32, or None: a packed step's (`PackedRows`) offloaded blocks for
+                      its decode tokens: offloaded_blocks, with 0 for the chunks' rows (they do not
+                      decode: the host side reads none of their blocks, which may still be in flight).
     """
 
     offloaded_blocks: jax.Array
     rows: jax.Array | None = None
+    decode_offloaded_blocks: jax.Array | None = None
 
 
 class LayerAhead(NamedTuple):

@@ -26,8 +26,9 @@ each request runs in one row (slot) from admission to its end, then the row is e
      that are left when the request ends; an offloading backend: each call's whole blocks after the
      call, read from the device window as they are prefilled);
   4. decode: one token for every request past its prefill (each row sampled with its own request's
-     parameters: `jhybrid.serving.sampling`). When the backend `packs_decode` (`full`) and the step
-     prefills, the decode tokens of the requests that were decoding when the step began ride in its
+     parameters: `jhybrid.serving.sampling`). When the backend `packs_decode` (`full`; scout, topk
+     and streaming on one device, whenever the chunks `can_pack`: their offloaded prompt attended
+     on the device) and the step prefills, the decode tokens of the requests that were decoding when the step began ride in its
      first prefill call (`PackedRows`: one read of the weights for both; a request whose prefill
      ends in this step decodes from the next); otherwise one [slots, 1] call after the prefill
      (dispatched before the prefill instead, so that the host's work for the prefill would overlap
@@ -416,6 +417,7 @@ class ServingEngine(Engine):
 
         backend.open(config, slots, max_len)
         self._hybrid = False  # the prefix cache places hits with jhybrid.hybrid.ingest
+        self._logged_unpacked = False
         try:
             self._cache: KVCache = model.init_cache(slots, max_len, backend)
             self._prefix, self._pool = self._open_prefix_cache(prefix_cache, asked_for_prefix_cache)
@@ -745,6 +747,12 @@ class ServingEngine(Engine):
         with self._timed("host_seconds"):
             self._cache = self.backend.before_step(self._cache, positions)
 
+    def _before_packed_step(self, positions: np.ndarray, decode_positions: np.ndarray) -> None:
+        """`_before_step` of a packed call (`AttentionBackend.before_packed_step`)."""
+        self._times.calls += 1
+        with self._timed("host_seconds"):
+            self._cache = self.backend.before_packed_step(self._cache, positions, decode_positions)
+
     def _use_prefix_cache(self, run: _Run) -> None:
         with self._in_prefix_cache():
             self._place_cached_prefix(run)
@@ -789,7 +797,7 @@ class ServingEngine(Engine):
         done, first_call = collections.Counter(), True
         packs = self.backend.packs_decode
         decoding = decoding_now if packs else []  # decided before the prefill: they ride in it
-        packed = decoding
+        packed, unpacked = decoding, False
         if self.prefill_order == "shortest":
             def first(run):
                 return len(run.prompt) - run.prefilled, run.order
@@ -806,11 +814,11 @@ class ServingEngine(Engine):
                 break
             first_call = False
             budget -= self._call_cost(taken)
-            self._prefill_call(taken, size, done, packed)
+            unpacked = not self._prefill_call(taken, size, done, packed) and bool(packed)
             packed = []  # the decode tokens ride with the first call only
         if not packs:  # a request whose prefill just ended decodes in this step too
             decoding = self._decoding()
-        if decoding and not (packs and done):
+        if decoding and (not (packs and done) or unpacked):  # (packs: they rode in the first call)
             self._decode_call(decoding)
         return list(done.items()), [run.request_id for run in decoding]
 
@@ -895,10 +903,12 @@ class ServingEngine(Engine):
         return [r for r in self._rows if r is not None and r.state is _State.DECODE and not r.cancel_requested]
 
     def _prefill_call(self, taken: list[tuple[_Run, int]], size: int, done: collections.Counter,
-                      packed: list[_Run]) -> None:
+                      packed: list[_Run]) -> bool:
         """One prefill call of `taken` ((request, prompt tokens) each) over `size` rows (`_take`), with
-        the decode tokens of `packed` (the backend packs_decode) in the same call; their tokens
-        sampled and accepted."""
+        the decode tokens of `packed` (the backend packs_decode) in the same call when the backend
+        `can_pack` these chunks (an offloading mode whose chunk attends to its offloaded prompt on
+        the host cannot: the step then decodes in a call of its own, logged once); their tokens
+        sampled and accepted. Returns whether the decode tokens rode in the call."""
         whole = size == self.slots and not packed  # a call of every row runs over the whole batch
         if self.backend.prefills_rows and not whole:  # only the rows taking part (+ idle ones as padding)
             width = self._call_width(size)
@@ -915,9 +925,18 @@ class ServingEngine(Engine):
             tokens[index[run.slot], :n] = run.prompt[run.prefilled:run.prefilled + n]
             batch_positions[run.slot, :n] = np.arange(run.prefilled, run.prefilled + n)
         positions = batch_positions[rows]
+        if packed and not self.backend.can_pack(batch_positions):
+            if not self._logged_unpacked:
+                self._logged_unpacked = True
+                log.info("a step's prefill chunks cannot carry the decode tokens (backend %s: its chunks "
+                         "attend to their offloaded prompt on the host); such steps decode in a call of "
+                         "their own", self.backend.name)
+            packed = []
         decode_tokens, decode_positions = self._decode_inputs(packed)
-        batch_positions[:, 0] = np.where(decode_positions >= 0, decode_positions, batch_positions[:, 0])
-        self._before_step(batch_positions)
+        if packed:
+            self._before_packed_step(batch_positions, decode_positions)
+        else:
+            self._before_step(batch_positions)
         with self._timed("call_seconds"):
             if packed:
                 (logits, decode_logits), self._cache = self._run(
@@ -956,6 +975,7 @@ class ServingEngine(Engine):
                 self._store_prefix(run)
                 run.state = _State.DECODE
                 self._accept(run, int(sampled[index[run.slot]]))
+        return bool(packed)
 
     def _decode_inputs(self, runs: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
         """Each slot's decode token and position ([slots] int32; position -1 for a slot not in `runs`)."""
@@ -1208,13 +1228,14 @@ class ServingEngine(Engine):
         logits at their last valid positions [R, V], the decode logits [slots, V], float32), cache)."""
         model = nnx.merge(self.graphdef, params)
         prefill_lengths = jnp.maximum(cache.lengths[rows], jnp.max(positions, axis=1) + 1)
-        decode_lengths = jnp.maximum(cache.lengths, decode_positions + 1)
-        meta = PackedRows(rows=rows, prefill_lengths=prefill_lengths, decode_lengths=decode_lengths)
+        # every row's length after the step (a chunk's row, at -1 among the decode tokens, with its chunk)
+        decode_lengths = jnp.maximum(cache.lengths.at[rows].max(prefill_lengths), decode_positions + 1)
+        meta = PackedRows(rows=rows, prefill_lengths=prefill_lengths, decode_lengths=decode_lengths, step=cache.meta)
         packed = KVCache(layers=cache.layers, lengths=cache.lengths[:1], meta=meta)  # lengths: not read
         hidden, packed, _ = model.hidden_states(pack_rows(tokens, decode_tokens), pack_rows(positions, decode_positions),
                                                 packed, self.backend)
         hidden_chunks, hidden_decode = meta.split(hidden)
-        lengths = jnp.maximum(cache.lengths.at[rows].max(prefill_lengths), decode_lengths)
+        lengths = decode_lengths
         decode_logits = model.logits(hidden_decode[:, 0]).astype(jnp.float32)
         return (_last_logits(model, hidden_chunks, positions), decode_logits), \
             KVCache(layers=packed.layers, lengths=lengths, meta=cache.meta)
@@ -1286,8 +1307,9 @@ class ServingEngine(Engine):
                         self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill[:2], cache)
                     else:
                         self._executable("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill, cache)
-                    if self.backend.packs_decode:
-                        self._executable("packed", self._packed_fn, (6,), self.params, *prefill, *decode, cache)
+                    packed = self.backend.packed_variant(cache) if self.backend.packs_decode else None
+                    if packed is not None:
+                        self._executable("packed", self._packed_fn, (6,), self.params, *prefill, *decode, packed)
             self.backend.precompile_host(self._cache)  # e.g. scout's recall scatters
             sampling = self._row_sampling()
             for size in sorted(set(self._row_counts()) | {self.slots}):  # logits as a step leaves them

@@ -134,6 +134,10 @@ class OffloadMode:
     # so such a placement must leave every placed ring token to be evicted and re-scored by the
     # prefill that follows (`jhybrid.hybrid.ingest.reusable_prefix`).
     reads_maw: ClassVar[bool] = False
+    # A serving step may pack prefill chunks and decode tokens into one call (`PackedRows`): the
+    # mode's prefill chunks hand nothing to the host (`prefill_token` None) and its decode steps
+    # read no `LayerState.offloaded` (the chunks' prefill copies ride in that field).
+    packs_decode: ClassVar[bool] = False
 
     def __init__(self, config: "OffloadConfig"):
         self.config = config

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 class Scout(OffloadMode):
     name = "scout"
+    packs_decode = True
     settings = frozenset({"budget", "recall_blocks", "recall_threshold", "recall_min_interval", "recall_lag_steps",
                           "recall_layers_per_step", "predict_query", "scout_exact_layers", "scout_min_cos"})
     host_target = CHOSEN_BLOCKS
@@ -557,7 +558,9 @@ class ScoutHost(ModeHost):
             cache = self._apply_ready(cache)
         if self.ctx.config.recall_blocks and not self.stale.all():
             self._trigger(cache, offloaded_before)
-        self.stale[:] = False  # this step's ids are every row's own
+        # this step's ids are the decoding rows' own; a row not decoding in it (still prefilling, or
+        # its prefill ended in a step whose decode tokens rode without it) stays stale until it does
+        self.stale[self.ctx.step_rows()] = False
         return cache
 
     # ---- recalls --------------------------------------------------------------------------------

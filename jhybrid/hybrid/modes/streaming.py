@@ -10,6 +10,7 @@ from jhybrid.hybrid.window import decode_attention
 
 class Streaming(OffloadMode):
     name = "streaming"
+    packs_decode = True
 
     def decode(self, step: DecodeStep, state: LayerState):
         o, lse, probs = decode_attention(self.config, step.q, state.window, step.lengths, step.offloaded,

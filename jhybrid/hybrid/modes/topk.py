@@ -21,6 +21,7 @@ from jhybrid.hybrid.state import Digests, LayerState
 
 class TopK(OffloadMode):
     name = "topk"
+    packs_decode = True
     settings = frozenset({"budget"})
     host_target = CHOSEN_BLOCKS
 
