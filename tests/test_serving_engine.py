@@ -409,6 +409,30 @@ def test_compile_steps_compiles_every_step_shape_up_front(model, alone, rng):
         engine.close(drain=False)
 
 
+def test_compile_steps_keeps_every_shape_of_its_engine_however_many(model, monkeypatch):
+    """The shared executables keep the latest SHARED_EXECUTABLES beyond the most shapes one engine's
+    compile_steps compiled: with room for 2 shared ones, the 7 shapes of a 4-slot engine all stay
+    (a second compile_steps compiles none, where a cap of 2 recompiled 5); a second engine's 7 then
+    stay too, beside 2 of the first's."""
+    from jhybrid.serving import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SHARED_EXECUTABLES", 2)
+    monkeypatch.setattr(engine_module, "_kept_executables", 2)
+    monkeypatch.setattr(engine_module, "_executables", engine_module.collections.OrderedDict())
+    engines = [ServingEngine(model, FullAttention("jnp"), slots=4, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                             step_token_budget=48, prefix_cache=None) for _ in range(2)]
+    try:
+        assert engines[0].compile_steps() == 7
+        assert engine_module._kept_executables == 9
+        assert engines[0].compile_steps() == 0
+        assert engines[1].compile_steps() == 7  # another backend object: its own executables ...
+        assert engines[1].compile_steps() == 0  # ... kept, with 2 of the first engine's
+        assert len(engine_module._executables) == 9
+    finally:
+        for engine in engines:
+            engine.close(drain=False)
+
+
 @pytest.mark.parametrize("max_backlog", [None, 100])
 def test_a_step_that_begins_with_requests_decoding_prefills_its_smaller_budget(model, alone, rng, max_backlog):
     """4 slots, 48 prompt tokens a step, 12 while a request decodes (the test tracks, before each

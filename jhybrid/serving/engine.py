@@ -126,7 +126,10 @@ DEFAULT_PREFIX_DEVICE_BYTES = 1 << 30
 # close() waits this long for the engine thread's last step before giving up on it.
 JOIN_SECONDS = 60.0
 # Compiled steps shared by engines of one model structure and one backend object (a server restarting
-# its engine, tests, benchmarks): the latest this many, keyed by everything the compiled code depends on.
+# its engine, tests, benchmarks): the latest this many beyond the most step shapes one engine's
+# `compile_steps` compiled (`_kept_executables`), keyed by everything the compiled code depends on. (A
+# fixed 32 dropped scout's decode step on the H200: 34 shapes with its packed calls, and the first
+# decode-only step of the load recompiled for 9 s.)
 SHARED_EXECUTABLES = 32
 STEP_SUMMARY = 64  # steps per INFO summary line of step times
 # A finished prompt's blocks enter the prefix cache (full attention) this many per step, from the
@@ -139,6 +142,7 @@ STORE_THREAD_NAME = "jhybrid-prefix-store"  # the thread that stores an offloadi
 STORE_BACKLOG = 2  # store jobs a step may leave running when it ends (each holds a step's captured K, V)
 _executables: collections.OrderedDict = collections.OrderedDict()
 _executables_lock = threading.Lock()
+_kept_executables = SHARED_EXECUTABLES  # grown by compile_steps to hold every shape of its engine
 # Each distinct model structure (graphdef) and parameter signature as a small int, found once per
 # engine: hashing a graphdef walks the whole module tree, too slow for every step's lookup.
 _structure_ids: dict = {}
@@ -1278,9 +1282,32 @@ class ServingEngine(Engine):
                 self._counts.compiles += 1
             with _executables_lock:
                 _executables[key] = (self.backend, executable)  # the backend kept alive: its id stays its own
-                while len(_executables) > SHARED_EXECUTABLES:
+                while len(_executables) > _kept_executables:
                     _executables.popitem(last=False)
         return executable
+
+    def _step_shapes(self) -> list[tuple]:
+        """Every step this engine can run, as `_executable`'s arguments (name, fn, donate, *args)."""
+        chunk = self.prefill_chunk  # [slots, chunk] prefill
+        decode = (np.zeros(self.slots, np.int32), np.full(self.slots, -1, np.int32))
+        shapes = [("decode", self._decode_fn, (3,), self.params, *decode, self._cache)]
+        for cache in self.backend.prefill_variants(self._cache):  # e.g. each size of prefill copies
+            if not self.backend.prefills_rows:
+                prefill = (np.zeros((self.slots, chunk), np.int32), np.full((self.slots, chunk), -1, np.int32))
+                shapes.append(("prefill", self._prefill_fn, (3,), self.params, *prefill, cache))
+                continue
+            for size in self._row_counts():
+                width = self._call_width(size)
+                prefill = (np.zeros((size, width), np.int32), np.full((size, width), -1, np.int32),
+                           np.arange(size, dtype=np.int32))
+                if size == self.slots:  # a call of every row: the whole batch (`_prefill_call`)
+                    shapes.append(("prefill", self._prefill_fn, (3,), self.params, *prefill[:2], cache))
+                else:
+                    shapes.append(("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill, cache))
+                packed = self.backend.packed_variant(cache) if self.backend.packs_decode else None
+                if packed is not None:
+                    shapes.append(("packed", self._packed_fn, (6,), self.params, *prefill, *decode, packed))
+        return shapes
 
     def compile_steps(self) -> int:
         """Compiles every step shape this engine can run (decode; prefill of each row count, alone and
@@ -1289,27 +1316,14 @@ class ServingEngine(Engine):
         compiles (`precompile_host`), without running the steps, so that no request waits for a
         compile. The prefix cache's copies compile on their first use. Returns how many steps were
         compiled now."""
+        global _kept_executables
         with self._step_lock:
             before = self._counts.compiles
-            chunk = self.prefill_chunk  # [slots, chunk] prefill
-            decode = (np.zeros(self.slots, np.int32), np.full(self.slots, -1, np.int32))
-            self._executable("decode", self._decode_fn, (3,), self.params, *decode, self._cache)
-            for cache in self.backend.prefill_variants(self._cache):  # e.g. each size of prefill copies
-                if not self.backend.prefills_rows:
-                    prefill = (np.zeros((self.slots, chunk), np.int32), np.full((self.slots, chunk), -1, np.int32))
-                    self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill, cache)
-                    continue
-                for size in self._row_counts():
-                    width = self._call_width(size)
-                    prefill = (np.zeros((size, width), np.int32), np.full((size, width), -1, np.int32),
-                               np.arange(size, dtype=np.int32))
-                    if size == self.slots:  # a call of every row: the whole batch (`_prefill_call`)
-                        self._executable("prefill", self._prefill_fn, (3,), self.params, *prefill[:2], cache)
-                    else:
-                        self._executable("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill, cache)
-                    packed = self.backend.packed_variant(cache) if self.backend.packs_decode else None
-                    if packed is not None:
-                        self._executable("packed", self._packed_fn, (6,), self.params, *prefill, *decode, packed)
+            shapes = self._step_shapes()
+            with _executables_lock:  # every shape stays compiled, whatever other engines compile
+                _kept_executables = max(_kept_executables, len(shapes) + SHARED_EXECUTABLES)
+            for shape in shapes:
+                self._executable(*shape)
             self.backend.precompile_host(self._cache)  # e.g. scout's recall scatters
             sampling = self._row_sampling()
             for size in sorted(set(self._row_counts()) | {self.slots}):  # logits as a step leaves them
