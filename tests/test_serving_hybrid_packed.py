@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import numpy as np
 import pytest
 
@@ -19,7 +18,7 @@ from jhybrid.hybrid import make_backend
 from jhybrid.models import create_model
 from jhybrid.serving.api import Request
 from jhybrid.serving.engine import ServingEngine
-from tests.hybrid_support import TINY
+from tests.hybrid_support import GEMMA3_LIKE, TINY
 
 SLOTS, MAX_LEN, CHUNK = 4, 160, 16
 # every due block evicted and published at once: where blocks go then depends on each request's own
@@ -87,7 +86,8 @@ def alone(model, name, prompts, tokens):
         engine.close(drain=False)
 
 
-@pytest.mark.parametrize("name", ["scout", "topk", pytest.param("streaming", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["scout", pytest.param("topk", marks=pytest.mark.slow),  # 14 s
+                                  pytest.param("streaming", marks=pytest.mark.slow)])
 def test_packed_steps_give_every_request_its_tokens_alone(model, rng, name):
     """Prompts past the window (their chunks attend to device copies) and inside it, arriving while
     others decode: the engine packs the decode tokens into the first prefill call of a step, and
@@ -115,6 +115,31 @@ def test_packed_steps_give_every_request_its_tokens_alone(model, rng, name):
     assert [o.tokens for o in outs[False]] == want, "unpacked"
     assert [o.tokens for o in outs[True]] == want, "packed"
     assert all(len(o.tokens) == n for o, n in zip(outs[True], tokens))
+
+
+@pytest.mark.slow  # 30 s
+def test_a_model_with_sliding_layers_packs_its_global_layers(rng):
+    """A Gemma-3-like model (sliding-window layers beside the offloaded global ones): its packed
+    steps step the global layers' host side and attend the sliding layers' windows, chunk rows then
+    decode rows; every request's tokens equal its run alone."""
+    gemma = create_model(GEMMA3_LIKE, seed=3)
+    prompts = [rng.integers(0, GEMMA3_LIKE.vocab_size, n).tolist() for n in (90, 37, 64)]
+    tokens = [14, 8, 6]
+    engine = ServingEngine(gemma, backend_of("scout"), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           step_token_budget=CHUNK, prefix_cache=None, prefill_order="arrival")
+    calls = recording(engine)
+    try:
+        outs = serve(engine, prompts, tokens)
+    finally:
+        engine.close(drain=False)
+    assert sum("packed" in names for names in calls) >= 3, calls
+    alone_engine = ServingEngine(gemma, backend_of("scout"), slots=1, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                                 prefix_cache=None)
+    try:
+        want = [serve(alone_engine, [p], [n])[0].tokens for p, n in zip(prompts, tokens)]
+    finally:
+        alone_engine.close(drain=False)
+    assert [o.tokens for o in outs] == want
 
 
 def test_chunks_on_the_host_path_decode_in_a_call_of_their_own(model, rng, caplog):
