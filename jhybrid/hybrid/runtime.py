@@ -311,9 +311,11 @@ class HostRuntime:
         if self.worker is None:
             ids = self.bridge.last_block_ids.get(layer)
             return None if ids is None else ids.copy()
+        # idle first: the step that just ran may have handed its last layer to the device and not yet
+        # marked itself served (a loaded machine: scout's first recall trigger then saw no ids)
+        self.worker.wait_idle()
         if not self.worker.served_any:
             return None
-        self.worker.wait_idle()
         k = self.max_ids
         return self.worker.last_ids[layer, :self.batch * self.hkv * k].reshape(self.batch, self.hkv, k).astype(np.int64)
 
