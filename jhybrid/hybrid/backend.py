@@ -168,15 +168,16 @@ class HybridAttention(AttentionBackend):
             self._handle.runtime.close()
             self._handle.runtime = None
 
-    def before_step(self, cache, positions):
+    def before_step(self, cache, positions, decode_positions=None):
+        """(decode_positions: `before_packed_step`'s, checked there)"""
         if self.runtime is None:
             raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) before stepping")
         if len(cache.layers) != self._plan.num_layers:
             raise ValueError(f"a cache of {len(cache.layers)} layers; the backend was opened for "
                              f"{self._plan.num_layers}")
         if not self._mixed:  # every layer is offloaded: the host side steps the cache as it is
-            return self.runtime.before_step(cache, positions)
-        stepped = self.runtime.before_step(self._plan.offloaded_layers(cache), positions)
+            return self.runtime.before_step(cache, positions, decode_positions)
+        stepped = self.runtime.before_step(self._plan.offloaded_layers(cache), positions, decode_positions)
         return self._plan.merge(cache, stepped)
 
     def can_pack(self, positions) -> bool:
@@ -197,13 +198,7 @@ class HybridAttention(AttentionBackend):
         if not self.can_pack(positions):
             raise ValueError("hybrid: these prefill chunks cannot be packed with decode tokens (can_pack is False: "
                              f"mode {self.name!r}, or their offloaded prompt is attended on the host)")
-        if len(cache.layers) != self._plan.num_layers:
-            raise ValueError(f"a cache of {len(cache.layers)} layers; the backend was opened for "
-                             f"{self._plan.num_layers}")
-        if not self._mixed:
-            return self.runtime.before_step(cache, positions, decode_positions)
-        stepped = self.runtime.before_step(self._plan.offloaded_layers(cache), positions, decode_positions)
-        return self._plan.merge(cache, stepped)
+        return self.before_step(cache, positions, decode_positions)
 
     def reset_rows(self, cache, rows):
         """Empties rows `rows` for new sequences (continuous batching; `AttentionBackend.reset_rows`):

@@ -125,13 +125,7 @@ class Evictor:
             self._publish(lambda job: job.publish_step is None or job.publish_step <= step, rows)
         target = evicted_blocks(after, cfg).astype(np.int64)
         due = target > self.started
-        if prefill or not cfg.eviction_spread:
-            start = due
-        else:  # spread over block_size steps; earlier when the slack would run out before publication
-            phase = (step + np.arange(self.runtime.batch)) % bs == 0
-            soon = after + cfg.eviction_lag_steps + 1 - cfg.sink - cfg.ring_capacity
-            urgent = -(-np.maximum(soon, 0) // bs) > self.started
-            start = due & (phase | urgent)
+        start = due if prefill else self._spread(due, after, step)
         if start.any():
             min_rows = self.runtime.batch * -(-width // bs) if prefill else 1
             cache = self._start(cache, np.where(start, target, self.started), keep_on_device=prefill,
@@ -139,7 +133,7 @@ class Evictor:
         if prefill and not host_free:
             self.publish_all()  # the chunk attends to the offloaded prompt on the host
         owned = self.started.copy() if (prefill and host_free) else self.published.copy()
-        need = -(-np.maximum(after - cfg.sink - cfg.ring_capacity, 0) // bs)
+        need = self._needed(after)
         read = rows if (rows is not None and not prefill) else True  # the rings the step reads
         if np.any((owned < need) & read):  # the background is very late: wait
             self.publish_all()
@@ -166,21 +160,33 @@ class Evictor:
         if start.any():
             cache = self._start(cache, np.where(start, target, self.started), keep_on_device=True,
                                 publish_step=None, min_rows=self.runtime.batch * -(-width // bs))
-        start = due & decode_rows
-        if cfg.eviction_spread:
-            phase = (step + np.arange(self.runtime.batch)) % bs == 0
-            soon = after + cfg.eviction_lag_steps + 1 - cfg.sink - cfg.ring_capacity
-            start &= phase | (-(-np.maximum(soon, 0) // bs) > self.started)
+        start = self._spread(due & decode_rows, after, step)
         if start.any():
             cache = self._start(cache, np.where(start, target, self.started), keep_on_device=False,
                                 publish_step=step + cfg.eviction_lag_steps)
-        need = -(-np.maximum(after - cfg.sink - cfg.ring_capacity, 0) // bs)
+        need = self._needed(after)
         owned = np.where(chunk_rows, self.started, self.published)
         if np.any((owned < need) & (chunk_rows | decode_rows)):  # the background is very late: wait
             self.publish_all()
             owned = np.where(chunk_rows, self.started, self.published)
         self.runtime.core_counters.add(evict_s=time.perf_counter() - start_time)
         return cache, owned
+
+    def _spread(self, due: np.ndarray, after: np.ndarray, step: int) -> np.ndarray:
+        """The rows of `due` [B] bool whose decode-step copies start at `step`: with eviction_spread,
+        sequence b at steps where (step + b) % block_size == 0, earlier when its slack would run out
+        before publication; else all of them."""
+        cfg, bs = self.config, self.config.block_size
+        if not cfg.eviction_spread:
+            return due
+        phase = (step + np.arange(self.runtime.batch)) % bs == 0
+        soon = after + cfg.eviction_lag_steps + 1 - cfg.sink - cfg.ring_capacity
+        return due & (phase | (-(-np.maximum(soon, 0) // bs) > self.started))
+
+    def _needed(self, after: np.ndarray) -> np.ndarray:
+        """[B] the blocks the host side must own for `after` [B] tokens to fit the GPU ring."""
+        cfg = self.config
+        return -(-np.maximum(after - cfg.sink - cfg.ring_capacity, 0) // cfg.block_size)
 
     def background(self, fn, *args) -> Future:
         """Run fn(*args) on the eviction thread, after the copies already started (its errors are

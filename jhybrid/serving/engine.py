@@ -745,17 +745,15 @@ class ServingEngine(Engine):
         finally:
             setattr(self._times, field, getattr(self._times, field) + time.perf_counter() - start)
 
-    def _before_step(self, positions: np.ndarray) -> None:
-        """The backend's host work before a call (`AttentionBackend.before_step`), timed; counts the call."""
+    def _before_step(self, positions: np.ndarray, decode_positions: np.ndarray | None = None) -> None:
+        """The backend's host work before a call (`AttentionBackend.before_step`; with decode_positions
+        a packed call's, `before_packed_step`), timed; counts the call."""
         self._times.calls += 1
         with self._timed("host_seconds"):
-            self._cache = self.backend.before_step(self._cache, positions)
-
-    def _before_packed_step(self, positions: np.ndarray, decode_positions: np.ndarray) -> None:
-        """`_before_step` of a packed call (`AttentionBackend.before_packed_step`)."""
-        self._times.calls += 1
-        with self._timed("host_seconds"):
-            self._cache = self.backend.before_packed_step(self._cache, positions, decode_positions)
+            if decode_positions is None:
+                self._cache = self.backend.before_step(self._cache, positions)
+            else:
+                self._cache = self.backend.before_packed_step(self._cache, positions, decode_positions)
 
     def _use_prefix_cache(self, run: _Run) -> None:
         with self._in_prefix_cache():
@@ -937,10 +935,7 @@ class ServingEngine(Engine):
                          "their own", self.backend.name)
             packed = []
         decode_tokens, decode_positions = self._decode_inputs(packed)
-        if packed:
-            self._before_packed_step(batch_positions, decode_positions)
-        else:
-            self._before_step(batch_positions)
+        self._before_step(batch_positions, decode_positions if packed else None)
         with self._timed("call_seconds"):
             if packed:
                 (logits, decode_logits), self._cache = self._run(
