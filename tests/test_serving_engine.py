@@ -381,7 +381,7 @@ def test_whole_row_calls_carry_a_chunk_of_every_prefilling_request(model, alone,
 
 def test_compile_steps_compiles_every_step_shape_up_front(model, alone, rng):
     """4 slots: decode, and prefill of 1, 2 and 4 rows alone and packed with decode tokens = 7
-    executables, compiled without running; a second call compiles nothing; a load of requests
+    executables, compiled without running (2 at once); a second call compiles nothing; a load of requests
     arriving while others decode then compiles nothing more (no request waits for a compile).
     No step holds a conditional: the token draw's `lax.cond` runs in a program of its own (on a GPU a
     step with a conditional would wait on the host for its predicate, its dispatch for the device)."""
@@ -390,7 +390,9 @@ def test_compile_steps_compiles_every_step_shape_up_front(model, alone, rng):
     engine = ServingEngine(model, FullAttention("jnp"), slots=4, max_len=MAX_LEN, prefill_chunk=CHUNK,
                            step_token_budget=48, prefix_cache=None, prefill_order="shortest")
     try:
-        assert engine.compile_steps() == 7
+        with pytest.raises(ValueError, match=r"workers=0; expected an int >= 1"):
+            engine.compile_steps(workers=0)
+        assert engine.compile_steps(workers=2) == 7  # (compiles side by side, traced one by one)
         assert engine.compile_steps() == 0
         steps = [executable.as_text() for backend, executable in engine_module._executables.values()
                  if backend is engine.backend]

@@ -196,16 +196,17 @@ def test_a_packed_step_refuses_what_it_cannot_run(opened):
 
 
 def test_compile_steps_compiles_every_packed_shape(model, rng):
-    """scout, 2 slots: `compile_steps` compiles decode, the prefill of 1 and 2 rows over each prefill
-    variant (as it is: the host path; a chunk inside the window; copies of each size) and the packed
-    call of 1 and 2 rows over each variant but the host path's (such chunks never pack). A load of
+    """scout, 2 slots, 2 chunks a step and 1 while requests decode: `compile_steps` compiles decode,
+    the prefill of 1 and 2 rows over each prefill variant (as it is: the host path; a chunk inside
+    the window; copies of each size) and the packed call of 1 row (a step that packs decode tokens
+    takes one chunk) over each variant but the host path's (such chunks never pack). A load of
     packed steps from inside the window to near max_len then compiles nothing more."""
     engine = ServingEngine(model, backend_of("scout"), slots=2, max_len=MAX_LEN, prefill_chunk=CHUNK,
-                           step_token_budget=CHUNK, prefix_cache=None)
+                           step_token_budget=2 * CHUNK, decoding_step_token_budget=CHUNK, prefix_cache=None)
     calls = recording(engine)
     try:
         variants = 2 + len(engine.backend.runtime.prefill.sizes())
-        assert engine.compile_steps() == 1 + 2 * variants + 2 * (variants - 1)
+        assert engine.compile_steps() == 1 + 2 * variants + (variants - 1)
         compiled = engine.stats().compiles
         prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (30, 150, 90)]
         serve(engine, prompts, [12, 4, 6], every=2)
@@ -213,3 +214,35 @@ def test_compile_steps_compiles_every_packed_shape(model, rng):
     finally:
         engine.close(drain=False)
     assert sum("packed" in names for names in calls) >= 4, calls
+
+
+class _Prefilling:
+    """What `_take` reads of a prefilling request."""
+
+    def __init__(self, left: int, order: int):
+        self.prompt, self.prefilled, self.order = np.zeros(left, np.int32), 0, order
+
+
+@pytest.mark.parametrize("slots, budget, decoding_budget, max_backlog", [
+    (4, 4 * CHUNK, CHUNK, None), (4, 4 * CHUNK, 2 * CHUNK, None), (4, 4 * CHUNK, 3 * CHUNK, None),
+    (4, 4 * CHUNK, CHUNK // 2, None), (2, 2 * CHUNK, CHUNK, None), (4, 4 * CHUNK, None, None),
+    (4, 4 * CHUNK, CHUNK, 1000)])
+def test_packed_row_counts_are_those_a_decoding_step_can_take(model, slots, budget, decoding_budget, max_backlog):
+    """The packed shapes compile_steps compiles (`_packed_row_counts`) against the row counts of
+    every first call `_take` makes for 1 to `slots` prefilling requests under the budget a step
+    that packs decode tokens has (the decoding budget, strict, when it always applies; else the
+    step's): the same set."""
+    engine = ServingEngine(model, backend_of("scout"), slots=slots, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           step_token_budget=budget, decoding_step_token_budget=decoding_budget,
+                           decoding_budget_max_backlog=max_backlog, prefix_cache=None)
+    try:
+        taken = set()
+        for n in range(1, slots + 1):
+            runs = [_Prefilling(5 * CHUNK, order) for order in range(n)]
+            if decoding_budget is not None:  # the budget applies (a backlog of at most max_backlog) ...
+                taken.add(engine._take(runs, engine.decoding_step_token_budget, strict=True, first_call=True)[1])
+            if decoding_budget is None or max_backlog is not None:  # ... or it does not
+                taken.add(engine._take(runs, budget, strict=False, first_call=True)[1])
+        assert sorted(taken) == engine._packed_row_counts()
+    finally:
+        engine.close(drain=False)

@@ -16,10 +16,10 @@ The run, per point (its mode: the offload section, through `backend_for` like th
      `serving_decoding_step_tokens` in a step that begins with requests decoding),
      `serving_prefill_order`, the prefix cache's device tier `serving_prefix_cache_mb` (default: the
      engine's) and host tier `serving_prefix_cache_host_mb`;
-  2. warm-up (untimed, its own random tokens): 1, 2, 4 ... (up to the slots) requests of the
-     longest length together, one request per prompt length, and, with a shared prefix, two per
-     length carrying another prefix of the same length (compiles the prefix-copy steps), then
-     `engine.compile_steps()` (every prefill, packed and decode shape);
+  2. warm-up (untimed): `engine.compile_steps()` (every prefill, packed and decode shape), then
+     requests of its own random tokens: 1, 2, 4 ... (up to the slots) of the longest length
+     together, one per prompt length, and, with a shared prefix, two per length carrying another
+     prefix of the same length (compiles the prefix-copy steps);
   3. the load: each request submitted at its arrival time to the started engine; per request its
      TTFT (submit -> first token), its token times, whether it hit the prefix cache (cached_tokens > 0);
   4. saturation (unless `serving_saturation` is false), on the same warm engine: prompts of the
@@ -252,7 +252,9 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     try:
         engine.start()
         t0 = time.perf_counter()
-        report_phase(on_step, "warm-up requests: compiling the engine's steps")
+        report_phase(on_step, "compiling the engine's steps")
+        engine.compile_steps()  # every step shape, several XLA compiles at once
+        report_phase(on_step, "warm-up requests")
         with _profile_window("warmup"):
             for w, wave in enumerate(warmup_waves(bench, vocab)):
                 warm = [engine.submit(Request(prompt=p.tolist(), max_tokens=min(4, bench.decode_tokens),
@@ -260,7 +262,6 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
                 for handle in warm:
                     handle.result(RESULT_TIMEOUT_S)
         del warm
-        engine.compile_steps()  # the step shapes the waves did not reach (e.g. packed calls of 2 rows)
         warmup_s = time.perf_counter() - t0
         before = engine.stats()
         counters_before = backend.counters()

@@ -99,6 +99,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -131,6 +132,7 @@ JOIN_SECONDS = 60.0
 # fixed 32 dropped scout's decode step on the H200: 34 shapes with its packed calls, and the first
 # decode-only step of the load recompiled for 9 s.)
 SHARED_EXECUTABLES = 32
+COMPILE_WORKERS = 4  # XLA compiles compile_steps runs at once (each also autotunes on the device)
 STEP_SUMMARY = 64  # steps per INFO summary line of step times
 # A finished prompt's blocks enter the prefix cache (full attention) this many per step, from the
 # step its prefill ends: inserting a 32K prompt's 2,048 blocks at once (the cache's bookkeeping, the
@@ -900,6 +902,19 @@ class ServingEngine(Engine):
         slots, and slots."""
         return sorted({min(self.slots, 1 << (n - 1).bit_length()) for n in range(1, self.slots + 1)})
 
+    def _packed_row_counts(self) -> list[int]:
+        """The row counts a packed call can have. Decode tokens ride only in a step that begins with
+        requests decoding; with decoding_step_token_budget always applying then (no
+        decoding_budget_max_backlog) a `chunk_dependent` backend's packed call carries whole chunks
+        within that budget (`_take`, strict): max(budget // prefill_chunk, 1) requests, in the
+        fewest rows that hold them. Else any row count."""
+        counts = self._row_counts()
+        if (self.decoding_step_token_budget is None or self.decoding_budget_max_backlog is not None
+                or not self.backend.chunk_dependent):
+            return counts
+        carrying = max(self.decoding_step_token_budget // self.prefill_chunk, 1)
+        return [rows for rows in counts if rows <= min(r for r in counts if r >= min(carrying, self.slots))]
+
     def _decoding(self) -> list[_Run]:
         """The requests past their prefill, in slot order: each gets one token this step."""
         return [r for r in self._rows if r is not None and r.state is _State.DECODE and not r.cancel_requested]
@@ -1254,31 +1269,51 @@ class ServingEngine(Engine):
         engines of the same model structure and parameter shapes on the same backend object (the
         compiled code's inputs besides the arguments: fn merges self.graphdef and calls self.backend).
         The object, not an equal one: an offloading backend's compiled host calls reach its own runtime."""
+        key = self._executable_key(name, args)
+        executable = self._kept_executable(key)
+        if executable is None:
+            executable = self._compiled(name, key, args, self._lowered(fn, donate, args))
+        return executable
+
+    def _executable_key(self, name: str, args: tuple) -> tuple:
+        """What a compiled step depends on besides the parameters: its name, the model structure, the
+        backend object, the compile options and the other arguments' tree, shapes and dtypes."""
         varying = [a for a in args if a is not self.params]
         leaves, treedef = jax.tree_util.tree_flatten(varying)
         # (the dtype objects themselves: str() of 500 dtypes took ~3 ms of every 32-layer call's dispatch)
-        key = ((name, self._structure_id, id(self.backend), self._options_key, treedef)
-               + tuple([(a.shape, a.dtype) for a in leaves]))
+        return ((name, self._structure_id, id(self.backend), self._options_key, treedef)
+                + tuple([(a.shape, a.dtype) for a in leaves]))
+
+    def _kept_executable(self, key: tuple):
+        """The shared executable of `key` (marked the latest used), or None."""
         with _executables_lock:
             backend, executable = _executables.get(key, (None, None))
             if backend is not self.backend:  # an id reused by a newer object
-                executable = None
-            else:
-                _executables.move_to_end(key)
-        if executable is None:
-            start = time.perf_counter()
-            executable = jax.jit(fn, donate_argnums=donate).lower(*args).compile(
-                compiler_options=self._compiler_options or None)
-            seconds = time.perf_counter() - start
+                return None
+            _executables.move_to_end(key)
+        return executable
+
+    @staticmethod
+    def _lowered(fn, donate: tuple, args: tuple):
+        """fn traced and lowered for args (Python: holds the GIL)."""
+        return jax.jit(fn, donate_argnums=donate).lower(*args)
+
+    def _compiled(self, name: str, key: tuple, args: tuple, lowered):
+        """`lowered` compiled by XLA (which releases the GIL: compile_steps runs several at once) and
+        kept under `key`."""
+        start = time.perf_counter()
+        executable = lowered.compile(compiler_options=self._compiler_options or None)
+        seconds = time.perf_counter() - start
+        log.info("compiled the %s step in %.1f s (its 4-D inputs: %s)", name, seconds,
+                 sorted({tuple(a.shape) for a in jax.tree_util.tree_leaves([a for a in args if a is not self.params])
+                         if getattr(a, "ndim", 0) == 4}))
+        with self._cond:
+            self._counts.compiles += 1
             self.compile_seconds += seconds
-            log.info("compiled the %s step in %.1f s (its 4-D inputs: %s)", name, seconds,
-                     sorted({tuple(a.shape) for a in leaves if getattr(a, "ndim", 0) == 4}))
-            with self._cond:
-                self._counts.compiles += 1
-            with _executables_lock:
-                _executables[key] = (self.backend, executable)  # the backend kept alive: its id stays its own
-                while len(_executables) > _kept_executables:
-                    _executables.popitem(last=False)
+        with _executables_lock:
+            _executables[key] = (self.backend, executable)  # the backend kept alive: its id stays its own
+            while len(_executables) > _kept_executables:
+                _executables.popitem(last=False)
         return executable
 
     def _step_shapes(self) -> list[tuple]:
@@ -1299,26 +1334,45 @@ class ServingEngine(Engine):
                     shapes.append(("prefill", self._prefill_fn, (3,), self.params, *prefill[:2], cache))
                 else:
                     shapes.append(("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill, cache))
-                packed = self.backend.packed_variant(cache) if self.backend.packs_decode else None
+                packed = (self.backend.packed_variant(cache)
+                          if self.backend.packs_decode and size in self._packed_row_counts() else None)
                 if packed is not None:
                     shapes.append(("packed", self._packed_fn, (6,), self.params, *prefill, *decode, packed))
         return shapes
 
-    def compile_steps(self) -> int:
+    def compile_steps(self, workers: int | None = None) -> int:
         """Compiles every step shape this engine can run (decode; prefill of each row count, alone and
         packed with decode tokens, over each of the backend's `prefill_variants`, e.g. an offloading
         mode's prefill copies of each size), the token draw of each and the backend's host-side
         compiles (`precompile_host`), without running the steps, so that no request waits for a
         compile. The prefix cache's copies compile on their first use. Returns how many steps were
-        compiled now."""
+        compiled now.
+
+        workers: XLA compiles run at once (default: COMPILE_WORKERS, at most the host's cores, on an
+        accelerator; 1 on the CPU backend, whose compiles already fill the cores: 2 workers took as
+        long as 1 on the 2-core CI machine). Each shape is traced on this thread (Python) while the
+        shapes traced before it compile on the workers (XLA releases the GIL): on a fresh H200,
+        scout's 32-layer packed steps compiled for 30-40 s each one after the other."""
         global _kept_executables
+        if workers is None:
+            on_cpu = jax.default_backend() == "cpu"
+            workers = 1 if on_cpu else max(1, min(COMPILE_WORKERS, os.cpu_count() or 1))
+        elif not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"compile_steps workers={workers!r}; expected an int >= 1")
         with self._step_lock:
             before = self._counts.compiles
             shapes = self._step_shapes()
             with _executables_lock:  # every shape stays compiled, whatever other engines compile
                 _kept_executables = max(_kept_executables, len(shapes) + SHARED_EXECUTABLES)
-            for shape in shapes:
-                self._executable(*shape)
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jhybrid-compile") as pool:
+                compiles = []
+                for name, fn, donate, *args in shapes:
+                    key = self._executable_key(name, args)
+                    if self._kept_executable(key) is None:
+                        compiles.append(pool.submit(self._compiled, name, key, args,
+                                                    self._lowered(fn, donate, args)))
+                for compile_ in compiles:  # XLA's errors raised here; the pool waits for the rest
+                    compile_.result()
             self.backend.precompile_host(self._cache)  # e.g. scout's recall scatters
             sampling = self._row_sampling()
             for size in sorted(set(self._row_counts()) | {self.slots}):  # logits as a step leaves them
