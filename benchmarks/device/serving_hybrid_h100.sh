@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 32's offloading modes on one H100, one device call, the bench run under the stack sampler:
 #   MODE=hgca bash benchmarks/device/serving_hybrid_h100.sh [extra jhybrid bench args, e.g. --set ...]
-# 1. the mode's Numba host kernels compiled for bf16 (the CPU serving point reaches the kernels the
+# 1. (beside step 2 unless SERIAL_WARM=1) the mode's Numba host kernels compiled for bf16 (the CPU serving point reaches the kernels the
 #    H100 run uses; a fresh machine has no cache, a warm one keeps host/__pycache__ between calls, so a
 #    second call skips the compile), the native exchange built;
 #    BG_WARM=<other mode> compiles that mode's kernels too, in the background while the bench loads the
@@ -38,12 +38,22 @@ if [ "${DUMP_HLO:-0}" = 1 ]; then
   hlo_flags="--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=prefill --xla_dump_hlo_as_text"  # the bench's alone
 fi
 source benchmarks/device/warm_host.sh
-# the mode's kernels and the 32-layer exchange worker compile side by side
+# The mode's kernels and the 32-layer exchange worker compile side by side, and beside the bench's
+# model load and step compiles (SERIAL_WARM=1: before the bench, as up to session m): on a fresh
+# H200 the warms took 175 s and the bench's load + compile_steps 225 s, one after the other, leaving
+# too little of a 600 s call for the load, saturation and fixed batches (session m, calls 1 and 2).
+# The bench first calls the host kernels in its warm-up requests, after compile_steps; the lines
+# "... compiled N s after the start" and "N s ... warm-up requests" say whether the warms ended
+# before (if not, the warm-up requests compile what is missing themselves: untimed, and the cache
+# writes race at worst into a recompile later, never into a wrong kernel).
 if [ "$restored" = 1 ]; then echo "host kernels: from the device cache"; else warm_kernels "$mode" & warm_pid=$!; fi
 # (WARM_EXCHANGE=0 leaves the exchange worker to the warm-up: 138 s here on a fresh machine, call 1 of
 # 2026-11-27b; call 6 of 2026-11-27 traced 4 s of a warm-up step inside a Numba compile, the GPU idle)
-[ "${WARM_EXCHANGE:-1}" = 1 ] && warm_exchange
-[ -n "${warm_pid:-}" ] && wait "$warm_pid"
+if [ "${WARM_EXCHANGE:-1}" = 1 ]; then warm_exchange & exchange_pid=$!; fi
+if [ "${SERIAL_WARM:-0}" = 1 ]; then
+  [ -n "${warm_pid:-}" ] && wait "$warm_pid"
+  [ -n "${exchange_pid:-}" ] && wait "$exchange_pid"
+fi
 if [ -n "${BG_WARM:-}" ] && [ "$restored" = 0 ]; then warm_kernels "$BG_WARM" & fi
 left=$(( ${BENCH_S:-520} - ($(date +%s) - start) ))
 [ -n "${hlo_flags:-}" ] && export XLA_FLAGS="${XLA_FLAGS:-} $hlo_flags"
