@@ -1352,7 +1352,8 @@ class ServingEngine(Engine):
         accelerator; 1 on the CPU backend, whose compiles already fill the cores: 2 workers took as
         long as 1 on the 2-core CI machine). Each shape is traced on this thread (Python) while the
         shapes traced before it compile on the workers (XLA releases the GIL): on a fresh H200,
-        scout's 32-layer packed steps compiled for 30-40 s each one after the other."""
+        scout's 32-layer packed steps compiled for 30-40 s each one after the other; 4 at once, its
+        24 shapes took 160-165 s (BENCHMARKS.md, row m3)."""
         global _kept_executables
         if workers is None:
             on_cpu = jax.default_backend() == "cpu"
