@@ -1321,6 +1321,7 @@ class ServingEngine(Engine):
         chunk = self.prefill_chunk  # [slots, chunk] prefill
         decode = (np.zeros(self.slots, np.int32), np.full(self.slots, -1, np.int32))
         shapes = [("decode", self._decode_fn, (3,), self.params, *decode, self._cache)]
+        packed_rows = self._packed_row_counts() if self.backend.packs_decode else []
         for cache in self.backend.prefill_variants(self._cache):  # e.g. each size of prefill copies
             if not self.backend.prefills_rows:
                 prefill = (np.zeros((self.slots, chunk), np.int32), np.full((self.slots, chunk), -1, np.int32))
@@ -1334,8 +1335,7 @@ class ServingEngine(Engine):
                     shapes.append(("prefill", self._prefill_fn, (3,), self.params, *prefill[:2], cache))
                 else:
                     shapes.append(("prefill_rows", self._prefill_rows_fn, (4,), self.params, *prefill, cache))
-                packed = (self.backend.packed_variant(cache)
-                          if self.backend.packs_decode and size in self._packed_row_counts() else None)
+                packed = self.backend.packed_variant(cache) if size in packed_rows else None
                 if packed is not None:
                     shapes.append(("packed", self._packed_fn, (6,), self.params, *prefill, *decode, packed))
         return shapes
