@@ -209,6 +209,44 @@ def _cpu_relax(typingctx):
     return types.none(), codegen
 
 
+@intrinsic
+def _ticks(typingctx):
+    """A cheap monotonic tick count (int64): the x86 time-stamp counter, the AArch64 virtual counter
+    (cntvct_el0); 0 elsewhere. `tick_seconds()` is the length of one tick."""
+    def codegen(context, builder, signature, args):
+        import platform
+
+        i64 = ir.IntType(64)
+        machine = platform.machine()
+        if machine in ("x86_64", "AMD64"):
+            read = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, []), "llvm.readcyclecounter")
+            return builder.call(read, [])
+        if machine in ("aarch64", "arm64"):
+            return builder.asm(ir.FunctionType(i64, []), "mrs $0, cntvct_el0", "=r", [], side_effect=True)
+        return ir.Constant(i64, 0)
+
+    return types.int64(), codegen
+
+
+@njit(nogil=True, cache=True)
+def _now_ticks() -> int:
+    return _ticks()
+
+
+@functools.cache
+def tick_seconds() -> float:
+    """Seconds per `_ticks()` tick, measured once against perf_counter over 20 ms (0.0 where the
+    counter does not advance: the wait split is then not reported)."""
+    _now_ticks()  # loaded (or compiled) outside the measured interval
+    t0, c0 = time.perf_counter(), _now_ticks()
+    time.sleep(0.02)
+    t1, c1 = time.perf_counter(), _now_ticks()
+    if c1 <= c0:
+        log.info("host exchange: no tick counter on this CPU; the worker's wait for queries is not measured")
+        return 0.0
+    return (t1 - t0) / (c1 - c0)
+
+
 @njit(nogil=True, cache=True)
 def _wait_ready(ready, layer, seq, abort) -> bool:
     """Spin until ready[layer] reaches seq (cyclic uint32 compare); False when abort[0] is raised."""
@@ -231,17 +269,21 @@ def _answer(slots_o, slots_lse, done, layer, seq, o, lse):
 
 @njit(nogil=True, cache=True)
 def serve_context(layers, served, ready, done, abort, slots_q, slots_o, slots_lse, batch, hq, head_dim, hkv,
-                  scale, n_threads, fmt, k_pages, v_pages, page_ptr, ptr_off, page_ids, ids_off, unit_tokens):
+                  scale, n_threads, fmt, k_pages, v_pages, page_ptr, ptr_off, page_ids, ids_off, unit_tokens, stats):
     """hgca decode step: for each plan entry i (layer layers[i]; its submit's sequence number is
     served[layer] + 1, and served[layer] is advanced once answered) attention of
     that layer's queries over its context-cache pages (k_pages[layer], v_pages[layer]: a tuple over
     layers; page_ptr / page_ids / unit_tokens concatenated over the plan, ptr_off / ids_off [n + 1]
-    into them, unit_tokens B * Hkv per entry). Returns the entries served (< n: aborted)."""
+    into them, unit_tokens B * Hkv per entry). stats[1] (int64 [2]) counts the ticks (`_ticks`) spent
+    waiting for the layers' queries. Returns the entries served (< n: aborted)."""
     units = batch * hkv
     for i in range(layers.shape[0]):
         layer = layers[i]
         seq = np.uint32(served[layer] + np.uint32(1))
-        if not _wait_ready(ready, layer, seq, abort):
+        waited = _ticks()
+        ready_now = _wait_ready(ready, layer, seq, abort)
+        stats[1] += _ticks() - waited
+        if not ready_now:
             return i
         q = slots_q[layer][:batch * hq * head_dim].reshape(batch, 1, hq, head_dim)
         o, lse = attend_pages(q, k_pages[layer], v_pages[layer], fmt, page_ptr[ptr_off[i]:ptr_off[i + 1]],
@@ -286,11 +328,15 @@ def serve_blocks(layers, served, ready, done, abort, slots_q, slots_ids, slots_o
     the blocks its ids name (slots_ids: int32 [B, Hkv, k] numbers; slot_tables [n, B, W] int64 store
     slot of each block, n_blocks [n, B]). Each layer's ids are kept in last_ids[layer] (int32
     [L, B * Hkv * k]: scout's recall planner reads them); stats[0] counts the tokens attended.
+    stats[1] counts the ticks (`_ticks`) spent waiting for the layers' queries.
     Returns (entries served, -1 or the bad (sequence, block) code of the entry that stopped)."""
     for i in range(layers.shape[0]):
         layer = layers[i]
         seq = np.uint32(served[layer] + np.uint32(1))
-        if not _wait_ready(ready, layer, seq, abort):
+        waited = _ticks()
+        ready_now = _wait_ready(ready, layer, seq, abort)
+        stats[1] += _ticks() - waited
+        if not ready_now:
             return i, -1
         q = slots_q[layer][:batch * hq * head_dim].reshape(batch, 1, hq, head_dim)
         ids = slots_ids[layer][:batch * hkv * k].reshape(batch, hkv, k)
@@ -374,7 +420,8 @@ class ContextPages:
         _, batch, hq, hkv, head_dim, _ = s.shape
         served = serve_context(layers, worker.served, s.ready, s.done, worker.abort, s.q, s.o, s.lse, batch, hq,
                                head_dim, hkv, worker.scale, worker.n_threads, self.fmt, self.k_pages, self.v_pages,
-                               self.page_ptr, self.ptr_off, self.page_ids, self.ids_off, self.unit_tokens)
+                               self.page_ptr, self.ptr_off, self.page_ids, self.ids_off, self.unit_tokens,
+                               worker.stats)
         return served, -1
 
 
@@ -443,7 +490,8 @@ class ExchangeWorker:
         self.steps = 0
         n_layers, batch, _, hkv, _, max_ids = mailboxes.shape
         self.last_ids = np.full((n_layers, max(1, batch * hkv * max_ids)), -1, np.int32)  # last step's ids
-        self.stats = np.zeros(2, np.int64)  # [tokens attended (blocks kind), unused]
+        self.stats = np.zeros(2, np.int64)  # [tokens attended (blocks kind), ticks waiting for queries]
+        self.tick_s = tick_seconds()
         self.served_any = False
         # per layer: the sequence number of the last submit answered. The next submit of a layer
         # carries served + 1 (submits of a layer are answered in order); counting here, not at
@@ -473,6 +521,13 @@ class ExchangeWorker:
         if max_ids:
             view = self.last_ids[:, :batch * hkv * max_ids].reshape(n_layers, batch, hkv * max_ids)
             view[:, rows] = -1
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds the worker spent inside serve calls waiting for the device's queries (part of
+        serve_s; serve_s - idle_s is the snapshot plus the host attention). 0.0 where the CPU has no
+        tick counter (`tick_seconds`)."""
+        return float(self.stats[1]) * self.tick_s
 
     def reset_counters(self) -> None:
         self.wait_idle()

@@ -114,6 +114,8 @@ def test_synthetic_points_measure_and_reuse_the_host_store(tiny):
         hgca = rows["hgca"]
         assert hgca["exchange_snapshot_ms"] > 0 and hgca["exchange_barrier_ms"] >= 0
         assert hgca["exchange_snapshot_ms"] + hgca["exchange_barrier_ms"] <= hgca["exchange_serve_ms"]
+        # and so is the wait for the queries (measured where the CPU has a tick counter, as here)
+        assert 0 < hgca["exchange_idle_ms"] <= hgca["exchange_serve_ms"] - hgca["exchange_snapshot_ms"]
     else:
         assert rows["hgca"]["callbacks_per_step"] == 2 * tiny.config.num_layers  # submit + collect
     assert rows["scout"]["fill_s"] < rows["hgca"]["fill_s"] or rows["scout"]["fill_s"] < 1.0  # store reused

@@ -76,6 +76,8 @@ def test_ffi_equals_callbacks_and_keep_all_equals_full(model, tokens, reference,
     if case in ("hgca", "topk", "scout-exact"):
         np.testing.assert_allclose(ffi, reference, atol=TOL, rtol=0)
     assert ffi_counters["exchange_steps"] == STEPS  # every decode step through the custom calls ...
+    # the worker's wait for the queries is part of its serve time
+    assert 0 < ffi_counters["exchange_idle_s"] <= ffi_counters["exchange_serve_s"]
     # per layer and prefill chunk: hgca hands its host part the chunk's queries, and a chunk with
     # offloaded tokens submits and collects (the others attend to the window alone)
     hgca = CASES[case]["mode"] == "hgca"
@@ -83,6 +85,18 @@ def test_ffi_equals_callbacks_and_keep_all_equals_full(model, tokens, reference,
     prefill_callbacks = TINY.num_layers * (hgca * chunks + 2 * (chunks - window_only))
     assert ffi_counters["n_callbacks"] == prefill_callbacks  # ... and no callback in any of them
     assert cb_counters["n_callbacks"] > prefill_callbacks
+
+
+def test_the_tick_counter_measures_time_as_perf_counter_does():
+    """The worker times its wait for queries in `_ticks` (no clock call in nopython code): the
+    calibrated tick length turns a tick interval into the seconds perf_counter sees over it."""
+    seconds = worker_module.tick_seconds()
+    assert seconds > 0  # x86 and AArch64 (CI's machines) have a counter
+    t0, c0 = time.perf_counter(), worker_module._now_ticks()
+    time.sleep(0.2)
+    t1, c1 = time.perf_counter(), worker_module._now_ticks()
+    # the same interval on two clocks (a preemption between the paired reads shifts both ends)
+    assert (c1 - c0) * seconds == pytest.approx(t1 - t0, rel=0.2)
 
 
 def test_worker_error_surfaces_with_the_layer_and_traceback(model, tokens, monkeypatch):

@@ -407,6 +407,15 @@ def test_compile_steps_compiles_every_step_shape_up_front(model, alone, rng):
                 break
         assert [h.result(0).tokens for h in handles] == [alone(p, 6)[0] for p in prompts]
         assert engine.stats().compiles == compiled
+        # compiling ran nothing: each executable the load ran had its first run there, counted once
+        # (in the step that made it) and never again (a last short request reuses two of them)
+        ran = engine.stats().first_runs
+        assert 2 <= ran <= 7 and sum(r.times.first_runs for r in engine.step_log()) == ran
+        last = engine.submit(Request(prompts[1], max_tokens=2))
+        for _ in range(20):  # bounded
+            if not engine.step():
+                break
+        assert last.result(0).tokens == alone(prompts[1], 2)[0] and engine.stats().first_runs == ran
     finally:
         engine.close(drain=False)
 

@@ -86,7 +86,9 @@ def alone(model, name, prompts, tokens):
         engine.close(drain=False)
 
 
-@pytest.mark.parametrize("name", ["scout", pytest.param("topk", marks=pytest.mark.slow),  # 14 s
+# topk on CI (14 s on 2 cores); scout's packed steps are the same calls plus its recalls (88 s there,
+# past the suite's 30 minutes; its packed rows are checked on CI by test_serving_hybrid_rows)
+@pytest.mark.parametrize("name", [pytest.param("scout", marks=pytest.mark.slow), "topk",
                                   pytest.param("streaming", marks=pytest.mark.slow)])
 def test_packed_steps_give_every_request_its_tokens_alone(model, rng, name):
     """Prompts past the window (their chunks attend to device copies) and inside it, arriving while

@@ -344,12 +344,18 @@ def test_row_resets_compile_once_whatever_step_came_before(model, rng):
     from jhybrid.hybrid import rows
 
     backend = backend_of("scout", prefill_offloaded="device")
-    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (20, 120, 37, 90, 64)]
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (20, 120, 37)]
     rows._reset.clear_cache()
     engine = ServingEngine(model, backend, slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK, prefix_cache=None)
     with engine:
-        outs = run_all(engine, [engine.submit(Request(p, max_tokens=3 + i)) for i, p in enumerate(prompts)])
+        handles = [engine.submit(Request(p, max_tokens=3 + i)) for i, p in enumerate(prompts)]
+        outs = run_all(engine, handles)
+        log = engine.step_log()
     assert engine.stats().finished == len(prompts)
+    # the step each request ended in (its last token: a decode) ran a prefill call too, or did not:
+    # both kinds came before a reset
+    last_steps = [max((r for r in log if h.request_id in r.decode), key=lambda r: r.step) for h in handles]
+    assert {bool(r.prefill) for r in last_steps} == {True, False}, [(r.step, r.prefill) for r in last_steps]
     assert rows._reset._cache_size() == 1
     wants = alone(model, backend, [(p, 3 + i) for i, p in enumerate(prompts)])
     assert [o.tokens for o in outs] == [w.tokens for w in wants]

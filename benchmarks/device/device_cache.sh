@@ -15,8 +15,12 @@ jax_cache_dir=${JAX_COMPILATION_CACHE_DIR:-/tmp/jhybrid-jax-cache}
 device_cache_save() {
   local out=$1 tmp
   tmp=$(mktemp -d)
-  python3 -c 'import glob, os; [print(os.stat(p).st_mtime_ns, p) for p in sorted(glob.glob("host/*.py"))]' \
-    > "$tmp/mtimes.txt"  # nanoseconds: Numba compares the float st_mtime
+  # nanoseconds (Numba compares the float st_mtime) and each file's SHA-256: restore sets a file's
+  # time back only where its text is unchanged, so an edited module recompiles instead of loading
+  # the kernels of its old text (Numba's index checks the time and size, not the text)
+  python3 -c 'import glob, hashlib, os
+for p in sorted(glob.glob("host/*.py")):
+    print(os.stat(p).st_mtime_ns, hashlib.sha256(open(p, "rb").read()).hexdigest(), p)' > "$tmp/mtimes.txt"
   mkdir -p "$tmp/numba" "$tmp/jax"
   cp host/__pycache__/*.nbi host/__pycache__/*.nbc "$tmp/numba/" 2>/dev/null
   if [ -d "$jax_cache_dir" ]; then
@@ -51,12 +55,20 @@ device_cache_restore() {
   cp "$tmp"/numba/* host/__pycache__/ 2>/dev/null
   cp -r "$tmp/jax/." "$jax_cache_dir/"
   find "$jax_cache_dir" -type f -exec touch -a -d "2000-01-01" {} +  # device_cache_save keeps what is read after
-  python3 -c 'import os, sys
+  python3 -c 'import hashlib, os, sys
+stale = []
 for line in open(sys.argv[1]):
-    ns, path = line.split(maxsplit=1)
-    path = path.strip()
-    if os.path.isfile(path):
-        os.utime(path, ns=(int(ns), int(ns)))' "$tmp/mtimes.txt"
+    fields = line.split()
+    if len(fields) != 3:  # a cache saved before the hashes: nothing can be checked, so none is used
+        stale.append(fields[-1])
+        continue
+    ns, digest, path = fields
+    if not os.path.isfile(path) or hashlib.sha256(open(path, "rb").read()).hexdigest() != digest:
+        stale.append(path)
+        continue
+    os.utime(path, ns=(int(ns), int(ns)))
+if stale:
+    print(f"device cache: {len(stale)} host module(s) changed since it was saved, recompiled: {stale}")' "$tmp/mtimes.txt"
   echo "device cache restored: $(ls "$tmp/numba" | wc -l) Numba files, $(du -sh "$tmp/jax" | cut -f1) of JAX cache"
   rm -rf "$tmp"
 }

@@ -72,6 +72,8 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, decoding_step_
   prefill_gaps (how many such gaps), prefill_gap_longest (the GAPS_SHOWN longest, each with its
   step's record: `_longest_gaps`),
   compiles_timed (executables compiled during the load: 0 when the warm-up covered every shape),
+  first_runs_timed (executables whose first run in the process fell in the load: a GPU executable
+  loads its module then),
   load_steps / saturated_steps (where the steps' time went, per phase: `_step_breakdown` of the
   engine's step log: the engine's host work before calls, the compiled calls, captures, the prefix
   cache), load_counters / saturated_counters (the backend's counters that changed over the phase),
@@ -108,7 +110,7 @@ log = logging.getLogger(__name__)
 SEED = 0
 RESULT_TIMEOUT_S = 3600.0  # waiting for one request of the load (an engine that stopped raises sooner)
 GAPS_SHOWN = 8  # prefill_gap_longest: the longest token gaps while a prompt prefills, with their steps
-BACKEND_SHOWN = 6  # prefill_gap_longest: the backend time counters shown per gap
+BACKEND_SHOWN = 9  # prefill_gap_longest: the backend time counters shown per gap
 
 
 class PrefillGap(NamedTuple):
@@ -325,7 +327,8 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "prefix_spill_wait_s": round(after.prefix_spill_wait_seconds - before.prefix_spill_wait_seconds, 3),
            "prefix_step_s": round(sum(r.prefix_seconds for r in load_records), 3),
            "slow_steps": sum(r.seconds >= SLOW_STEP_S for r in load_records),
-           "compiles_timed": after.compiles - before.compiles, "warmup_s": round(warmup_s, 2),
+           "compiles_timed": after.compiles - before.compiles, "first_runs_timed": after.first_runs - before.first_runs,
+           "warmup_s": round(warmup_s, 2),
            "served_s": round(served_s, 2), "host_rss_bytes": rss,
            "saturated_tok_s": None if saturated is None else saturated[0],
            "saturated_s": None if saturated is None else saturated[1],
@@ -560,7 +563,7 @@ def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
     """The n longest gaps, one per step (the requests a step decodes share its gap), each with what
     its step did (what sets the p99): gap_ms, step_ms (the
     step that ended it), prefix_ms (of which in the prefix cache), host_ms, call_ms, capture_ms and
-    calls (`StepTimes`), between_ms (from the previous step's end to this one's start),
+    calls, first_runs (`StepTimes`), between_ms (from the previous step's end to this one's start),
     previous_step_ms and previous_reset_ms (the previous step's time and, of it, the rows reset after
     its tokens: part of this gap, not of this step), prefill_tokens, decode_rows, admitted, and backend_ms: the backend's time counters that grew
     in the step (the largest BACKEND_SHOWN, ms; background threads' included)."""
@@ -577,6 +580,7 @@ def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
                      "host_ms": round(record.times.host_seconds * 1e3, 2),
                      "call_ms": round(record.times.call_seconds * 1e3, 2),
                      "capture_ms": round(record.times.capture_seconds * 1e3, 2), "calls": record.times.calls,
+                     "first_runs": record.times.first_runs,
                      "between_ms": None if between is None else round(between * 1e3, 2),
                      "previous_step_ms": None if previous is None else round(previous.seconds * 1e3, 2),
                      "previous_reset_ms": None if previous is None else round(previous.times.reset_seconds * 1e3, 2),

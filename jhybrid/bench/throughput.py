@@ -547,6 +547,9 @@ def _breakdown(step_s, hook_s, c: dict) -> dict:
             # before the worker serves a step's first layer: waiting for the store's lock, then the
             # page snapshot
             "exchange_barrier_ms": per("exchange_barrier_s"), "exchange_snapshot_ms": per("exchange_snapshot_s"),
+            # inside the serve time: the worker waiting for the device's queries (the rest is the
+            # snapshot and the host attention)
+            "exchange_idle_ms": per("exchange_idle_s"),
             **_exchange_timing(c, n, step_ms)}
 
 

@@ -415,7 +415,8 @@ class HostRuntime:
     def counters(self) -> dict:
         out = {**self.core_counters.as_dict(), **self.mode_host.counters(), **vars(self.bridge.stats)}
         if self.worker is not None:
-            out.update(exchange_serve_s=self.worker.serve_s, exchange_steps=self.worker.steps)
+            out.update(exchange_serve_s=self.worker.serve_s, exchange_idle_s=self.worker.idle_s,
+                       exchange_steps=self.worker.steps)
             out["cpu_tokens"] += int(self.worker.stats[0])
         return out
 

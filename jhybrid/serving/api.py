@@ -114,13 +114,15 @@ class EngineStats:
     prefix_bytes_disk: int
     # Added by the engine (defaults keep other Engines' constructors valid): requests ended with
     # ERROR (`finished` counts those that ended STOP / LENGTH), engine steps that ran a model call,
-    # prefill calls, and executables compiled (flat in the steady state).
+    # prefill calls, executables compiled (flat in the steady state) and executables run for the
+    # first time in this process (flat once every shape has run: a first run loads its GPU module).
     errors: int = 0
     steps: int = 0
     prefix_hit_tokens_host: int = 0  # of prefix_hit_tokens, found in the host / disk tier
     prefix_hit_tokens_disk: int = 0
     prefill_calls: int = 0
     compiles: int = 0
+    first_runs: int = 0
     prefix_spill_wait_seconds: float = 0.0  # steps' time waiting for the prefix cache's spills to the host
     prefix_disk_read_errors: int = 0  # disk-tier blocks that failed their checksum (dropped as misses)
 

@@ -102,6 +102,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -145,6 +146,7 @@ STORE_BACKLOG = 2  # store jobs a step may leave running when it ends (each hold
 _executables: collections.OrderedDict = collections.OrderedDict()
 _executables_lock = threading.Lock()
 _kept_executables = SHARED_EXECUTABLES  # grown by compile_steps to hold every shape of its engine
+_executables_run: "weakref.WeakSet" = weakref.WeakSet()  # executables that have run in this process
 # Each distinct model structure (graphdef) and parameter signature as a small int, found once per
 # engine: hashing a graphdef walks the whole module tree, too slow for every step's lookup.
 _structure_ids: dict = {}
@@ -200,7 +202,9 @@ class StepTimes:
     work and the host attention before them; a prefill call that ends no prompt is not waited for:
     the next call's host work overlaps it), capture_seconds dispatching reads of prefilled K, V from
     the device window for the prefix cache (offloading backends; the store worker waits for them);
-    calls: how many; reset_seconds emptying the rows of the requests that ended in the step, after
+    calls: how many (first_runs: of them, calls of an executable that had never run in this process:
+    XLA loads a GPU executable's module at its first run, which can take a step's time again);
+    reset_seconds emptying the rows of the requests that ended in the step, after
     their tokens (`backend.reset_rows`: an offloading backend first waits for the exchange and the
     evictions in flight, a delay the running requests' next token gap carries)."""
 
@@ -209,6 +213,7 @@ class StepTimes:
     capture_seconds: float = 0.0
     calls: int = 0
     reset_seconds: float = 0.0
+    first_runs: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +267,7 @@ class _Counters:
     prefill_tokens: int = 0
     generated_tokens: int = 0
     compiles: int = 0
+    first_runs: int = 0
     prefix_unusable: int = 0
 
 
@@ -606,6 +612,7 @@ class ServingEngine(Engine):
                 prefix_bytes_host=prefix.bytes_host if prefix else 0,
                 prefix_bytes_disk=prefix.bytes_disk if prefix else 0,
                 errors=c.errors, steps=c.steps, prefill_calls=c.prefill_calls, compiles=c.compiles,
+                first_runs=c.first_runs,
                 prefix_hit_tokens_host=prefix.hit_tokens_host if prefix else 0,
                 prefix_hit_tokens_disk=prefix.hit_tokens_disk if prefix else 0,
                 prefix_spill_wait_seconds=prefix.spill_wait_seconds if prefix else 0.0,
@@ -1261,8 +1268,17 @@ class ServingEngine(Engine):
         return logits[:, 0].astype(jnp.float32), cache
 
     def _run(self, name: str, fn, donate: tuple, *args: Any):
-        """fn compiled ahead of time once per shapes (`_executable`) and run on args."""
-        return self._executable(name, fn, donate, *args)(*args)
+        """fn compiled ahead of time once per shapes (`_executable`) and run on args (a first run of
+        the executable in this process counted: `StepTimes.first_runs`)."""
+        executable = self._executable(name, fn, donate, *args)
+        with _executables_lock:
+            first = executable not in _executables_run
+            _executables_run.add(executable)
+        if first:
+            self._times.first_runs += 1
+            with self._cond:
+                self._counts.first_runs += 1
+        return executable(*args)
 
     def _executable(self, name: str, fn, donate: tuple, *args: Any):
         """fn compiled ahead of time for these arguments' shapes (`Generator._run`), shared with other
