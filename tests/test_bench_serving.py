@@ -27,7 +27,7 @@ sweep:
 FIELDS = {"mode", "slots", "requests", "rate", "ttft_p50_s", "ttft_p99_s", "tbt_p50_ms", "tbt_p99_ms",
           "request_throughput", "decode_tok_s", "goodput", "slo_met", "prefix_hits", "prefix_misses",
           "ttft_hit_over_miss", "ttft_hit_over_shared_miss", "served_over_fixed", "served_over_fixed_e2e", "fixed_decode_tok_s",
-          "tbt_p99_over_p50", "decoding_step_tokens", "completed", "lost", "compiles_timed", "saturated_tok_s", "saturated_over_fixed"}
+          "tbt_p99_over_p50", "decoding_step_tokens", "completed", "lost", "compiles_timed", "first_runs_timed", "saturated_tok_s", "saturated_over_fixed"}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,8 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
     assert row["served_over_fixed"] > 0 and row["fixed_decode_tok_s"] > 0
     assert row["saturated_tok_s"] > 0 and row["saturated_over_fixed"] > 0
     assert 0 <= row["slo_met"] <= 6
-    assert row["compiles_timed"] == 0  # the warm-up compiled every shape of the load
+    assert row["compiles_timed"] == 0  # the warm-up compiled every shape of the load ...
+    assert row["first_runs_timed"] == 0  # ... and ran each (a GPU executable loads at its first run)
     for phase in ("load_jit_compiles", "saturated_jit_compiles"):  # every XLA compile in the phase
         compiles = row[phase]
         assert compiles["count"] >= sum(n for _, n, _ in compiles["by_name"]) >= 0 and compiles["seconds"] >= 0
@@ -94,6 +95,30 @@ def test_load_is_deterministic_and_shares_the_prefix():
                                           serving_requests=40), 97)
     assert 0 < mixed.shared.sum() < 40 and all(len(p) > 48 for p, s in zip(mixed.prompts, mixed.shared) if s)
     assert {len(p) for p in a.prompts} <= {64, 96} and (a.arrivals[1:] >= a.arrivals[:-1]).all()
+
+
+@pytest.mark.parametrize("slots, packed_rows", [(2, 0), (2, 2), (4, 1), (4, 2), (4, 4), (8, 8)])
+def test_warmup_runs_a_packed_wave_per_packed_row_count(slots, packed_rows):
+    """After the waves that compile (prompts of the longest length by powers of two, one per length,
+    the prefix carriers), one wave per power of two R <= min(packed_rows, slots - 1): a one-chunk
+    request first, decoding through the prefill of the R longest prompts submitted with it (at least
+    one chunk of theirs a step), so the packed calls over every copy size run before the load."""
+    from jhybrid.bench.serving import WARM_TOKENS, warmup_waves
+
+    bench = dataclasses.replace(load_config_text(CONFIG).benchmark, serving_slots=slots)
+    max_len, chunk, longest = 200, bench.prefill_chunk, max(bench.serving_contexts)
+    plain = warmup_waves(bench, 97, max_len)
+    waves = warmup_waves(bench, 97, max_len, packed_rows)
+    assert [[(len(p), m) for p, m in w] for w in waves[:len(plain)]] == [[(len(p), m) for p, m in w] for w in plain]
+    assert all(m == min(WARM_TOKENS, bench.decode_tokens) for w in plain for _, m in w)
+    packed = waves[len(plain):]
+    want = [r for r in (1, 2, 4, 8) if r <= min(packed_rows, slots - 1)]
+    assert [len(w) - 1 for w in packed] == want
+    for rows, wave in zip(want, packed):
+        (short, decoding), *long = wave
+        assert len(short) == chunk and [len(p) for p, _ in long] == [longest] * rows
+        assert decoding == min(rows * -(-longest // chunk) + 2, max_len - chunk - 1)
+        assert len(short) + decoding < max_len
 
 
 def test_a_shared_suffix_makes_every_sharing_prompt_prefix_plus_suffix():
@@ -164,13 +189,15 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
                StepRecord(2, (), ("a",), 0.02, 0.0, 1.0),
                StepRecord(3, (("b", 32),), ("a",), 0.03, 0.0, 1.02, 0, StepTimes(reset_seconds=0.012)),
                StepRecord(4, (("b", 32),), ("a", "c"), 0.08, 0.05, 1.07, 1,
-                          StepTimes(host_seconds=0.01, call_seconds=0.015, capture_seconds=0.002, calls=2),
+                          StepTimes(host_seconds=0.01, call_seconds=0.015, capture_seconds=0.002, calls=2,
+                                    first_runs=1),
                           (("recall_s", 0.004), ("evict_s", 0.001)))]
     gaps = _gaps_during_prefill([a, b], records)
     assert [round(g.seconds, 6) for g in gaps] == [0.03, 0.1]
     assert [g.step.step for g in gaps] == [3, 4] and [g.previous.step for g in gaps] == [2, 3]
     step_4 = {"gap_ms": 100.0, "step": 4, "step_ms": 80.0, "prefix_ms": 50.0, "host_ms": 10.0, "call_ms": 15.0,
-              "capture_ms": 2.0, "calls": 2, "between_ms": 20.0, "previous_step_ms": 30.0, "previous_reset_ms": 12.0,
+              "capture_ms": 2.0, "calls": 2, "first_runs": 1, "between_ms": 20.0, "previous_step_ms": 30.0,
+              "previous_reset_ms": 12.0,
               "prefill_tokens": 32, "decode_rows": 2,
               "admitted": 1, "backend_ms": {"recall_s": 4.0, "evict_s": 1.0}}
     assert _longest_gaps(gaps, n=1) == [step_4]

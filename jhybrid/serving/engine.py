@@ -909,6 +909,11 @@ class ServingEngine(Engine):
         slots, and slots."""
         return sorted({min(self.slots, 1 << (n - 1).bit_length()) for n in range(1, self.slots + 1)})
 
+    def packed_row_counts(self) -> list[int]:
+        """The row counts of the packed calls this engine can run (prefill chunks and decode tokens in
+        one call); [] when its backend does not pack."""
+        return self._packed_row_counts() if self.backend.packs_decode else []
+
     def _packed_row_counts(self) -> list[int]:
         """The row counts a packed call can have. Decode tokens ride only in a step that begins with
         requests decoding; with decoding_step_token_budget always applying then (no
@@ -1337,7 +1342,7 @@ class ServingEngine(Engine):
         chunk = self.prefill_chunk  # [slots, chunk] prefill
         decode = (np.zeros(self.slots, np.int32), np.full(self.slots, -1, np.int32))
         shapes = [("decode", self._decode_fn, (3,), self.params, *decode, self._cache)]
-        packed_rows = self._packed_row_counts() if self.backend.packs_decode else []
+        packed_rows = self.packed_row_counts()
         for cache in self.backend.prefill_variants(self._cache):  # e.g. each size of prefill copies
             if not self.backend.prefills_rows:
                 prefill = (np.zeros((self.slots, chunk), np.int32), np.full((self.slots, chunk), -1, np.int32))
