@@ -248,13 +248,17 @@ def tick_seconds() -> float:
 
 
 @njit(nogil=True, cache=True)
-def _wait_ready(ready, layer, seq, abort) -> bool:
-    """Spin until ready[layer] reaches seq (cyclic uint32 compare); False when abort[0] is raised."""
+def _wait_ready(ready, layer, seq, abort, stats) -> bool:
+    """Spin until ready[layer] reaches seq (cyclic uint32 compare); False when abort[0] is raised.
+    The ticks spent (`_ticks`) are added to stats[1]."""
+    start = _ticks()
     while True:
         value = load_acquire(ready, layer)
         if np.int32(np.uint32(value - seq)) >= 0:
+            stats[1] += _ticks() - start
             return True
         if load_acquire(abort, 0) != 0:
+            stats[1] += _ticks() - start
             return False
         _cpu_relax()
 
@@ -280,10 +284,7 @@ def serve_context(layers, served, ready, done, abort, slots_q, slots_o, slots_ls
     for i in range(layers.shape[0]):
         layer = layers[i]
         seq = np.uint32(served[layer] + np.uint32(1))
-        waited = _ticks()
-        ready_now = _wait_ready(ready, layer, seq, abort)
-        stats[1] += _ticks() - waited
-        if not ready_now:
+        if not _wait_ready(ready, layer, seq, abort, stats):
             return i
         q = slots_q[layer][:batch * hq * head_dim].reshape(batch, 1, hq, head_dim)
         o, lse = attend_pages(q, k_pages[layer], v_pages[layer], fmt, page_ptr[ptr_off[i]:ptr_off[i + 1]],
@@ -333,10 +334,7 @@ def serve_blocks(layers, served, ready, done, abort, slots_q, slots_ids, slots_o
     for i in range(layers.shape[0]):
         layer = layers[i]
         seq = np.uint32(served[layer] + np.uint32(1))
-        waited = _ticks()
-        ready_now = _wait_ready(ready, layer, seq, abort)
-        stats[1] += _ticks() - waited
-        if not ready_now:
+        if not _wait_ready(ready, layer, seq, abort, stats):
             return i, -1
         q = slots_q[layer][:batch * hq * head_dim].reshape(batch, 1, hq, head_dim)
         ids = slots_ids[layer][:batch * hkv * k].reshape(batch, hkv, k)

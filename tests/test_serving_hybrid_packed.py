@@ -230,7 +230,7 @@ class _Prefilling:
     (4, 4 * CHUNK, CHUNK // 2, None), (2, 2 * CHUNK, CHUNK, None), (4, 4 * CHUNK, None, None),
     (4, 4 * CHUNK, CHUNK, 1000)])
 def test_packed_row_counts_are_those_a_decoding_step_can_take(model, slots, budget, decoding_budget, max_backlog):
-    """The packed shapes compile_steps compiles (`_packed_row_counts`) against the row counts of
+    """The packed shapes compile_steps compiles (`packed_row_counts`) against the row counts of
     every first call `_take` makes for 1 to `slots` prefilling requests under the budget a step
     that packs decode tokens has (the decoding budget, strict, when it always applies; else the
     step's): the same set."""
@@ -245,6 +245,6 @@ def test_packed_row_counts_are_those_a_decoding_step_can_take(model, slots, budg
                 taken.add(engine._take(runs, engine.decoding_step_token_budget, strict=True, first_call=True)[1])
             if decoding_budget is None or max_backlog is not None:  # ... or it does not
                 taken.add(engine._take(runs, budget, strict=False, first_call=True)[1])
-        assert sorted(taken) == engine._packed_row_counts()
+        assert sorted(taken) == engine.packed_row_counts()
     finally:
         engine.close(drain=False)

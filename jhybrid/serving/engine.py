@@ -910,16 +910,14 @@ class ServingEngine(Engine):
         return sorted({min(self.slots, 1 << (n - 1).bit_length()) for n in range(1, self.slots + 1)})
 
     def packed_row_counts(self) -> list[int]:
-        """The row counts of the packed calls this engine can run (prefill chunks and decode tokens in
-        one call); [] when its backend does not pack."""
-        return self._packed_row_counts() if self.backend.packs_decode else []
-
-    def _packed_row_counts(self) -> list[int]:
-        """The row counts a packed call can have. Decode tokens ride only in a step that begins with
+        """The row counts a packed call (prefill chunks and decode tokens in one call) can have; []
+        when the backend does not pack. Decode tokens ride only in a step that begins with
         requests decoding; with decoding_step_token_budget always applying then (no
         decoding_budget_max_backlog) a `chunk_dependent` backend's packed call carries whole chunks
         within that budget (`_take`, strict): max(budget // prefill_chunk, 1) requests, in the
         fewest rows that hold them. Else any row count."""
+        if not self.backend.packs_decode:
+            return []
         counts = self._row_counts()
         if (self.decoding_step_token_budget is None or self.decoding_budget_max_backlog is not None
                 or not self.backend.chunk_dependent):
@@ -1278,7 +1276,8 @@ class ServingEngine(Engine):
         executable = self._executable(name, fn, donate, *args)
         with _executables_lock:
             first = executable not in _executables_run
-            _executables_run.add(executable)
+            if first:
+                _executables_run.add(executable)
         if first:
             self._times.first_runs += 1
             with self._cond:
