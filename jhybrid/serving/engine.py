@@ -178,6 +178,35 @@ def _checked_compiler_options(options) -> dict[str, str | bool | int]:
     return dict(options)
 
 
+def _offload_chunk_problem(backend: AttentionBackend, prefill_chunk: int, slots: int) -> str | None:
+    """Why an offloading backend cannot serve with these prefill chunks (None: it can). Its prefill
+    calls over some rows of the batch (slots > 1) and those packed with decode tokens (a mode that
+    `packs_decode`; `compile_steps` compiles them even with one slot) must carry chunks of 2+ tokens
+    (`HybridAttention.attend`: a one-token chunk is a decode step, "got T = 1"), and the engine's
+    chunk is prefill_chunk cut to the window's `max_prefill_chunk` (its ring less one block): a
+    window of sink + one block leaves chunks of one token. A one-slot backend that does not pack
+    prefills every row in every call, which one-token chunks may be."""
+    from jhybrid.hybrid.backend import HybridAttention
+
+    if not isinstance(backend, HybridAttention) or not backend.prefills_rows:
+        return None
+    if slots == 1 and not backend.packs_decode:
+        return None
+    config, least = backend.config, 2
+    serving = f"serving {slots} slot{'s' if slots > 1 else ''} needs prefill chunks of >= {least} tokens"
+    if config.max_prefill_chunk < least:
+        block, ring = config.block_size, config.ring_tokens
+        window = config.sink + block * -(-(block + least) // block)  # a ring of one block + a chunk, whole blocks
+        return (f"offload window_tokens={config.window_tokens} is too small to serve with mode {config.mode!r}: "
+                f"beside the {config.sink}-token sink it leaves a ring of {ring} tokens, whose prefill chunks (the "
+                f"ring less one block of block_size={block}) hold at most {config.max_prefill_chunk} token, and "
+                f"{serving} (prefill_chunk={prefill_chunk}); expected window_tokens >= {window} "
+                f"(sink + {(window - config.sink) // block} blocks)")
+    if prefill_chunk < least:
+        return f"ServingEngine prefill_chunk={prefill_chunk}; expected >= {least}: mode {config.mode!r} {serving}"
+    return None
+
+
 def _last_logits(model, hidden, positions) -> jax.Array:
     """Each row's logits at its last valid position: hidden [R, T, d], positions [R, T] -> [R, V] float32."""
     last = jnp.argmax(positions, axis=1)
@@ -330,7 +359,9 @@ class ServingEngine(Engine):
     prefill_chunk: the most tokens of one row in one prefill call (bounded by the backend's
         max_prefill_chunk); a backend that `prefills_rows` runs R rows in calls of
         min(prefill_chunk, step_token_budget // R) tokens each (prefill_chunk when it is
-        `chunk_dependent`), any other [slots, prefill_chunk].
+        `chunk_dependent`), any other [slots, prefill_chunk]. An offloading mode's calls over
+        some rows need chunks of 2+ tokens: a window (or prefill_chunk) that leaves one is a
+        ValueError here (`_offload_chunk_problem`), not in a step.
     step_token_budget: prompt tokens prefilled per engine step over all rows (default: prefill_chunk);
         with a backend that does not `prefills_rows`, the token positions its calls compute: each
         [slots, prefill_chunk] call counts whole, carrying a chunk of every prefilling request.
@@ -401,6 +432,9 @@ class ServingEngine(Engine):
         if max_len > context and not backend.handles_long_context:
             raise ValueError(f"max_len {max_len} is longer than the model's context of {context} tokens "
                              f"(backend {backend.name!r} keeps all KV on the device)")
+        chunk_problem = _offload_chunk_problem(backend, prefill_chunk, slots)
+        if chunk_problem is not None:
+            raise ValueError(chunk_problem)
         if prefix_cache_bytes is not None:
             if prefix_cache_bytes < 0:
                 raise ValueError(f"prefix_cache_bytes={prefix_cache_bytes}; expected >= 0")
