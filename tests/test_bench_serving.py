@@ -97,23 +97,30 @@ def test_load_is_deterministic_and_shares_the_prefix():
     assert {len(p) for p in a.prompts} <= {64, 96} and (a.arrivals[1:] >= a.arrivals[:-1]).all()
 
 
-@pytest.mark.parametrize("slots, packed_rows", [(2, 0), (2, 2), (4, 1), (4, 2), (4, 4), (8, 8)])
-def test_warmup_runs_a_packed_wave_per_packed_row_count(slots, packed_rows):
+@pytest.mark.parametrize("slots, counts", [(2, []), (2, [1, 2]), (4, [1]), (4, [1, 2]), (4, [1, 2, 4]),
+                                           (8, [1, 2, 4, 8])])
+def test_warmup_runs_a_packed_wave_per_packed_row_count(slots, counts):
     """After the waves that compile (prompts of the longest length by powers of two, one per length,
-    the prefix carriers), one wave per power of two R <= min(packed_rows, slots - 1): a one-chunk
-    request first, decoding through the prefill of the R longest prompts submitted with it (at least
-    one chunk of theirs a step), so the packed calls over every copy size run before the load."""
+    the prefix carriers), one wave per distinct R = min(C, slots - 1) over the packed calls' row
+    counts C: a one-chunk request first, decoding through the prefill of the R longest prompts
+    submitted with it (at least one chunk of theirs a step), so the packed calls over every copy
+    size run before the load. R prompts take the call of C rows: with 4 slots the 4-row call is
+    3 prompts beside the decoding one (session o's o3 met it unwarmed)."""
     from jhybrid.bench.serving import WARM_TOKENS, warmup_waves
 
     bench = dataclasses.replace(load_config_text(CONFIG).benchmark, serving_slots=slots)
     max_len, chunk, longest = 200, bench.prefill_chunk, max(bench.serving_contexts)
     plain = warmup_waves(bench, 97, max_len)
-    waves = warmup_waves(bench, 97, max_len, packed_rows)
+    waves = warmup_waves(bench, 97, max_len, counts)
     assert [[(len(p), m) for p, m in w] for w in waves[:len(plain)]] == [[(len(p), m) for p, m in w] for w in plain]
     assert all(m == min(WARM_TOKENS, bench.decode_tokens) for w in plain for _, m in w)
     packed = waves[len(plain):]
-    want = [r for r in (1, 2, 4, 8) if r <= min(packed_rows, slots - 1)]
+    want = {(2, 2): [1], (4, 1): [1], (4, 2): [1, 2], (4, 4): [1, 2, 3], (8, 8): [1, 2, 4, 7]}.get(
+        (slots, max(counts, default=0)), [])
     assert [len(w) - 1 for w in packed] == want
+    # each packed row count that a call beside a decoding request can have is some wave's call
+    call_rows = {min(slots, 1 << (rows - 1).bit_length()) for rows in want}
+    assert call_rows == {c for c in counts if c <= min(slots, 1 << (slots - 2).bit_length())}
     for rows, wave in zip(want, packed):
         (short, decoding), *long = wave
         assert len(short) == chunk and [len(p) for p, _ in long] == [longest] * rows

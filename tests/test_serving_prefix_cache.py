@@ -252,6 +252,41 @@ def test_spill_to_disk_and_back():
     assert not os.path.exists(folder)
 
 
+def test_forget_drops_a_prompts_own_blocks_in_every_tier_and_counts_start_over():
+    """device 2, host 2, disk 2 blocks: a 2-block prompt `a` and two continuations of a shared block
+    `s` spread over the three tiers. forget(a) frees a's blocks wherever they are (slots, slab rows,
+    disk slots all back); forget of one continuation keeps the shared block its sibling continues;
+    forgetting an uncached prompt drops nothing. reset_counts zeroes the lookups and block counts,
+    the blocks held staying; the cache then works as before."""
+    cache, store = make_cache(device=2, host=2, disk=2)
+    a = [1] * BS + [2] * BS
+    shared = [7] * BS
+    left, right = shared + [8] * BS, shared + [9] * BS
+    for prompt in (a, left, right):
+        insert(cache, store, prompt)
+    assert acquire(cache, store, [5] * BS) == 0  # a miss, counted
+    cache._settle(until=cache._spills[-1] if cache._spills else None)
+    held = cache.stats()
+    assert held.blocks_device + held.blocks_host + held.blocks_disk == 5 and held.blocks_disk >= 1
+    assert cache.forget(a) == 2 and cache.match(a) == []
+    assert cache.forget(left) == 1  # its last block; the shared one stays for `right`
+    assert len(cache.match(right)) == 2 and len(cache.match(left)) == 1
+    assert cache.forget([3] * BS) == 0
+    stats = cache.stats()
+    assert stats.blocks_device + stats.blocks_host + stats.blocks_disk == 2 and stats.dropped == 3
+    assert len(cache._free_slots) + stats.blocks_device == store.capacity
+    assert cache._disk.free_slots + stats.blocks_disk == 2
+    cache._settle(until=cache._spills[-1] if cache._spills else None)
+    assert len(cache._host_free) + stats.blocks_host == 2
+    cache.reset_counts()
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.hit_tokens, stats.inserted, stats.dropped) == (0, 0, 0, 0, 0)
+    assert stats.blocks_device + stats.blocks_host + stats.blocks_disk == 2
+    assert acquire(cache, store, right) == 2 and cache.stats().hits == 1
+    assert insert(cache, store, a) == 2 and acquire(cache, store, a) == 2
+    cache.close()
+
+
 def test_shared_prefixes_under_pressure_keep_the_index_consistent(tmp_path, rng):
     """Prompts built from 4 block patterns (so prefixes are shared), tiny tiers, random inserts and
     hits: every hit's data is the prompt's, no cached block outlives its parent, slots and bytes add up."""

@@ -92,6 +92,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -101,6 +102,7 @@ from jhybrid.bench.offload import PointSkipped, backend_for
 from jhybrid.bench.progress import PointProgress, report_phase
 from jhybrid.bench.throughput import host_rss_bytes
 from jhybrid.hybrid.registry import mode_class
+from jhybrid.serving.warmup import WARM_TOKENS, packed_waves, run_warm_up, shape_waves
 
 if TYPE_CHECKING:
     from jhybrid.serving.engine import StepRecord
@@ -177,40 +179,33 @@ def _carrying_lengths(bench) -> list[int]:
     return [c for c in contexts_of(bench) if c > bench.serving_shared_prefix]
 
 
-WARM_TOKENS = 4  # tokens of each warm-up request (at most decode_tokens) but the decoding ones below
-
-
-def warmup_waves(bench, vocab: int, max_len: int, packed_rows: int = 0) -> list[list[tuple[np.ndarray, int]]]:
+def warmup_waves(bench, vocab: int, max_len: int,
+                 packed_row_counts: Sequence[int] = ()) -> list[list[tuple[np.ndarray, int]]]:
     """Warm-up requests (prompt, max_tokens) in waves (each wave submitted once the previous one
     finished): R prompts of the longest length for each power of two R up to the slots (their prefill
     calls over R rows, from the first chunk to the last: an offloading mode compiles one per size of
     the offloaded prompt's device copies); one prompt per length; with a shared prefix, one per length
     carrying another prefix of the same length, then a second wave of those (prefix-cache hits:
-    compiles the copies into and out of the rows). Then, for each power of two R up to `packed_rows`
-    (the most prefilling rows a packed call carries; 0: the engine does not pack), a one-chunk prompt
-    whose request decodes while R prompts of the longest length prefill beside it: the packed calls
-    over every size of the copies. Each shape runs before the load, not only compiles: a GPU
+    compiles the copies into and out of the rows). Then, for each row count C of a packed call
+    (`ServingEngine.packed_row_counts`; none: the engine does not pack), a one-chunk prompt whose
+    request decodes while min(C, slots - 1) prompts of the longest length prefill beside it: the
+    packed calls over every size of the copies. Each shape runs before the load, not only compiles: a GPU
     executable's first run in a process loads its module and instantiates its CUDA graphs (a
-    one-chunk packed step of 150-230 ms instead of 45-60 on the H200, session n, row n3)."""
+    one-chunk packed step of 150-230 ms instead of 45-60 on the H200, session n, row n3).
+    The generic waves are `jhybrid.serving.warmup`'s (`shape_waves`, `packed_waves`); the
+    shared-prefix ones are this benchmark's."""
     rng = np.random.default_rng(SEED + 1)
     longest = max(contexts_of(bench))
     warm = min(WARM_TOKENS, bench.decode_tokens)
-    waves = [[(_random(rng, vocab, longest), warm) for _ in range(1 << k)]
-             for k in range(bench.serving_slots.bit_length()) if (1 << k) <= bench.serving_slots]
-    waves.append([(_random(rng, vocab, c), warm) for c in contexts_of(bench)])
+    waves = shape_waves(longest, contexts_of(bench), bench.serving_slots, warm, rng, vocab)
     if bench.serving_shared_prefix and bench.serving_shared_share > 0:
         prefix = _random(rng, vocab, bench.serving_shared_prefix)
         carrying = lambda: [(np.concatenate([prefix, _random(rng, vocab, c - len(prefix))]), warm)  # noqa: E731
                             for c in _carrying_lengths(bench)]
         waves[-1] += carrying()
         waves.append(carrying())
-    chunk = bench.prefill_chunk
-    for k in range(min(packed_rows, bench.serving_slots - 1).bit_length()):
-        rows = 1 << k
-        # decoding through the whole prefill of the rows: at least one chunk of theirs a step
-        decoding = min(rows * -(-longest // chunk) + 2, max_len - chunk - 1)
-        waves.append([(_random(rng, vocab, chunk), decoding)] + [(_random(rng, vocab, longest), warm)] * rows)
-    return waves
+    return waves + packed_waves(longest, bench.serving_slots, bench.prefill_chunk, warm, max_len,
+                                packed_row_counts, rng, vocab)
 
 
 def _pct(values, q: float) -> float | None:
@@ -273,13 +268,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         engine.compile_steps()  # every step shape, several XLA compiles at once
         report_phase(on_step, "warm-up requests")
         with _profile_window("warmup"):
-            packed_rows = max(engine.packed_row_counts(), default=0)
-            for w, wave in enumerate(warmup_waves(bench, vocab, max_len, packed_rows)):
-                warm = [engine.submit(Request(prompt=p.tolist(), max_tokens=m, request_id=f"warm-{w}-{i}"))
-                        for i, (p, m) in enumerate(wave)]
-                for handle in warm:
-                    handle.result(RESULT_TIMEOUT_S)
-        del warm
+            run_warm_up(engine, warmup_waves(bench, vocab, max_len, engine.packed_row_counts()), RESULT_TIMEOUT_S)
         warmup_s = time.perf_counter() - t0
         before = engine.stats()
         counters_before = backend.counters()

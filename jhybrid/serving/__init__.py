@@ -6,6 +6,7 @@
   jhybrid.serving.prefix_cache  the prefix cache: block-hash matching, device / host / disk LRU tiers
   jhybrid.serving.kv_blocks     the prefix cache's device pool and its copies to and from cache rows
   jhybrid.serving.disk_tier     the prefix cache's disk tier: blocks in HCache's checksummed layer files
+  jhybrid.serving.warmup        warm-up requests that run every step shape once before real requests
   jhybrid.serving.server        the HTTP server (`jhybrid serve`)
 
     from jhybrid.serving import ServingEngine, Request

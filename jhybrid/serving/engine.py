@@ -103,6 +103,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -651,6 +652,47 @@ class ServingEngine(Engine):
                 prefix_hit_tokens_disk=prefix.hit_tokens_disk if prefix else 0,
                 prefix_spill_wait_seconds=prefix.spill_wait_seconds if prefix else 0.0,
                 prefix_disk_read_errors=prefix.disk_read_errors if prefix else 0)
+
+    def forget_prompts(self, prompts: Sequence[Sequence[int]]) -> int:
+        """Drops the prefix-cache blocks of `prompts` that no other cached prompt continues
+        (`PrefixCache.forget`: a shared prefix stays), e.g. a warm-up's random prompts
+        (jhybrid.serving.warmup); returns how many (0 without a prefix cache). The engine must be
+        idle: nothing running or waiting (RuntimeError otherwise)."""
+        with self._step_lock:
+            self._refuse_unless_idle("forget_prompts")
+            if self._prefix is None:
+                return 0
+            self._join_stores()  # (done at the last step's end: the cache is the caller's alone now)
+            forgotten = sum(self._prefix.forget(prompt) for prompt in prompts)
+            with self._cond:
+                self._prefix_stats = self._prefix.stats()
+            return forgotten
+
+    def reset_stats(self) -> None:
+        """Starts the engine's counts over, e.g. after a warm-up (jhybrid.serving.warmup), so that
+        `stats()` (and the server's /metrics) counts what came after: every EngineStats counter (the
+        prefix cache's lookups too: `PrefixCache.reset_counts`, its disk_read_errors kept) back to 0,
+        and the step log emptied (its step numbers start over). The gauges (running, waiting, the
+        prefix cache's bytes) and compile_seconds / store_seconds stay. The engine must be idle:
+        nothing running or waiting (RuntimeError otherwise)."""
+        with self._step_lock:
+            self._refuse_unless_idle("reset_stats")
+            self._join_stores()
+            with self._cond:
+                self._counts = _Counters()
+                self._log.clear()
+                self._step_window.clear()
+                if self._prefix is not None:
+                    self._prefix.reset_counts()
+                    self._prefix_stats = self._prefix.stats()
+
+    def _refuse_unless_idle(self, what: str) -> None:
+        """RuntimeError naming `what` while a request runs or waits."""
+        with self._cond:
+            running, waiting = sum(r is not None for r in self._rows), len(self._waiting)
+        if running or waiting:
+            raise RuntimeError(f"ServingEngine.{what} with {running} requests running and {waiting} waiting; "
+                               "expected an idle engine")
 
     def step_log(self) -> list[StepRecord]:
         """The latest steps' records, oldest first."""

@@ -675,6 +675,30 @@ class PrefixCache:
         """A lookup the caller could not make (a backend whose KV the cache cannot hold)."""
         self._misses += 1
 
+    def forget(self, tokens: Sequence[int]) -> int:
+        """Drops the cached blocks of `tokens`'s prefix that no other cached prompt continues: from
+        its last matched block up to (not including) the first block with another child, in whatever
+        tier each is (a host block's copy in flight lands in a row freed after it; module doc). A
+        prompt no other one extends leaves nothing; a prefix that other prompts share stays. Returns
+        the blocks dropped (also counted in `dropped`). Raises PrefixCacheSpillError when a spill it
+        finds failed (module doc)."""
+        self._check_spills()
+        forgotten = 0
+        for block in reversed(self.match(tokens)):
+            if block.children:
+                break
+            self._drop(block)
+            forgotten += 1
+        return forgotten
+
+    def reset_counts(self) -> None:
+        """Starts the lookup and block counts over (hits, misses, hit_tokens and its host / disk parts,
+        inserted, dropped, spill_wait_seconds); the blocks held and disk_read_errors (a failing disk
+        is news whenever it was found) stay."""
+        self._hits = self._misses = self._hit_tokens = self._inserted = self._dropped = 0
+        self._hit_tokens_from = {Tier.HOST: 0, Tier.DISK: 0}
+        self._spill_wait_seconds = 0.0
+
     def close(self) -> None:
         """Forgets every block. A given disk_dir keeps the disk tier: the device and host tiers'
         blocks are written down to it first (their copies in flight awaited), and its index saved

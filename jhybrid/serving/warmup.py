@@ -1,0 +1,176 @@
+"""Warm-up: requests of random tokens that RUN every step shape of a `ServingEngine` once before
+real requests arrive.
+
+`ServingEngine.compile_steps` compiles every step shape but runs none; on a GPU an XLA executable's
+first run in a process is slow again (its module loaded, its CUDA graphs instantiated: a 50 ms step
+took 200-475 ms on the H200), a cost the first real requests would otherwise pay
+(`EngineStats.first_runs` counts those runs). The warm-up submits waves of requests (each wave once
+the previous one finished):
+
+  1. R prompts of the longest length together, for each power of two R up to the slots (their
+     prefill calls over R rows, from the first chunk to the last: an offloading mode compiles one
+     per size of the offloaded prompt's device copies), then their decode steps;
+  2. one prompt of each other length asked for, all together (none: no such wave);
+  3. for each row count C a packed call can have (`ServingEngine.packed_row_counts`; none: the
+     engine does not pack), a one-chunk prompt whose request decodes while R = min(C, slots - 1)
+     prompts of the longest length prefill beside it (at least one chunk of theirs a step; R rows
+     take the call of C rows, the row counts being powers of two and slots): the packed calls over
+     every size of the copies.
+
+`warm_up_waves` builds them from plain numbers (the serving benchmark adds waves of its own between
+2 and 3 from the same generator: `shape_waves` and `packed_waves` are the two halves), and
+`engine_warm_up_waves` from an engine's settings; `run_warm_up` submits and waits for them;
+`warm_up` runs them and then leaves no trace of them in what the engine reports
+(`ServingEngine.forget_prompts`, `ServingEngine.reset_stats`), as `jhybrid serve --warm-up-tokens`
+does before it listens.
+
+Limits: the waves run every shape when a step's prefill calls give each row a whole chunk (the
+offloading modes, `chunk_dependent`; full attention with step_token_budget >= slots x prefill_chunk)
+and the longest prompt outlasts one step's budget (else its prefill ends in the step the short
+request's does, and nothing packs). Full attention under a smaller budget calls R rows of
+budget / R tokens only at prompts' tails, which the waves' prompts may not have.
+`EngineStats.first_runs` after the warm-up tells whether the load still met one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jhybrid.serving.api import FinishReason, Request
+
+if TYPE_CHECKING:
+    from jhybrid.serving.engine import ServingEngine
+
+WARM_TOKENS = 4  # tokens each warm-up request generates, but the decoding one of a packed wave
+WARM_SEED = 1  # the random prompts' generator seed (the serving benchmark's: its load's seed + 1)
+WARM_TIMEOUT_S = 3600.0  # the longest wait for one warm-up request (an engine that stopped raises sooner)
+
+# One wave: (prompt int32 [P], max_tokens) per request, submitted together.
+Wave = list[tuple[np.ndarray, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmUpReport:
+    """What a warm-up ran: waves, requests, seconds (wall, submit of the first to the end of the
+    last), and of the engine's counts over it: compiles (executables compiled: 0 after
+    `compile_steps`) and first_runs (executables run for the first time in the process); with
+    `warm_up`, forgotten_blocks (the prefix-cache blocks of its prompts dropped afterwards)."""
+
+    waves: int
+    requests: int
+    seconds: float
+    compiles: int
+    first_runs: int
+    forgotten_blocks: int = 0
+
+
+def random_tokens(rng: np.random.Generator, vocab: int, length: int) -> np.ndarray:
+    """int32 [length] token ids drawn uniformly from [0, vocab)."""
+    return rng.integers(0, vocab, length).astype(np.int32)
+
+
+def shape_waves(longest: int, lengths: Sequence[int], slots: int, warm_tokens: int, rng: np.random.Generator,
+                vocab: int) -> list[Wave]:
+    """Waves 1 and 2 of the module docstring: R prompts of `longest` tokens for each power of two
+    R <= slots, then one prompt of each of `lengths` (no wave when empty); every request generates
+    `warm_tokens` tokens."""
+    waves = [[(random_tokens(rng, vocab, longest), warm_tokens) for _ in range(1 << k)]
+             for k in range(slots.bit_length()) if (1 << k) <= slots]
+    if len(lengths):
+        waves.append([(random_tokens(rng, vocab, length), warm_tokens) for length in lengths])
+    return waves
+
+
+def packed_waves(longest: int, slots: int, prefill_chunk: int, warm_tokens: int, max_len: int,
+                 packed_row_counts: Sequence[int], rng: np.random.Generator, vocab: int) -> list[Wave]:
+    """Wave 3 of the module docstring, one per distinct R = min(C, slots - 1) over the packed calls'
+    row counts C, smallest first: first a prompt of prefill_chunk tokens (fewer when max_len leaves
+    no room to decode after it) whose request decodes min(R x ceil(longest / prefill_chunk) + 2,
+    max_len - its prompt - 1) tokens (through the whole prefill of the others), then R times one
+    prompt of `longest` tokens generating `warm_tokens`. (Session o's o3 met a first run in the
+    4-row packed call of 3 prefilling prompts beside a decoding one, 4 slots, when these waves
+    went only up to R = 2.)"""
+    waves: list[Wave] = []
+    if max_len < 3:  # no room for a prompt and a token decoded beside the others' prefill
+        return waves
+    short = min(prefill_chunk, max_len - 2)
+    for rows in sorted({min(count, slots - 1) for count in packed_row_counts} - {0}):
+        # decoding through the whole prefill of the rows: at least one chunk of theirs a step
+        decoding = min(rows * -(-longest // prefill_chunk) + 2, max_len - short - 1)
+        waves.append([(random_tokens(rng, vocab, short), decoding)]
+                     + [(random_tokens(rng, vocab, longest), warm_tokens)] * rows)
+    return waves
+
+
+def warm_up_waves(longest: int, lengths: Sequence[int], slots: int, prefill_chunk: int, warm_tokens: int,
+                  max_len: int, packed_row_counts: Sequence[int], rng: np.random.Generator,
+                  vocab: int) -> list[Wave]:
+    """Every wave of the module docstring (`shape_waves`, then `packed_waves`, drawn from `rng` in
+    that order): prompts of at most `longest` tokens, each request within max_len (longest +
+    warm_tokens <= max_len: ValueError otherwise)."""
+    for name, value in (("longest", longest), ("slots", slots), ("prefill_chunk", prefill_chunk),
+                        ("warm_tokens", warm_tokens)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"warm-up {name}={value!r}; expected an integer >= 1")
+    if longest + warm_tokens > max_len:
+        raise ValueError(f"warm-up longest={longest} + warm_tokens={warm_tokens} tokens; expected at most "
+                         f"max_len={max_len}")
+    bad = [length for length in lengths if not 1 <= length <= longest]
+    if bad:
+        raise ValueError(f"warm-up lengths {bad}; expected lengths in 1..longest={longest}")
+    return (shape_waves(longest, lengths, slots, warm_tokens, rng, vocab)
+            + packed_waves(longest, slots, prefill_chunk, warm_tokens, max_len, packed_row_counts, rng, vocab))
+
+
+def run_warm_up(engine: "ServingEngine", waves: Sequence[Wave], timeout_s: float = WARM_TIMEOUT_S) -> WarmUpReport:
+    """Submits each wave to the started `engine` (request ids "warm-{wave}-{i}") and waits for all of
+    its requests (each at most timeout_s: TimeoutError) before the next. A request that ends with
+    an error is a RuntimeError naming it. Returns what ran (`WarmUpReport`)."""
+    before = engine.stats()
+    start = time.perf_counter()
+    requests = 0
+    for w, wave in enumerate(waves):
+        handles = [engine.submit(Request(prompt=prompt.tolist(), max_tokens=max_tokens, request_id=f"warm-{w}-{i}"))
+                   for i, (prompt, max_tokens) in enumerate(wave)]
+        for handle in handles:
+            output = handle.result(timeout_s)
+            if output.finish_reason is FinishReason.ERROR:
+                raise RuntimeError(f"warm-up request {output.request_id!r} failed: {output.error}")
+        requests += len(handles)
+    after = engine.stats()
+    return WarmUpReport(waves=len(waves), requests=requests, seconds=time.perf_counter() - start,
+                        compiles=after.compiles - before.compiles, first_runs=after.first_runs - before.first_runs)
+
+
+def engine_warm_up_waves(engine: "ServingEngine", longest: int, warm_tokens: int = WARM_TOKENS,
+                         seed: int = WARM_SEED) -> list[Wave]:
+    """`warm_up_waves` for prompts of up to `longest` tokens from the engine's own slots,
+    prefill_chunk, max_len, packed row counts and vocabulary (no other lengths), random prompts from
+    `seed`. ValueError when longest + warm_tokens passes the engine's max_len."""
+    if not isinstance(longest, (int, np.integer)) or not 1 <= longest <= engine.max_len - warm_tokens:
+        raise ValueError(f"warm-up longest={longest!r}; expected 1..{engine.max_len - warm_tokens} "
+                         f"(the engine's max_len {engine.max_len} less {warm_tokens} generated tokens)")
+    return warm_up_waves(int(longest), (), engine.slots, engine.prefill_chunk, warm_tokens, engine.max_len,
+                         engine.packed_row_counts(), np.random.default_rng(seed),
+                         engine.config.vocab_size)
+
+
+def warm_up(engine: "ServingEngine", waves: Sequence[Wave], timeout_s: float = WARM_TIMEOUT_S) -> WarmUpReport:
+    """A server's warm-up: `waves` run on the started, idle engine (`run_warm_up`), then no trace of
+    them in what it reports: their prompts' blocks dropped from the prefix cache
+    (`ServingEngine.forget_prompts`: a prompt another cached one continues stays) and the engine's
+    counts started over (`ServingEngine.reset_stats`), so that stats() and /metrics count the
+    requests served after it."""
+    report = run_warm_up(engine, waves, timeout_s)
+    forgotten = engine.forget_prompts([prompt for wave in waves for prompt, _ in wave])
+    engine.reset_stats()
+    return dataclasses.replace(report, forgotten_blocks=forgotten)
+
+
+__all__ = ["WARM_TOKENS", "WARM_SEED", "WARM_TIMEOUT_S", "Wave", "WarmUpReport", "random_tokens", "shape_waves",
+           "packed_waves", "warm_up_waves", "engine_warm_up_waves", "run_warm_up", "warm_up"]
