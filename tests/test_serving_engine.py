@@ -660,11 +660,11 @@ def test_compile_steps_compiles_the_prefill_over_every_copy_size(model, alone, r
 
 def test_a_window_too_small_for_a_prefill_chunk_is_a_constructor_error(model):
     """An offloading mode's window of sink + one block: its prefill chunks (the ring less one block)
-    hold one token, and the engine's calls over some rows (and scout's packed calls, even with one
-    slot) need 2+: a one-line ValueError naming window_tokens and the least window at construction,
-    not "got T = 1" in compile_steps; so is prefill_chunk=1. The window one block larger, the least
-    that serves, builds and compiles every step; hgca (no packed calls) in one slot takes one-token
-    chunks (every call over the whole batch) and still builds."""
+    hold one token, and the engine's calls over some rows (packed ones too) need 2+: a one-line
+    ValueError naming window_tokens and the least window at construction, not "got T = 1" in
+    compile_steps; so is prefill_chunk=1. The window one block larger, the least that serves,
+    builds and compiles every step; in one slot (every call over the whole batch, none packed)
+    hgca and scout take one-token chunks and build."""
     from jhybrid.hybrid import make_backend
 
     def scout(window):
@@ -672,7 +672,7 @@ def test_a_window_too_small_for_a_prefill_chunk_is_a_constructor_error(model):
                             scout_exact_layers=1)
 
     least = r"; expected window_tokens >= 48 \(sink \+ 2 blocks\)$"
-    for slots in (2, 1):
+    for slots in (2, 3):
         with pytest.raises(ValueError, match=r"^offload window_tokens=32 is too small to serve with mode 'scout': "
                                              r"beside the 16-token sink it leaves a ring of 16 tokens, .*at most 1 "
                                              rf"token.*prefill_chunk=16\){least}") as info:
@@ -681,7 +681,8 @@ def test_a_window_too_small_for_a_prefill_chunk_is_a_constructor_error(model):
     with pytest.raises(ValueError, match=r"^ServingEngine prefill_chunk=1; expected >= 2: mode 'scout'"):
         ServingEngine(model, scout(48), slots=2, max_len=MAX_LEN, prefill_chunk=1, prefix_cache=None)
     hgca = make_backend("hgca", window_tokens=32, sink=16, block_size=16, host_threads=1)
-    ServingEngine(model, hgca, slots=1, max_len=MAX_LEN, prefill_chunk=16, prefix_cache=None).close()
+    for backend in (hgca, scout(32)):
+        ServingEngine(model, backend, slots=1, max_len=MAX_LEN, prefill_chunk=16, prefix_cache=None).close()
     with ServingEngine(model, scout(48), slots=2, max_len=MAX_LEN, prefill_chunk=16, prefix_cache=None) as engine:
         assert engine.prefill_chunk == 16
         assert engine.compile_steps() > 0

@@ -228,18 +228,18 @@ class _Prefilling:
 @pytest.mark.parametrize("slots, budget, decoding_budget, max_backlog", [
     (4, 4 * CHUNK, CHUNK, None), (4, 4 * CHUNK, 2 * CHUNK, None), (4, 4 * CHUNK, 3 * CHUNK, None),
     (4, 4 * CHUNK, CHUNK // 2, None), (2, 2 * CHUNK, CHUNK, None), (4, 4 * CHUNK, None, None),
-    (4, 4 * CHUNK, CHUNK, 1000)])
+    (4, 4 * CHUNK, CHUNK, 1000), (2, 2 * CHUNK, None, None), (3, 3 * CHUNK, None, None), (1, CHUNK, None, None)])
 def test_packed_row_counts_are_those_a_decoding_step_can_take(model, slots, budget, decoding_budget, max_backlog):
     """The packed shapes compile_steps compiles (`packed_row_counts`) against the row counts of
-    every first call `_take` makes for 1 to `slots` prefilling requests under the budget a step
-    that packs decode tokens has (the decoding budget, strict, when it always applies; else the
-    step's): the same set."""
+    every first call `_take` makes for 1 to slots - 1 prefilling requests (one slot decodes) under
+    the budget a step that packs decode tokens has (the decoding budget, strict, when it always
+    applies; else the step's): the same set (none with one slot; 2 slots: 1 row only)."""
     engine = ServingEngine(model, backend_of("scout"), slots=slots, max_len=MAX_LEN, prefill_chunk=CHUNK,
                            step_token_budget=budget, decoding_step_token_budget=decoding_budget,
                            decoding_budget_max_backlog=max_backlog, prefix_cache=None)
     try:
         taken = set()
-        for n in range(1, slots + 1):
+        for n in range(1, slots):
             runs = [_Prefilling(5 * CHUNK, order) for order in range(n)]
             if decoding_budget is not None:  # the budget applies (a backlog of at most max_backlog) ...
                 taken.add(engine._take(runs, engine.decoding_step_token_budget, strict=True, first_call=True)[1])

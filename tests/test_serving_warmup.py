@@ -22,8 +22,8 @@ from jhybrid.models import create_model
 from jhybrid.serving.api import Request
 from jhybrid.serving.engine import ServingEngine
 from jhybrid.serving.prefix_cache import PrefixCacheConfig
-from jhybrid.serving.warmup import (WARM_TOKENS, engine_warm_up_waves, packed_waves, run_warm_up, warm_up,
-                                    warm_up_waves)
+from jhybrid.serving.warmup import (WARM_TOKENS, LeadWave, engine_warm_up_waves, packed_waves, run_warm_up,
+                                    warm_up, warm_up_waves)
 from tests.hybrid_support import TINY
 
 # 2 slots of 128 tokens, chunks of 16, 32 prompt tokens a step: a 48-token prompt takes two steps,
@@ -88,6 +88,35 @@ def test_after_the_warm_up_no_request_runs_a_step_for_the_first_time(model):
         cold.close(drain=False)
 
 
+@pytest.mark.parametrize("slots, budget, left", [
+    (2, 32, []),  # 2 slots: no packed call of 2 rows (one slot decodes), so none compiled either
+    (4, 64, []),  # the longest prompt fits one step's budget: the packed wave's lead runs first
+    # calls of 2 rows x 8 and 4 x 4 tokens at prompts' tails: the tail waves run them; the packed
+    # [4, 4] (3 tails beside a decoding request) is still left
+    (4, 16, ["packed [4, 4]"])])
+def test_the_warm_up_runs_every_step_shape_it_claims(model, slots, budget, left):
+    """`ServingEngine.unrun_steps` names every compiled shape before any request and, after the
+    warm-up, the ones it left: none for full attention with whole-chunk calls (2 and 4 slots); under
+    a budget below slots x chunk, only the packed call of three tails beside a decoding request.
+    Before the lead-first packed wave (`LeadWave`) the 4-slot engine left "packed [1, 16]", before the
+    tail waves the third one also "prefill_rows [2, 8]" and "prefill [4, 4]"."""
+    engine = ServingEngine(model, FullAttention("jnp"), slots=slots, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           step_token_budget=budget, prefix_cache=PREFIX_CACHE)
+    try:
+        engine.start()
+        engine.compile_steps()
+        widths = engine.call_widths()
+        assert widths == {rows: max(1, min(CHUNK, budget // rows)) for rows in widths}
+        before = engine.unrun_steps()
+        assert len(before) == 1 + len(widths) + len(engine.packed_row_counts())  # decode, prefill, packed
+        assert all(f"[{rows}, {width}]" in " ".join(before) for rows, width in widths.items())
+        report = warm_up(engine, engine_warm_up_waves(engine, LONGEST))
+        assert list(report.unrun_steps) == left == engine.unrun_steps()
+        assert report.first_runs == len(before) - len(left) and report.compiles == 0
+    finally:
+        engine.close(drain=False)
+
+
 def test_the_warm_up_leaves_nothing_in_the_prefix_cache_and_counts_start_over(model):
     engine = new_engine(model)
     try:
@@ -129,11 +158,15 @@ def test_waves_fit_the_engine_and_name_their_requests(model):
                            step_token_budget=BUDGET, prefix_cache=None)
     try:
         waves = engine_warm_up_waves(engine, 60)
-        # 1, 2 and 4 prompts of 60 tokens; packed: 1, 2 and 3 beside a one-chunk prompt (3 prefilling
-        # rows take the 4-row call)
-        assert [len(w) for w in waves] == [1, 2, 4, 2, 3, 4]
+        # 1, 2 and 4 prompts of 60 tokens; the tail wave of the 4-row calls (8 tokens a row: 4 prompts
+        # of 16 + 8); packed, each led by a one-chunk prompt: 1, 2 (60 tokens) and 3 (3 prefilling
+        # rows take the 4-row call: 24 tokens, their tails)
+        assert [len(w) for w in waves] == [1, 2, 4, 4, 2, 3, 4]
+        assert [len(p) for p, _ in waves[3]] == [CHUNK + 8] * 4 and not isinstance(waves[3], LeadWave)
+        assert all(isinstance(w, LeadWave) and len(w[0][0]) == CHUNK for w in waves[4:])
+        assert [[len(p) for p, _ in w[1:]] for w in waves[4:]] == [[60], [60, 60], [CHUNK + 8] * 3]
         assert all(len(p) + m <= 64 for w in waves for p, m in w)
-        assert [m for _, m in waves[3]] == [min(1 * 4 + 2, 64 - CHUNK - 1), WARM_TOKENS]
+        assert [m for _, m in waves[4]] == [min(1 * 4 + 2, 64 - CHUNK - 1), WARM_TOKENS]
         with pytest.raises(ValueError, match=r"^warm-up longest=61; expected 1\.\.60 \(the engine's max_len 64 "
                                              r"less 4 generated tokens\)$"):
             engine_warm_up_waves(engine, 61)

@@ -73,7 +73,8 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, decoding_step_
   step's record: `_longest_gaps`),
   compiles_timed (executables compiled during the load: 0 when the warm-up covered every shape),
   first_runs_timed (executables whose first run in the process fell in the load: a GPU executable
-  loads its module then),
+  loads its module then), warmup_unrun_steps (the step shapes the warm-up left unrun:
+  `ServingEngine.unrun_steps`),
   load_steps / saturated_steps (where the steps' time went, per phase: `_step_breakdown` of the
   engine's step log: the engine's host work before calls, the compiled calls, captures, the prefix
   cache), load_counters / saturated_counters (the backend's counters that changed over the phase),
@@ -92,7 +93,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -102,7 +103,7 @@ from jhybrid.bench.offload import PointSkipped, backend_for
 from jhybrid.bench.progress import PointProgress, report_phase
 from jhybrid.bench.throughput import host_rss_bytes
 from jhybrid.hybrid.registry import mode_class
-from jhybrid.serving.warmup import WARM_TOKENS, packed_waves, run_warm_up, shape_waves
+from jhybrid.serving.warmup import WARM_TOKENS, packed_waves, run_warm_up, shape_waves, tail_waves
 
 if TYPE_CHECKING:
     from jhybrid.serving.engine import StepRecord
@@ -179,17 +180,19 @@ def _carrying_lengths(bench) -> list[int]:
     return [c for c in contexts_of(bench) if c > bench.serving_shared_prefix]
 
 
-def warmup_waves(bench, vocab: int, max_len: int,
-                 packed_row_counts: Sequence[int] = ()) -> list[list[tuple[np.ndarray, int]]]:
+def warmup_waves(bench, vocab: int, max_len: int, packed_row_counts: Sequence[int] = (),
+                 call_widths: Mapping[int, int] | None = None) -> list[list[tuple[np.ndarray, int]]]:
     """Warm-up requests (prompt, max_tokens) in waves (each wave submitted once the previous one
     finished): R prompts of the longest length for each power of two R up to the slots (their prefill
     calls over R rows, from the first chunk to the last: an offloading mode compiles one per size of
     the offloaded prompt's device copies); one prompt per length; with a shared prefix, one per length
     carrying another prefix of the same length, then a second wave of those (prefix-cache hits:
-    compiles the copies into and out of the rows). Then, for each row count C of a packed call
-    (`ServingEngine.packed_row_counts`; none: the engine does not pack), a one-chunk prompt whose
-    request decodes while min(C, slots - 1) prompts of the longest length prefill beside it: the
-    packed calls over every size of the copies. Each shape runs before the load, not only compiles: a GPU
+    compiles the copies into and out of the rows). Then, with `call_widths`
+    (`ServingEngine.call_widths`), the tail waves of calls narrower than a chunk (`tail_waves`), and
+    for each row count C of a packed call (`ServingEngine.packed_row_counts`; none: the engine does
+    not pack), a one-chunk prompt whose request decodes while min(C, slots - 1) prompts of the
+    longest length prefill beside it: the packed calls over every size of the copies
+    (`packed_waves`). Each shape runs before the load, not only compiles: a GPU
     executable's first run in a process loads its module and instantiates its CUDA graphs (a
     one-chunk packed step of 150-230 ms instead of 45-60 on the H200, session n, row n3).
     The generic waves are `jhybrid.serving.warmup`'s (`shape_waves`, `packed_waves`); the
@@ -204,8 +207,9 @@ def warmup_waves(bench, vocab: int, max_len: int,
                             for c in _carrying_lengths(bench)]
         waves[-1] += carrying()
         waves.append(carrying())
-    return waves + packed_waves(longest, bench.serving_slots, bench.prefill_chunk, warm, max_len,
-                                packed_row_counts, rng, vocab)
+    return (waves + tail_waves(longest, bench.prefill_chunk, warm, call_widths or {}, rng, vocab)
+            + packed_waves(longest, bench.serving_slots, bench.prefill_chunk, warm, max_len, packed_row_counts,
+                           rng, vocab, call_widths))
 
 
 def _pct(values, q: float) -> float | None:
@@ -268,7 +272,11 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         engine.compile_steps()  # every step shape, several XLA compiles at once
         report_phase(on_step, "warm-up requests")
         with _profile_window("warmup"):
-            run_warm_up(engine, warmup_waves(bench, vocab, max_len, engine.packed_row_counts()), RESULT_TIMEOUT_S)
+            waves = warmup_waves(bench, vocab, max_len, engine.packed_row_counts(), engine.call_widths())
+            warm = run_warm_up(engine, waves, RESULT_TIMEOUT_S)
+        if warm.unrun_steps:  # (some may be out of the load's reach: the host path beside prefill copies)
+            log.info("%s: the warm-up left %d step shape(s) unrun (a load's first run of one waits for its "
+                     "module to load): %s", offload.mode, len(warm.unrun_steps), ", ".join(warm.unrun_steps))
         warmup_s = time.perf_counter() - t0
         before = engine.stats()
         counters_before = backend.counters()
@@ -333,7 +341,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "prefix_step_s": round(sum(r.prefix_seconds for r in load_records), 3),
            "slow_steps": sum(r.seconds >= SLOW_STEP_S for r in load_records),
            "compiles_timed": after.compiles - before.compiles, "first_runs_timed": after.first_runs - before.first_runs,
-           "warmup_s": round(warmup_s, 2),
+           "warmup_s": round(warmup_s, 2), "warmup_unrun_steps": list(warm.unrun_steps),
            "served_s": round(served_s, 2), "host_rss_bytes": rss,
            "saturated_tok_s": None if saturated is None else saturated[0],
            "saturated_s": None if saturated is None else saturated[1],

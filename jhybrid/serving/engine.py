@@ -181,20 +181,18 @@ def _checked_compiler_options(options) -> dict[str, str | bool | int]:
 
 def _offload_chunk_problem(backend: AttentionBackend, prefill_chunk: int, slots: int) -> str | None:
     """Why an offloading backend cannot serve with these prefill chunks (None: it can). Its prefill
-    calls over some rows of the batch (slots > 1) and those packed with decode tokens (a mode that
-    `packs_decode`; `compile_steps` compiles them even with one slot) must carry chunks of 2+ tokens
-    (`HybridAttention.attend`: a one-token chunk is a decode step, "got T = 1"), and the engine's
-    chunk is prefill_chunk cut to the window's `max_prefill_chunk` (its ring less one block): a
-    window of sink + one block leaves chunks of one token. A one-slot backend that does not pack
-    prefills every row in every call, which one-token chunks may be."""
+    calls over some rows of the batch (slots > 1; packed calls with decode tokens are such calls)
+    must carry chunks of 2+ tokens (`HybridAttention.attend`: a one-token chunk is a decode step,
+    "got T = 1"), and the engine's chunk is prefill_chunk cut to the window's `max_prefill_chunk`
+    (its ring less one block): a window of sink + one block leaves chunks of one token. One slot
+    prefills the whole batch in every call (and never packs: `packed_row_counts`), which one-token
+    chunks may be."""
     from jhybrid.hybrid.backend import HybridAttention
 
-    if not isinstance(backend, HybridAttention) or not backend.prefills_rows:
-        return None
-    if slots == 1 and not backend.packs_decode:
+    if not isinstance(backend, HybridAttention) or not backend.prefills_rows or slots == 1:
         return None
     config, least = backend.config, 2
-    serving = f"serving {slots} slot{'s' if slots > 1 else ''} needs prefill chunks of >= {least} tokens"
+    serving = f"serving {slots} slots needs prefill chunks of >= {least} tokens"
     if config.max_prefill_chunk < least:
         block, ring = config.block_size, config.ring_tokens
         window = config.sink + block * -(-(block + least) // block)  # a ring of one block + a chunk, whole blocks
@@ -985,21 +983,34 @@ class ServingEngine(Engine):
         slots, and slots."""
         return sorted({min(self.slots, 1 << (n - 1).bit_length()) for n in range(1, self.slots + 1)})
 
+    def call_widths(self) -> dict[int, int]:
+        """{row count R: tokens per row} of this engine's prefill calls over R rows ([R, W] each,
+        `_call_width`); {} for a backend that does not `prefills_rows` (its [slots, prefill_chunk]
+        calls are one shape)."""
+        if not self.backend.prefills_rows:
+            return {}
+        return {rows: self._call_width(rows) for rows in self._row_counts()}
+
     def packed_row_counts(self) -> list[int]:
         """The row counts a packed call (prefill chunks and decode tokens in one call) can have; []
         when the backend does not pack. Decode tokens ride only in a step that begins with
         requests decoding; with decoding_step_token_budget always applying then (no
         decoding_budget_max_backlog) a `chunk_dependent` backend's packed call carries whole chunks
         within that budget (`_take`, strict): max(budget // prefill_chunk, 1) requests, in the
-        fewest rows that hold them. Else any row count."""
+        fewest rows that hold them. Else any row count a call of at most slots - 1 prefilling
+        requests (one slot decodes) can have: none with one slot, 1 and 2 with 3 slots (not 3: two
+        prefilling rows take the 2-row call)."""
         if not self.backend.packs_decode:
             return []
-        counts = self._row_counts()
-        if (self.decoding_step_token_budget is None or self.decoding_budget_max_backlog is not None
+        beside = self.slots - 1  # the most requests prefilling beside a decoding one
+        counts = [rows for rows in self._row_counts()
+                  if beside >= 1 and rows <= min(self.slots, 1 << (beside - 1).bit_length())]
+        if (not counts or self.decoding_step_token_budget is None or self.decoding_budget_max_backlog is not None
                 or not self.backend.chunk_dependent):
             return counts
         carrying = max(self.decoding_step_token_budget // self.prefill_chunk, 1)
-        return [rows for rows in counts if rows <= min(r for r in counts if r >= min(carrying, self.slots))]
+        fewest = min((r for r in counts if r >= min(carrying, self.slots)), default=counts[-1])
+        return [rows for rows in counts if rows <= fewest]
 
     def _decoding(self) -> list[_Run]:
         """The requests past their prefill, in slot order: each gets one token this step."""
@@ -1435,6 +1446,31 @@ class ServingEngine(Engine):
                 if packed is not None:
                     shapes.append(("packed", self._packed_fn, (6,), self.params, *prefill, *decode, packed))
         return shapes
+
+    def unrun_steps(self) -> list[str]:
+        """The step shapes this engine can run (`compile_steps`'s) whose executable has not run in
+        this process, each as "name [R, W]" (its tokens' shape) with the shapes of the device copies
+        its cache carries beyond the open batch's ("+ [B, Hkv, P, D]", an offloading mode's prefill
+        copies); [] when every one has run. After a warm-up (jhybrid.serving.warmup) these are the
+        steps whose first run a request may still pay: on a GPU a first run loads the module and
+        instantiates its CUDA graphs (`StepTimes.first_runs`). Some may be out of any request's
+        reach (an offloading mode's host-path variant while its prefill copies are on the device, a
+        copy size longer than max_len's prompts take): the list is of compiled shapes, not of
+        reachable ones. Two variants without copies (the host path, a chunk inside the window)
+        read alike."""
+        with self._step_lock:
+            shapes = self._step_shapes()
+            base = {tuple(a.shape) for a in jax.tree_util.tree_leaves(self._cache) if getattr(a, "ndim", 0) == 4}
+        unrun = []
+        for name, _fn, _donate, *args in shapes:
+            executable = self._kept_executable(self._executable_key(name, args))
+            with _executables_lock:
+                ran = executable is not None and executable in _executables_run
+            if not ran:
+                copies = sorted({tuple(a.shape) for a in jax.tree_util.tree_leaves(args[-1])
+                                 if getattr(a, "ndim", 0) == 4} - base)
+                unrun.append(f"{name} {list(np.shape(args[1]))}" + "".join(f" + {list(c)}" for c in copies))
+        return unrun
 
     def compile_steps(self, workers: int | None = None) -> int:
         """Compiles every step shape this engine can run (decode; prefill of each row count, alone and

@@ -11,11 +11,17 @@ the previous one finished):
      prefill calls over R rows, from the first chunk to the last: an offloading mode compiles one
      per size of the offloaded prompt's device copies), then their decode steps;
   2. one prompt of each other length asked for, all together (none: no such wave);
-  3. for each row count C a packed call can have (`ServingEngine.packed_row_counts`; none: the
-     engine does not pack), a one-chunk prompt whose request decodes while R = min(C, slots - 1)
-     prompts of the longest length prefill beside it (at least one chunk of theirs a step; R rows
-     take the call of C rows, the row counts being powers of two and slots): the packed calls over
-     every size of the copies.
+  3. with `call_widths` (a backend whose calls over R rows split the step's budget, R x W tokens
+     with W < prefill_chunk: full attention), for each such row count R, R prompts of
+     prefill_chunk + W tokens: each first prefills a whole chunk alone, and the first one's last W
+     tokens go in an [R, W] call beside the others' first (`ServingEngine._take` gives a row count
+     the first request's most tokens, then the call's);
+  4. for each row count C a packed call can have (`ServingEngine.packed_row_counts`; none: the
+     engine does not pack), a one-chunk prompt whose request runs alone until its first token
+     (`LeadWave`), then decodes while R = min(C, slots - 1) prompts prefill beside it (R rows take
+     the call of C rows, the row counts being powers of two and slots): the longest length (the
+     packed calls over every size of an offloading mode's copies), or prefill_chunk + W for a
+     width W < prefill_chunk of C rows (their tails' [C, W] calls).
 
 `warm_up_waves` builds them from plain numbers (the serving benchmark adds waves of its own between
 2 and 3 from the same generator: `shape_waves` and `packed_waves` are the two halves), and
@@ -24,19 +30,17 @@ the previous one finished):
 (`ServingEngine.forget_prompts`, `ServingEngine.reset_stats`), as `jhybrid serve --warm-up-tokens`
 does before it listens.
 
-Limits: the waves run every shape when a step's prefill calls give each row a whole chunk (the
-offloading modes, `chunk_dependent`; full attention with step_token_budget >= slots x prefill_chunk)
-and the longest prompt outlasts one step's budget (else its prefill ends in the step the short
-request's does, and nothing packs). Full attention under a smaller budget calls R rows of
-budget / R tokens only at prompts' tails, which the waves' prompts may not have.
-`EngineStats.first_runs` after the warm-up tells whether the load still met one.
+`WarmUpReport.unrun_steps` names the step shapes a warm-up left unrun (`ServingEngine.unrun_steps`:
+tests/test_serving_warmup.py checks none is left for full attention under several budgets and for
+scout); `EngineStats.first_runs` after it tells whether a load met one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,18 +58,28 @@ WARM_TIMEOUT_S = 3600.0  # the longest wait for one warm-up request (an engine t
 Wave = list[tuple[np.ndarray, int]]
 
 
+class LeadWave(list):
+    """A wave (`Wave`) whose first request is submitted alone and the others once it has its first
+    token: it then decodes while they prefill, however many of their tokens one step's budget
+    holds (submitted together, a prompt within one step's budget would end its prefill in the
+    step the first one's did, and nothing would pack)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class WarmUpReport:
     """What a warm-up ran: waves, requests, seconds (wall, submit of the first to the end of the
     last), and of the engine's counts over it: compiles (executables compiled: 0 after
-    `compile_steps`) and first_runs (executables run for the first time in the process); with
-    `warm_up`, forgotten_blocks (the prefix-cache blocks of its prompts dropped afterwards)."""
+    `compile_steps`) and first_runs (executables run for the first time in the process);
+    unrun_steps (`ServingEngine.unrun_steps` afterwards: the step shapes no request has run yet,
+    whose first run a later request pays); with `warm_up`, forgotten_blocks (the prefix-cache
+    blocks of its prompts dropped afterwards)."""
 
     waves: int
     requests: int
     seconds: float
     compiles: int
     first_runs: int
+    unrun_steps: tuple[str, ...] = ()
     forgotten_blocks: int = 0
 
 
@@ -86,33 +100,51 @@ def shape_waves(longest: int, lengths: Sequence[int], slots: int, warm_tokens: i
     return waves
 
 
+def tail_waves(longest: int, prefill_chunk: int, warm_tokens: int, call_widths: Mapping[int, int],
+               rng: np.random.Generator, vocab: int) -> list[Wave]:
+    """Wave 3 of the module docstring: for each row count R whose calls are W = call_widths[R] <
+    prefill_chunk tokens a row, R prompts of min(prefill_chunk + W, longest) tokens generating
+    `warm_tokens` (R <= the slots: call_widths holds the engine's row counts)."""
+    return [[(random_tokens(rng, vocab, min(prefill_chunk + width, longest)), warm_tokens)] * rows
+            for rows, width in sorted(call_widths.items()) if rows > 1 and width < prefill_chunk]
+
+
 def packed_waves(longest: int, slots: int, prefill_chunk: int, warm_tokens: int, max_len: int,
-                 packed_row_counts: Sequence[int], rng: np.random.Generator, vocab: int) -> list[Wave]:
-    """Wave 3 of the module docstring, one per distinct R = min(C, slots - 1) over the packed calls'
-    row counts C, smallest first: first a prompt of prefill_chunk tokens (fewer when max_len leaves
-    no room to decode after it) whose request decodes min(R x ceil(longest / prefill_chunk) + 2,
-    max_len - its prompt - 1) tokens (through the whole prefill of the others), then R times one
-    prompt of `longest` tokens generating `warm_tokens`. (Session o's o3 met a first run in the
-    4-row packed call of 3 prefilling prompts beside a decoding one, 4 slots, when these waves
-    went only up to R = 2.)"""
+                 packed_row_counts: Sequence[int], rng: np.random.Generator, vocab: int,
+                 call_widths: Mapping[int, int] | None = None) -> list[Wave]:
+    """Wave 4 of the module docstring, one `LeadWave` per distinct R = min(C, slots - 1) over the
+    packed calls' row counts C, smallest first: first a prompt of prefill_chunk tokens (fewer when
+    max_len leaves no room to decode after it) whose request decodes min(R x ceil(P /
+    prefill_chunk) + 2, max_len - its prompt - 1) tokens (through the whole prefill of the others),
+    then R times one prompt of P tokens generating `warm_tokens`: P = `longest`, or
+    min(prefill_chunk + W, longest) where call_widths gives the C-row calls W < prefill_chunk
+    tokens a row. (Session o's o3 met a first run in the 4-row packed call of 3 prefilling prompts
+    beside a decoding one, 4 slots, when these waves went only up to R = 2.)"""
     waves: list[Wave] = []
     if max_len < 3:  # no room for a prompt and a token decoded beside the others' prefill
         return waves
     short = min(prefill_chunk, max_len - 2)
-    for rows in sorted({min(count, slots - 1) for count in packed_row_counts} - {0}):
+    lengths: dict[int, int] = {}  # prefilling rows R -> their prompts' length
+    for count in sorted(packed_row_counts):
+        rows = min(count, slots - 1)
+        width = (call_widths or {}).get(count, prefill_chunk)
+        if rows >= 1 and rows not in lengths:
+            lengths[rows] = longest if width >= prefill_chunk else min(prefill_chunk + width, longest)
+    for rows, length in lengths.items():
         # decoding through the whole prefill of the rows: at least one chunk of theirs a step
-        decoding = min(rows * -(-longest // prefill_chunk) + 2, max_len - short - 1)
-        waves.append([(random_tokens(rng, vocab, short), decoding)]
-                     + [(random_tokens(rng, vocab, longest), warm_tokens)] * rows)
+        decoding = min(rows * -(-length // prefill_chunk) + 2, max_len - short - 1)
+        waves.append(LeadWave([(random_tokens(rng, vocab, short), decoding)]
+                              + [(random_tokens(rng, vocab, length), warm_tokens)] * rows))
     return waves
 
 
 def warm_up_waves(longest: int, lengths: Sequence[int], slots: int, prefill_chunk: int, warm_tokens: int,
                   max_len: int, packed_row_counts: Sequence[int], rng: np.random.Generator,
-                  vocab: int) -> list[Wave]:
-    """Every wave of the module docstring (`shape_waves`, then `packed_waves`, drawn from `rng` in
-    that order): prompts of at most `longest` tokens, each request within max_len (longest +
-    warm_tokens <= max_len: ValueError otherwise)."""
+                  vocab: int, call_widths: Mapping[int, int] | None = None) -> list[Wave]:
+    """Every wave of the module docstring (`shape_waves`, `tail_waves` with call_widths (row count
+    -> tokens a row of its calls), then `packed_waves`, drawn from `rng` in that order): prompts of
+    at most `longest` tokens, each request within max_len (longest + warm_tokens <= max_len:
+    ValueError otherwise)."""
     for name, value in (("longest", longest), ("slots", slots), ("prefill_chunk", prefill_chunk),
                         ("warm_tokens", warm_tokens)):
         if not isinstance(value, (int, np.integer)) or value < 1:
@@ -124,7 +156,9 @@ def warm_up_waves(longest: int, lengths: Sequence[int], slots: int, prefill_chun
     if bad:
         raise ValueError(f"warm-up lengths {bad}; expected lengths in 1..longest={longest}")
     return (shape_waves(longest, lengths, slots, warm_tokens, rng, vocab)
-            + packed_waves(longest, slots, prefill_chunk, warm_tokens, max_len, packed_row_counts, rng, vocab))
+            + tail_waves(longest, prefill_chunk, warm_tokens, call_widths or {}, rng, vocab)
+            + packed_waves(longest, slots, prefill_chunk, warm_tokens, max_len, packed_row_counts, rng, vocab,
+                           call_widths))
 
 
 def run_warm_up(engine: "ServingEngine", waves: Sequence[Wave], timeout_s: float = WARM_TIMEOUT_S) -> WarmUpReport:
@@ -135,16 +169,26 @@ def run_warm_up(engine: "ServingEngine", waves: Sequence[Wave], timeout_s: float
     start = time.perf_counter()
     requests = 0
     for w, wave in enumerate(waves):
-        handles = [engine.submit(Request(prompt=prompt.tolist(), max_tokens=max_tokens, request_id=f"warm-{w}-{i}"))
-                   for i, (prompt, max_tokens) in enumerate(wave)]
+        requests_of = [Request(prompt=prompt.tolist(), max_tokens=max_tokens, request_id=f"warm-{w}-{i}")
+                       for i, (prompt, max_tokens) in enumerate(wave)]
+        if isinstance(wave, LeadWave) and len(requests_of) > 1:
+            first_token = threading.Event()
+            handles = [engine.submit(requests_of[0], on_token=lambda *_: first_token.set())]
+            if not first_token.wait(timeout_s) and not handles[0].done:
+                raise TimeoutError(f"warm-up request {requests_of[0].request_id!r} had no token in {timeout_s} s")
+            handles += [engine.submit(request) for request in requests_of[1:]]
+        else:
+            handles = [engine.submit(request) for request in requests_of]
         for handle in handles:
             output = handle.result(timeout_s)
             if output.finish_reason is FinishReason.ERROR:
                 raise RuntimeError(f"warm-up request {output.request_id!r} failed: {output.error}")
         requests += len(handles)
+    seconds = time.perf_counter() - start
     after = engine.stats()
-    return WarmUpReport(waves=len(waves), requests=requests, seconds=time.perf_counter() - start,
-                        compiles=after.compiles - before.compiles, first_runs=after.first_runs - before.first_runs)
+    return WarmUpReport(waves=len(waves), requests=requests, seconds=seconds,
+                        compiles=after.compiles - before.compiles, first_runs=after.first_runs - before.first_runs,
+                        unrun_steps=tuple(engine.unrun_steps()))
 
 
 def engine_warm_up_waves(engine: "ServingEngine", longest: int, warm_tokens: int = WARM_TOKENS,
@@ -157,7 +201,7 @@ def engine_warm_up_waves(engine: "ServingEngine", longest: int, warm_tokens: int
                          f"(the engine's max_len {engine.max_len} less {warm_tokens} generated tokens)")
     return warm_up_waves(int(longest), (), engine.slots, engine.prefill_chunk, warm_tokens, engine.max_len,
                          engine.packed_row_counts(), np.random.default_rng(seed),
-                         engine.config.vocab_size)
+                         engine.config.vocab_size, engine.call_widths())
 
 
 def warm_up(engine: "ServingEngine", waves: Sequence[Wave], timeout_s: float = WARM_TIMEOUT_S) -> WarmUpReport:
@@ -172,5 +216,5 @@ def warm_up(engine: "ServingEngine", waves: Sequence[Wave], timeout_s: float = W
     return dataclasses.replace(report, forgotten_blocks=forgotten)
 
 
-__all__ = ["WARM_TOKENS", "WARM_SEED", "WARM_TIMEOUT_S", "Wave", "WarmUpReport", "random_tokens", "shape_waves",
-           "packed_waves", "warm_up_waves", "engine_warm_up_waves", "run_warm_up", "warm_up"]
+__all__ = ["WARM_TOKENS", "WARM_SEED", "WARM_TIMEOUT_S", "Wave", "LeadWave", "WarmUpReport", "random_tokens",
+           "shape_waves", "tail_waves", "packed_waves", "warm_up_waves", "engine_warm_up_waves", "run_warm_up", "warm_up"]
