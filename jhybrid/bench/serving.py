@@ -225,7 +225,7 @@ def _ratio(a, b):
 
 
 def run_serving(model, pretrained, point, on_step: PointProgress | None = None, deadline=None) -> list[dict]:
-    from jhybrid.serving import PrefixCacheConfig, Request, ServingEngine
+    from jhybrid.serving import EngineClosed, PrefixCacheConfig, Request, ServingEngine
     from jhybrid.serving.engine import SLOW_STEP_S
 
     bench, offload = point.benchmark, point.offload
@@ -281,7 +281,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         before = engine.stats()
         counters_before = backend.counters()
         report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
-        handles, submitted = [], []
+        handles, submitted, refused = [], [], None
         with _profile_window("load"), CompileRecorder() as load_compiles:
             start = time.perf_counter()
             for i, (prompt, at) in enumerate(zip(load.prompts, load.arrivals)):
@@ -289,8 +289,12 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
                 if delay > 0:
                     time.sleep(delay)
                 submitted.append(time.perf_counter())
-                handles.append(engine.submit(Request(prompt=prompt.tolist(), max_tokens=bench.decode_tokens,
-                                                     request_id=f"r-{i}")))
+                try:
+                    handles.append(engine.submit(Request(prompt=prompt.tolist(), max_tokens=bench.decode_tokens,
+                                                         request_id=f"r-{i}")))
+                except EngineClosed as closed:  # a step failed before this arrival: the rest fail with it
+                    refused = closed
+                    break
             outputs = []
             for i, handle in enumerate(handles):
                 outputs.append(handle.result(RESULT_TIMEOUT_S))
@@ -310,8 +314,10 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
                  json.dumps(_step_breakdown(load_records)), json.dumps(load_counters),
                  json.dumps(load_compiles.summary()))
         failed = [o for o in outputs if o.finish_reason.value == "error"]
-        if failed:  # the engine's own error, not a statistic of no tokens
-            raise RuntimeError(f"the serving engine failed {len(failed)} of {n} requests of the load: {failed[0].error}")
+        if failed or refused is not None:  # the engine's own error, not a statistic of no tokens
+            error = failed[0].error if failed else str(refused)
+            raise RuntimeError(f"the serving engine failed {n - len(outputs) + len(failed)} of {n} requests of the "
+                               f"load: {error}")
         rss = host_rss_bytes()
         saturated = None
         if bench.serving_saturation and (deadline is None or time.perf_counter() < deadline):

@@ -24,15 +24,19 @@ the previous one finished):
      width W < prefill_chunk of C rows (their tails' [C, W] calls).
 
 `warm_up_waves` builds them from plain numbers (the serving benchmark adds waves of its own between
-2 and 3 from the same generator: `shape_waves` and `packed_waves` are the two halves), and
+2 and 3 from the same generator: `shape_waves`, `tail_waves` and `packed_waves` are the parts), and
 `engine_warm_up_waves` from an engine's settings; `run_warm_up` submits and waits for them;
 `warm_up` runs them and then leaves no trace of them in what the engine reports
 (`ServingEngine.forget_prompts`, `ServingEngine.reset_stats`), as `jhybrid serve --warm-up-tokens`
 does before it listens.
 
-`WarmUpReport.unrun_steps` names the step shapes a warm-up left unrun (`ServingEngine.unrun_steps`:
-tests/test_serving_warmup.py checks none is left for full attention under several budgets and for
-scout); `EngineStats.first_runs` after it tells whether a load met one.
+`WarmUpReport.unrun_steps` names the step shapes a warm-up left unrun (`ServingEngine.unrun_steps`);
+`EngineStats.first_runs` after it tells whether a load met one. Limits (measured on the CPU,
+tests/test_serving_warmup.py): full attention with whole-chunk calls is left with none; under a
+budget below slots x prefill_chunk, the packed call of three tails beside a decoding request is left;
+an offloading mode is left with its host-path variant (out of reach while its prefill copies are on
+the device) and, at a budget of several chunks a step, packed calls over copy sizes that no step's
+first call reaches.
 """
 
 from __future__ import annotations
@@ -103,9 +107,9 @@ def shape_waves(longest: int, lengths: Sequence[int], slots: int, warm_tokens: i
 def tail_waves(longest: int, prefill_chunk: int, warm_tokens: int, call_widths: Mapping[int, int],
                rng: np.random.Generator, vocab: int) -> list[Wave]:
     """Wave 3 of the module docstring: for each row count R whose calls are W = call_widths[R] <
-    prefill_chunk tokens a row, R prompts of min(prefill_chunk + W, longest) tokens generating
+    prefill_chunk tokens a row, R prompts (each its own) of min(prefill_chunk + W, longest) tokens generating
     `warm_tokens` (R <= the slots: call_widths holds the engine's row counts)."""
-    return [[(random_tokens(rng, vocab, min(prefill_chunk + width, longest)), warm_tokens)] * rows
+    return [[(random_tokens(rng, vocab, min(prefill_chunk + width, longest)), warm_tokens) for _ in range(rows)]
             for rows, width in sorted(call_widths.items()) if rows > 1 and width < prefill_chunk]
 
 
@@ -116,7 +120,7 @@ def packed_waves(longest: int, slots: int, prefill_chunk: int, warm_tokens: int,
     packed calls' row counts C, smallest first: first a prompt of prefill_chunk tokens (fewer when
     max_len leaves no room to decode after it) whose request decodes min(R x ceil(P /
     prefill_chunk) + 2, max_len - its prompt - 1) tokens (through the whole prefill of the others),
-    then R times one prompt of P tokens generating `warm_tokens`: P = `longest`, or
+    then R prompts of P tokens (each its own) generating `warm_tokens`: P = `longest`, or
     min(prefill_chunk + W, longest) where call_widths gives the C-row calls W < prefill_chunk
     tokens a row. (Session o's o3 met a first run in the 4-row packed call of 3 prefilling prompts
     beside a decoding one, 4 slots, when these waves went only up to R = 2.)"""
@@ -134,7 +138,7 @@ def packed_waves(longest: int, slots: int, prefill_chunk: int, warm_tokens: int,
         # decoding through the whole prefill of the rows: at least one chunk of theirs a step
         decoding = min(rows * -(-length // prefill_chunk) + 2, max_len - short - 1)
         waves.append(LeadWave([(random_tokens(rng, vocab, short), decoding)]
-                              + [(random_tokens(rng, vocab, length), warm_tokens)] * rows))
+                              + [(random_tokens(rng, vocab, length), warm_tokens) for _ in range(rows)]))
     return waves
 
 
