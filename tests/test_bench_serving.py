@@ -5,6 +5,7 @@ prefix hits, the fixed-batch comparison; bad serving settings are one-line Confi
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -276,19 +277,33 @@ def test_the_compile_recorder_counts_the_compiles_inside_its_block():
     assert summary["count"] == 1 and summary["by_name"][0][:2] == ["jit(double)", 1], summary
 
 
-def test_an_engine_failure_in_the_load_is_the_points_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("second", ["running", "after the failure"])
+def test_an_engine_failure_in_the_load_is_the_points_error(tmp_path, monkeypatch, second):
     """A step that fails while the load runs ends every request with the error (the engine); the
-    point then fails with that error named, not with a statistic of requests that have no tokens."""
+    point then fails with that error named, not with a statistic of requests that have no tokens.
+    So does a request arriving after the engine stopped (its submit refused: EngineClosed), the
+    order the 2-request load met by chance on a fast machine (CI of 91aa1fa), here forced."""
     from jhybrid.serving import ServingEngine
 
-    original = ServingEngine._decode_call
+    original, submit = ServingEngine._decode_call, ServingEngine.submit
 
     def failing(self, runs):
         if any(run.request_id.startswith("r-") for run in runs):  # the load's requests, not the warm-up's
             raise RuntimeError("injected device fault")
         return original(self, runs)
 
+    def submit_after_the_failure(self, request, *args, **kwargs):
+        if request.request_id == "r-1":
+            for _ in range(600):  # bounded: until the engine stopped on the fault
+                if self._error is not None:
+                    break
+                time.sleep(0.1)
+            assert self._error is not None
+        return submit(self, request, *args, **kwargs)
+
     monkeypatch.setattr(ServingEngine, "_decode_call", failing)
+    if second == "after the failure":
+        monkeypatch.setattr(ServingEngine, "submit", submit_after_the_failure)
     path = tmp_path / "serving.yaml"
     path.write_text(run_two_requests_config("serving_saturation: false"))
     outcome = runner.run_sweep(load_config(str(path)), output_dir=str(tmp_path / "results"), argv=[],
