@@ -73,6 +73,7 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
             if steps is None:
                 continue
             assert steps["calls"] >= steps["steps"] > 0
+            assert steps["first_runs"] == 0 == steps["longest_first_runs"]  # the warm-up ran every shape of both
             parts = steps["host_s"] + steps["call_s"] + steps["capture_s"] + steps["reset_s"] + steps["prefix_s"]
             assert 0 < parts <= steps["seconds"] + 1e-3, (phase, kind, steps)
             assert steps["median_ms"] <= steps["p90_ms"] <= steps["max_ms"]

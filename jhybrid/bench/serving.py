@@ -424,7 +424,9 @@ def _run_saturated(engine, request_type, load: Load, bench, vocab: int,
 def _step_breakdown(records) -> dict:
     """{"prefill": ..., "decode": ...}: the steps that prefilled (with or without decode tokens) and
     those that only decoded, each {steps, median_ms, p90_ms, max_ms, and the sums seconds, host_s,
-    call_s, capture_s, reset_s, prefix_s (StepRecord's breakdown), calls, prompt_tokens}, the prefill steps
+    call_s, capture_s, reset_s, prefix_s (StepRecord's breakdown), calls, first_runs (calls of an
+    executable run for the first time in the process), longest_first_runs (those of the longest
+    step: was it a first run?), prompt_tokens}, the prefill steps
     also budgets {budget: steps} (the budget each step could take: StepRecord.budget); None for a
     kind without steps."""
     out = {}
@@ -443,6 +445,8 @@ def _step_breakdown(records) -> dict:
                      "reset_s": round(sum(r.times.reset_seconds for r in chosen), 3),
                      "prefix_s": round(sum(r.prefix_seconds for r in chosen), 3),
                      "calls": sum(r.times.calls for r in chosen),
+                     "first_runs": sum(r.times.first_runs for r in chosen),
+                     "longest_first_runs": max(chosen, key=lambda r: r.seconds).times.first_runs,
                      "prompt_tokens": sum(t for r in chosen for _, t in r.prefill)}
         if kind == "prefill":
             budgets = collections.Counter(r.budget for r in chosen)
