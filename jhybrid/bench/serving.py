@@ -103,7 +103,7 @@ from jhybrid.bench.offload import PointSkipped, backend_for
 from jhybrid.bench.progress import PointProgress, report_phase
 from jhybrid.bench.throughput import host_rss_bytes
 from jhybrid.hybrid.registry import mode_class
-from jhybrid.serving.warmup import WARM_TOKENS, packed_waves, run_warm_up, shape_waves, tail_waves
+from jhybrid.serving.warmup import WARM_TOKENS, packed_waves, random_tokens, run_warm_up, shape_waves, tail_waves
 
 if TYPE_CHECKING:
     from jhybrid.serving.engine import StepRecord
@@ -148,10 +148,6 @@ def serving_max_len(bench) -> int:
     return -(-(longest_prompt(bench) + bench.decode_tokens + 1) // 64) * 64
 
 
-def _random(rng, vocab: int, n: int) -> np.ndarray:
-    return rng.integers(0, vocab, n).astype(np.int32)
-
-
 def make_load(bench, vocab: int, seed: int = SEED) -> Load:
     """The point's requests (module docstring), the same for the same settings."""
     rng = np.random.default_rng(seed)
@@ -160,11 +156,11 @@ def make_load(bench, vocab: int, seed: int = SEED) -> Load:
     shared = rng.random(n) < bench.serving_shared_share if bench.serving_shared_prefix else np.zeros(n, bool)
     longer = np.asarray(_carrying_lengths(bench))  # a request with the prefix draws a longer length
     lengths = np.where(shared, rng.choice(longer, n) if len(longer) else lengths, lengths)
-    prefix = _random(rng, vocab, bench.serving_shared_prefix)
+    prefix = random_tokens(rng, vocab, bench.serving_shared_prefix)
     prompts = []
     for length, share in zip(lengths, shared):
         head = prefix if share else np.zeros(0, np.int32)
-        prompts.append(np.concatenate([head, _random(rng, vocab, int(length) - len(head))]))
+        prompts.append(np.concatenate([head, random_tokens(rng, vocab, int(length) - len(head))]))
     gaps = rng.exponential(1.0 / bench.serving_rate, n)
     arrivals = np.concatenate([[0.0], np.cumsum(gaps)[:-1]])
     return Load(prompts, arrivals, shared)
@@ -195,15 +191,15 @@ def warmup_waves(bench, vocab: int, max_len: int, packed_row_counts: Sequence[in
     (`packed_waves`). Each shape runs before the load, not only compiles: a GPU
     executable's first run in a process loads its module and instantiates its CUDA graphs (a
     one-chunk packed step of 150-230 ms instead of 45-60 on the H200, session n, row n3).
-    The generic waves are `jhybrid.serving.warmup`'s (`shape_waves`, `packed_waves`); the
-    shared-prefix ones are this benchmark's."""
+    The generic waves are `jhybrid.serving.warmup`'s (`shape_waves`, `tail_waves`, `packed_waves`);
+    the shared-prefix ones are this benchmark's."""
     rng = np.random.default_rng(SEED + 1)
     longest = max(contexts_of(bench))
     warm = min(WARM_TOKENS, bench.decode_tokens)
     waves = shape_waves(longest, contexts_of(bench), bench.serving_slots, warm, rng, vocab)
     if bench.serving_shared_prefix and bench.serving_shared_share > 0:
-        prefix = _random(rng, vocab, bench.serving_shared_prefix)
-        carrying = lambda: [(np.concatenate([prefix, _random(rng, vocab, c - len(prefix))]), warm)  # noqa: E731
+        prefix = random_tokens(rng, vocab, bench.serving_shared_prefix)
+        carrying = lambda: [(np.concatenate([prefix, random_tokens(rng, vocab, c - len(prefix))]), warm)  # noqa: E731
                             for c in _carrying_lengths(bench)]
         waves[-1] += carrying()
         waves.append(carrying())
@@ -412,7 +408,7 @@ def _run_saturated(engine, request_type, load: Load, bench, vocab: int,
                 log.info("time budget: saturation ran %d of %d repeats", repeat, bench.serving_repeats)
                 break
             start = time.perf_counter()
-            handles = [engine.submit(request_type(prompt=_random(rng, vocab, len(p)).tolist(),
+            handles = [engine.submit(request_type(prompt=random_tokens(rng, vocab, len(p)).tolist(),
                                                   max_tokens=bench.decode_tokens, request_id=f"sat-{repeat}-{i}"))
                        for i, p in enumerate(load.prompts)]
             tokens = sum(len(h.result(RESULT_TIMEOUT_S).tokens) for h in handles)
@@ -624,7 +620,7 @@ def _run_fixed(model, backend, load: Load, bench, slots: int, max_len: int, dead
     repeats = []
     try:
         rng = np.random.default_rng(SEED + 2)
-        warm = [_random(rng, model.config.vocab_size, len(p)).tolist() for p in load.prompts[:slots]]
+        warm = [random_tokens(rng, model.config.vocab_size, len(p)).tolist() for p in load.prompts[:slots]]
         generator.generate(warm, max_new_tokens=min(4, bench.decode_tokens))
         for repeat in range(bench.serving_repeats):
             if repeat and deadline is not None and time.perf_counter() >= deadline:

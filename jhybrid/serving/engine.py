@@ -981,7 +981,12 @@ class ServingEngine(Engine):
     def _row_counts(self) -> list[int]:
         """The row counts of prefill calls (backends that `prefills_rows`): powers of two below
         slots, and slots."""
-        return sorted({min(self.slots, 1 << (n - 1).bit_length()) for n in range(1, self.slots + 1)})
+        return sorted({self._call_rows(n) for n in range(1, self.slots + 1)})
+
+    def _call_rows(self, prefilling: int) -> int:
+        """The row count of a prefill call over `prefilling` (>= 1) requests: the next power of two,
+        at most slots."""
+        return min(self.slots, 1 << (prefilling - 1).bit_length())
 
     def call_widths(self) -> dict[int, int]:
         """{row count R: tokens per row} of this engine's prefill calls over R rows ([R, W] each,
@@ -1003,8 +1008,7 @@ class ServingEngine(Engine):
         if not self.backend.packs_decode:
             return []
         beside = self.slots - 1  # the most requests prefilling beside a decoding one
-        counts = [rows for rows in self._row_counts()
-                  if beside >= 1 and rows <= min(self.slots, 1 << (beside - 1).bit_length())]
+        counts = [rows for rows in self._row_counts() if beside >= 1 and rows <= self._call_rows(beside)]
         if (not counts or self.decoding_step_token_budget is None or self.decoding_budget_max_backlog is not None
                 or not self.backend.chunk_dependent):
             return counts

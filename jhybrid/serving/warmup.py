@@ -221,4 +221,5 @@ def warm_up(engine: "ServingEngine", waves: Sequence[Wave], timeout_s: float = W
 
 
 __all__ = ["WARM_TOKENS", "WARM_SEED", "WARM_TIMEOUT_S", "Wave", "LeadWave", "WarmUpReport", "random_tokens",
-           "shape_waves", "tail_waves", "packed_waves", "warm_up_waves", "engine_warm_up_waves", "run_warm_up", "warm_up"]
+           "shape_waves", "tail_waves", "packed_waves", "warm_up_waves", "engine_warm_up_waves", "run_warm_up",
+           "warm_up"]
