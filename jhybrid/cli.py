@@ -87,6 +87,10 @@ def _add_serve(sub) -> None:
                         "in the process loads its module and CUDA graphs (a 50 ms step took 200-475 ms on an "
                         "H200). Their prompts leave the prefix cache and /metrics counts from after the "
                         "warm-up. At most --max-len less 4 (the tokens each generates); default 0: no warm-up")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="the interpreter's thread switch interval while serving, ms (default: Python's, 5 ms): "
+                        "shorter bounds how long the engine thread waits for the GIL behind an offloading "
+                        "backend's worker threads before each step (jhybrid.serving.gil)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after Ctrl-C / SIGTERM before they are "
                         "cancelled (default 30)")
@@ -125,6 +129,9 @@ def check_serve_args(args) -> None:
     if args.prefix_cache_mb == 0 and (args.prefix_cache_host_mb or args.prefix_cache_disk_mb):
         raise ValueError("--prefix-cache-mb 0 turns the prefix cache off; expected no --prefix-cache-host-mb / "
                          "--prefix-cache-disk-mb with it")
+    if args.switch_interval_ms is not None and not (math.isfinite(args.switch_interval_ms)
+                                                    and args.switch_interval_ms > 0):
+        raise ValueError(f"--switch-interval-ms {args.switch_interval_ms}; expected a number of ms > 0")
     if args.warm_up_tokens < 0:
         raise ValueError(f"--warm-up-tokens {args.warm_up_tokens}; expected an integer >= 0 (0 = no warm-up)")
     if args.max_len is not None:
@@ -162,6 +169,7 @@ def _serve(args) -> int:
 
     from jhybrid.hybrid import make_backend
     from jhybrid.hybrid.registry import mode_class
+    from jhybrid.serving.gil import switch_interval
     from jhybrid.serving.server import HTTPServer, ServedModel, bind_socket, create_app
 
     offload = offload_from_args(args)
@@ -205,7 +213,9 @@ def _serve(args) -> int:
 
     server = HTTPServer(app, sock=sock, access_log=args.access_log,
                         log_level="info" if args.access_log else "warning", on_ready=ready, on_signal=stopping)
-    server.run()  # returns once shut down and the engine is closed
+    interval = None if args.switch_interval_ms is None else args.switch_interval_ms / 1e3
+    with switch_interval(interval):
+        server.run()  # returns once shut down and the engine is closed
     return 130 if signal.SIGINT in server.signals else 0
 
 

@@ -76,6 +76,7 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
             assert steps["first_runs"] == 0 == steps["longest_first_runs"]  # the warm-up ran every shape of both
             parts = steps["host_s"] + steps["call_s"] + steps["capture_s"] + steps["reset_s"] + steps["prefix_s"]
             assert 0 < parts <= steps["seconds"] + 1e-3, (phase, kind, steps)
+            assert 0 <= steps["host_cpu_s"] <= steps["host_s"] + 1e-3  # thread CPU time within the wall time
             assert steps["median_ms"] <= steps["p90_ms"] <= steps["max_ms"]
 
 
@@ -172,6 +173,9 @@ def load_config_text(text: str):
     ("serving_shared_suffix: 0, serving_shared_prefix: 16", ["serving_shared_suffix", ">= 1"]),
     ("serving_shared_suffix: 8", ["serving_shared_suffix", "serving_shared_prefix' = 0"]),
     ("serving_prefill_order: fastest", ["serving_prefill_order", "shortest"]),
+    ("serving_switch_intervals_ms: []", ["serving_switch_intervals_ms", "non-empty list", "> 0"]),
+    ("serving_switch_intervals_ms: [5, 0]", ["serving_switch_intervals_ms", "[5, 0]", "> 0"]),
+    ("serving_switch_intervals_ms: [fast]", ["serving_switch_intervals_ms", "> 0"]),
 ])
 def test_bad_serving_settings_are_one_line_config_errors(setting, words):
     text = f"name: x\nmodel: {{name: tiny}}\nbenchmark: {{task: serving, {setting}}}\n"
@@ -198,13 +202,14 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
                StepRecord(2, (), ("a",), 0.02, 0.0, 1.0),
                StepRecord(3, (("b", 32),), ("a",), 0.03, 0.0, 1.02, 0, StepTimes(reset_seconds=0.012)),
                StepRecord(4, (("b", 32),), ("a", "c"), 0.08, 0.05, 1.07, 1,
-                          StepTimes(host_seconds=0.01, call_seconds=0.015, capture_seconds=0.002, calls=2,
-                                    first_runs=1),
+                          StepTimes(host_seconds=0.01, host_cpu_seconds=0.004, call_seconds=0.015,
+                                    capture_seconds=0.002, calls=2, first_runs=1),
                           (("recall_s", 0.004), ("evict_s", 0.001)))]
     gaps = _gaps_during_prefill([a, b], records)
     assert [round(g.seconds, 6) for g in gaps] == [0.03, 0.1]
     assert [g.step.step for g in gaps] == [3, 4] and [g.previous.step for g in gaps] == [2, 3]
-    step_4 = {"gap_ms": 100.0, "step": 4, "step_ms": 80.0, "prefix_ms": 50.0, "host_ms": 10.0, "call_ms": 15.0,
+    step_4 = {"gap_ms": 100.0, "step": 4, "step_ms": 80.0, "prefix_ms": 50.0, "host_ms": 10.0, "host_cpu_ms": 4.0,
+              "call_ms": 15.0,
               "capture_ms": 2.0, "calls": 2, "first_runs": 1, "between_ms": 20.0, "previous_step_ms": 30.0,
               "previous_reset_ms": 12.0,
               "prefill_tokens": 32, "decode_rows": 2,
@@ -248,6 +253,55 @@ def test_repeats_report_the_median_of_each_phase(tmp_path):
     assert row["saturated_tok_s"] == pytest.approx(sorted(saturated)[1], abs=0.01)
     assert row["fixed_tok_s"] == pytest.approx(sorted(fixed)[1], abs=0.01)
     assert row["saturated_over_fixed"] == pytest.approx(row["saturated_tok_s"] / row["fixed_tok_s"], rel=1e-3)
+
+
+def test_each_switch_interval_is_a_pass_of_the_load_on_the_warm_engine(tmp_path, monkeypatch):
+    """serving_switch_intervals_ms: [2, 0.5] runs the load twice on one engine, the first pass at
+    2 ms and the second (the row's own fields, saturation and the fixed batches) at 0.5 ms; the
+    second pass starts with the first's prompts out of the prefix cache (as many hits as the first);
+    the interpreter's interval is back afterwards."""
+    import sys
+
+    from jhybrid.bench import serving
+
+    seen, run_load = [], serving._run_load
+
+    def recording(*args, **kwargs):
+        seen.append(sys.getswitchinterval())
+        return run_load(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "_run_load", recording)
+    interval = sys.getswitchinterval()
+    (row,) = run_two_requests(tmp_path, "serving_switch_intervals_ms: [2, 0.5]")
+    assert sys.getswitchinterval() == interval
+    assert seen == [pytest.approx(2e-3), pytest.approx(5e-4)]
+    assert row["switch_interval_ms"] == 0.5 and row["completed"] == 2 and row["lost"] == 0
+    first, second = row["load_passes"]
+    for load_pass in (first, second):
+        assert load_pass["tbt_p50_ms"] > 0 and load_pass["load_steps"]["prefill"]["steps"] > 0
+    assert second["tbt_p50_ms"] == row["tbt_p50_ms"] and second["ttft_p50_s"] == row["ttft_p50_s"]
+    assert first["prefix_hits"] == second["prefix_hits"] == row["prefix_hits"]  # the second starts as cold
+    assert row["saturated_tok_s"] > 0 and row["fixed_decode_tok_s"] > 0
+
+
+def test_the_switch_interval_is_set_for_its_body_and_restored_after_an_error():
+    import sys
+
+    from jhybrid.serving.gil import switch_interval
+
+    interval = sys.getswitchinterval()
+    with pytest.raises(KeyError):
+        with switch_interval(1e-4) as now:
+            assert now == pytest.approx(1e-4) and sys.getswitchinterval() == pytest.approx(1e-4)
+            raise KeyError("body")
+    assert sys.getswitchinterval() == interval
+    with switch_interval(None) as now:
+        assert now == interval
+    for bad in (0, -1.0, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="switch interval"):
+            with switch_interval(bad):
+                pass
+    assert sys.getswitchinterval() == interval
 
 
 def test_the_compile_recorder_counts_the_compiles_inside_its_block():

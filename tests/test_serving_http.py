@@ -583,6 +583,8 @@ def test_shutdown_cancels_what_outlives_the_drain_timeout():
     (["--prefix-cache-disk-dir", "/tmp/x"], "--prefix-cache-disk-dir /tmp/x needs --prefix-cache-disk-mb > 0"),
     (["--prefix-cache-mb", "0", "--prefix-cache-host-mb", "8"], "--prefix-cache-mb 0 turns the prefix cache off"),
     (["--port", "70000"], "--port 70000; expected 0..65535"),
+    (["--switch-interval-ms", "0"], "--switch-interval-ms 0.0; expected a number of ms > 0"),
+    (["--switch-interval-ms", "nan"], "--switch-interval-ms nan; expected a number of ms > 0"),
     (["--served-model-name", " "], "--served-model-name is empty"),
     (["--dtype", "float7"], "float7"),
     (["--mode", "full", "--beta", "0.5"], "--beta does not apply to --mode full"),

@@ -22,6 +22,8 @@ The run, per point (its mode: the offload section, through `backend_for` like th
      prefix of the same length (compiles the prefix-copy steps);
   3. the load: each request submitted at its arrival time to the started engine; per request its
      TTFT (submit -> first token), its token times, whether it hit the prefix cache (cached_tokens > 0);
+     once per entry of `serving_switch_intervals_ms` (`_run_load`), at that thread switch interval,
+     the prefix cache forgetting the load's prompts between passes;
   4. saturation (unless `serving_saturation` is false), on the same warm engine: prompts of the
      load's lengths with fresh random tokens (no shared prefix, so no prefix-cache hit) all
      submitted at once; every token / seconds from the submit to the last token;
@@ -78,7 +80,11 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, decoding_step_
   load_steps / saturated_steps (where the steps' time went, per phase: `_step_breakdown` of the
   engine's step log: the engine's host work before calls, the compiled calls, captures, the prefix
   cache), load_counters / saturated_counters (the backend's counters that changed over the phase),
-  warmup_s, served_s, fixed_s (wall seconds of each phase), host_rss_bytes (after the load).
+  warmup_s, served_s, fixed_s (wall seconds of each phase), host_rss_bytes (after the load),
+  switch_interval_ms (the thread switch interval of the last load pass, the saturation and the fixed
+  batches: `serving_switch_intervals_ms`' last entry; None: the interpreter's), load_passes (with
+  more than one pass: each pass's TTFT, TBT, first runs, prefix hits and step breakdown,
+  `_pass_summary`; None with one).
 """
 
 from __future__ import annotations
@@ -103,6 +109,7 @@ from jhybrid.bench.offload import PointSkipped, backend_for
 from jhybrid.bench.progress import PointProgress, report_phase
 from jhybrid.bench.throughput import host_rss_bytes
 from jhybrid.hybrid.registry import mode_class
+from jhybrid.serving.gil import switch_interval
 from jhybrid.serving.warmup import WARM_TOKENS, packed_waves, random_tokens, run_warm_up, shape_waves, tail_waves
 
 if TYPE_CHECKING:
@@ -113,7 +120,7 @@ log = logging.getLogger(__name__)
 SEED = 0
 RESULT_TIMEOUT_S = 3600.0  # waiting for one request of the load (an engine that stopped raises sooner)
 GAPS_SHOWN = 8  # prefill_gap_longest: the longest token gaps while a prompt prefills, with their steps
-BACKEND_SHOWN = 9  # prefill_gap_longest: the backend time counters shown per gap
+BACKEND_SHOWN = 12  # prefill_gap_longest: the backend time counters shown per gap
 
 
 class PrefillGap(NamedTuple):
@@ -221,7 +228,7 @@ def _ratio(a, b):
 
 
 def run_serving(model, pretrained, point, on_step: PointProgress | None = None, deadline=None) -> list[dict]:
-    from jhybrid.serving import EngineClosed, PrefixCacheConfig, Request, ServingEngine
+    from jhybrid.serving import PrefixCacheConfig, Request, ServingEngine
     from jhybrid.serving.engine import SLOW_STEP_S
 
     bench, offload = point.benchmark, point.offload
@@ -239,6 +246,8 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     vocab = model.config.vocab_size
     load = make_load(bench, vocab)
     n = len(load.prompts)
+    intervals_ms = list(bench.serving_switch_intervals_ms or [None])  # one load pass each
+    last_interval_s = None if intervals_ms[-1] is None else intervals_ms[-1] / 1e3
     base = {"task": "serving", "model": point.model.name, "layers": model.config.num_layers, "mode": offload.mode,
             "window": window, "slots": slots, "requests": n, "rate": bench.serving_rate,
             "contexts": contexts_of(bench), "shared_prefix": bench.serving_shared_prefix,
@@ -253,7 +262,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         host_bytes=int(bench.serving_prefix_cache_host_mb * 2**20))
     # Steps over the whole run: warm-up and load, each request's prefill chunks and decode steps.
     steps = sum(math.ceil(len(p) / min(decoding_step_tokens or step_tokens, bench.prefill_chunk)) for p in load.prompts)
-    step_log = 4 * (steps + n * bench.decode_tokens) + 1024
+    step_log = 4 * len(intervals_ms) * (steps + n * bench.decode_tokens) + 1024
 
     report_phase(on_step, f"serving engine: {slots} slots of {max_len} tokens")
     engine = ServingEngine(model, backend, slots=slots, max_len=max_len, prefill_chunk=bench.prefill_chunk,
@@ -274,52 +283,25 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             log.info("%s: the warm-up left %d step shape(s) unrun (a load's first run of one waits for its "
                      "module to load): %s", offload.mode, len(warm.unrun_steps), ", ".join(warm.unrun_steps))
         warmup_s = time.perf_counter() - t0
-        before = engine.stats()
-        counters_before = backend.counters()
-        report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
-        handles, submitted, refused = [], [], None
-        with _profile_window("load"), CompileRecorder() as load_compiles:
-            start = time.perf_counter()
-            for i, (prompt, at) in enumerate(zip(load.prompts, load.arrivals)):
-                delay = start + at - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                submitted.append(time.perf_counter())
-                try:
-                    handles.append(engine.submit(Request(prompt=prompt.tolist(), max_tokens=bench.decode_tokens,
-                                                         request_id=f"r-{i}")))
-                except EngineClosed as closed:  # a step failed before this arrival: the rest fail with it
-                    refused = closed
-                    break
-            outputs = []
-            for i, handle in enumerate(handles):
-                outputs.append(handle.result(RESULT_TIMEOUT_S))
-                out = outputs[-1]
-                log.info("request %d/%d done at %.1f s: %d prompt tokens (%d cached), ttft %.2f s, %d tokens", i + 1, n,
-                         time.perf_counter() - start, len(load.prompts[i]), out.cached_tokens, out.ttft or -1.0,
-                         len(out.tokens))
-                if on_step:
-                    on_step(i + 1, n)
-            served_s = time.perf_counter() - start
-        after = engine.stats()
-        records = engine.step_log()
-        load_records = [r for r in records if r.step > before.steps]  # the warm-up's left out
-        load_counters = _counter_delta(counters_before, backend.counters())
-        # logged now, not only in the row: a device call cut before the row is written still tells
-        log.info("load served in %.1f s; its steps %s; the backend's counters %s; XLA compiles in it %s", served_s,
-                 json.dumps(_step_breakdown(load_records)), json.dumps(load_counters),
-                 json.dumps(load_compiles.summary()))
-        failed = [o for o in outputs if o.finish_reason.value == "error"]
-        if failed or refused is not None:  # the engine's own error, not a statistic of no tokens
-            error = failed[0].error if failed else str(refused)
-            raise RuntimeError(f"the serving engine failed {n - len(outputs) + len(failed)} of {n} requests of the "
-                               f"load: {error}")
+        passes = []
+        for i, interval_ms in enumerate(intervals_ms):
+            if i:  # the former pass's prompts out of the prefix cache: each pass starts as cold as the first
+                engine.forget_prompts([p.tolist() for p in load.prompts])
+            with switch_interval(None if interval_ms is None else interval_ms / 1e3):
+                passes.append(_run_load(engine, backend, load, bench, on_step))
+            if len(intervals_ms) > 1:
+                log.info("load pass %d of %d (switch interval %s ms): %s", i + 1, len(intervals_ms),
+                         interval_ms, json.dumps(_pass_summary(passes[-1], bench, load)))
+        last = passes[-1]
+        before, after, outputs, submitted = last.before, last.after, last.outputs, last.submitted
+        records, load_records, load_counters = last.records, last.load_records, last.counters
+        served_s, load_compiles = last.served_s, last.compiles
         rss = host_rss_bytes()
         saturated = None
         if bench.serving_saturation and (deadline is None or time.perf_counter() < deadline):
             report_phase(on_step, f"saturation: {n} requests at once")
             counters_before = backend.counters()
-            with CompileRecorder() as saturated_compiles:
+            with CompileRecorder() as saturated_compiles, switch_interval(last_interval_s):
                 saturated = _run_saturated(engine, Request, load, bench, vocab, deadline)
             saturated_records = [r for r in engine.step_log() if r.step > after.steps]
             saturated_counters = _counter_delta(counters_before, backend.counters())
@@ -328,7 +310,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
                      json.dumps(saturated_counters), engine.store_seconds)
     finally:
         engine.close(drain=False)
-    del engine, handles  # the engine holds its cache and prefix pool until it is freed
+    del engine  # the engine holds its cache and prefix pool until it is freed
     gc.collect()
 
     row = {**base, **_served_fields(outputs, submitted, records, bench, load.shared),
@@ -353,19 +335,100 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "load_jit_compiles": load_compiles.summary(),
            "saturated_jit_compiles": None if saturated is None else saturated_compiles.summary(),
            "saturated_steps": None if saturated is None else _step_breakdown(saturated_records),
-           "saturated_counters": None if saturated is None else saturated_counters}
+           "saturated_counters": None if saturated is None else saturated_counters,
+           "switch_interval_ms": intervals_ms[-1],
+           "load_passes": [_pass_summary(p, bench, load) for p in passes] if len(passes) > 1 else None}
     if deadline is not None and time.perf_counter() >= deadline:
         row.update(fixed_decode_tok_s=None, fixed_tok_s=None, served_over_fixed=None, served_over_fixed_e2e=None,
                    saturated_over_fixed=None, fixed_note="time budget: the fixed batches were not run")
         return [row]
     report_phase(on_step, f"the same {n} requests as fixed batches of {slots}")
     fixed_backend, _ = backend_for(offload, longest_prompt(bench))
-    fixed = _run_fixed(model, fixed_backend, load, bench, slots, max_len, deadline)
+    with switch_interval(last_interval_s):
+        fixed = _run_fixed(model, fixed_backend, load, bench, slots, max_len, deadline)
     row.update(fixed)
     row["served_over_fixed"] = _round(_ratio(row["decode_tok_s"], fixed["fixed_decode_tok_s"]), 4)
     row["served_over_fixed_e2e"] = _round(_ratio(row["served_tok_s"], fixed["fixed_tok_s"]), 4)
     row["saturated_over_fixed"] = _round(_ratio(row["saturated_tok_s"], fixed["fixed_tok_s"]), 4)
     return [row]
+
+
+@dataclasses.dataclass
+class LoadPass:
+    """One pass of the load through the warm engine (`_run_load`): the engine's stats before and
+    after it, the requests' outputs (in arrival order) and submit times (perf_counter s), the step
+    log then (`records`) and the pass's own steps (`load_records`), the backend's counters that
+    changed over it, its wall seconds and the XLA compiles in it (`CompileRecorder`)."""
+
+    before: object
+    after: object
+    outputs: list
+    submitted: list[float]
+    records: list
+    load_records: list
+    counters: dict
+    served_s: float
+    compiles: "CompileRecorder"
+
+
+def _run_load(engine, backend, load: "Load", bench, on_step: PointProgress | None) -> LoadPass:
+    """The load's requests, each submitted at its arrival time to the started engine, and waited for.
+    RuntimeError when the engine failed any of them (its own error, not a statistic of no tokens)."""
+    from jhybrid.serving import EngineClosed, Request
+
+    n = len(load.prompts)
+    before = engine.stats()
+    counters_before = backend.counters()
+    report_phase(on_step, f"{n} requests at {bench.serving_rate:g}/s")
+    handles, submitted, refused = [], [], None
+    with _profile_window("load"), CompileRecorder() as compiles:
+        start = time.perf_counter()
+        for i, (prompt, at) in enumerate(zip(load.prompts, load.arrivals)):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            submitted.append(time.perf_counter())
+            try:
+                handles.append(engine.submit(Request(prompt=prompt.tolist(), max_tokens=bench.decode_tokens,
+                                                     request_id=f"r-{i}")))
+            except EngineClosed as closed:  # a step failed before this arrival: the rest fail with it
+                refused = closed
+                break
+        outputs = []
+        for i, handle in enumerate(handles):
+            outputs.append(handle.result(RESULT_TIMEOUT_S))
+            out = outputs[-1]
+            log.info("request %d/%d done at %.1f s: %d prompt tokens (%d cached), ttft %.2f s, %d tokens", i + 1, n,
+                     time.perf_counter() - start, len(load.prompts[i]), out.cached_tokens, out.ttft or -1.0,
+                     len(out.tokens))
+            if on_step:
+                on_step(i + 1, n)
+        served_s = time.perf_counter() - start
+    after = engine.stats()
+    records = engine.step_log()
+    load_records = [r for r in records if r.step > before.steps]  # the warm-up's (and former passes') left out
+    counters = _counter_delta(counters_before, backend.counters())
+    # logged now, not only in the row: a device call cut before the row is written still tells
+    log.info("load served in %.1f s; its steps %s; the backend's counters %s; XLA compiles in it %s", served_s,
+             json.dumps(_step_breakdown(load_records)), json.dumps(counters), json.dumps(compiles.summary()))
+    failed = [o for o in outputs if o.finish_reason.value == "error"]
+    if failed or refused is not None:
+        error = failed[0].error if failed else str(refused)
+        raise RuntimeError(f"the serving engine failed {n - len(outputs) + len(failed)} of {n} requests of the "
+                           f"load: {error}")
+    return LoadPass(before, after, outputs, submitted, records, load_records, counters, served_s, compiles)
+
+
+def _pass_summary(load_pass: LoadPass, bench, load: "Load") -> dict:
+    """A load pass's latency figures (`load_passes` of the row): TTFT and TBT as the row's fields, the
+    first runs and prefix-cache hits in it, its steps' breakdown."""
+    fields = _served_fields(load_pass.outputs, load_pass.submitted, load_pass.records, bench, load.shared)
+    keep = ("ttft_p50_s", "ttft_p99_s", "tbt_p50_ms", "tbt_p99_ms", "tbt_prefill_p99_ms", "tbt_p99_over_p50",
+            "prefill_gaps", "served_tok_s")
+    return {**{k: fields[k] for k in keep}, "served_s": round(load_pass.served_s, 2),
+            "first_runs_timed": load_pass.after.first_runs - load_pass.before.first_runs,
+            "prefix_hits": load_pass.after.prefix_hits - load_pass.before.prefix_hits,
+            "load_steps": _step_breakdown(load_pass.load_records)}
 
 
 @contextlib.contextmanager
@@ -420,6 +483,7 @@ def _run_saturated(engine, request_type, load: Load, bench, vocab: int,
 def _step_breakdown(records) -> dict:
     """{"prefill": ..., "decode": ...}: the steps that prefilled (with or without decode tokens) and
     those that only decoded, each {steps, median_ms, p90_ms, max_ms, and the sums seconds, host_s,
+    host_cpu_s (the engine thread's CPU time in host_s: the rest it waited, for the GIL or the device),
     call_s, capture_s, reset_s, prefix_s (StepRecord's breakdown), calls, first_runs (calls of an
     executable run for the first time in the process), longest_first_runs (those of the longest
     step: was it a first run?), prompt_tokens}, the prefill steps
@@ -436,6 +500,7 @@ def _step_breakdown(records) -> dict:
                      "p90_ms": round(_pct(times, 90) * 1e3, 2), "max_ms": round(float(times.max()) * 1e3, 2),
                      "seconds": round(float(times.sum()), 3),
                      "host_s": round(sum(r.times.host_seconds for r in chosen), 3),
+                     "host_cpu_s": round(sum(r.times.host_cpu_seconds for r in chosen), 3),
                      "call_s": round(sum(r.times.call_seconds for r in chosen), 3),
                      "capture_s": round(sum(r.times.capture_seconds for r in chosen), 3),
                      "reset_s": round(sum(r.times.reset_seconds for r in chosen), 3),
@@ -581,7 +646,7 @@ def _gaps_during_prefill(outputs, records) -> list[PrefillGap]:
 def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
     """The n longest gaps, one per step (the requests a step decodes share its gap), each with what
     its step did (what sets the p99): gap_ms, step_ms (the
-    step that ended it), prefix_ms (of which in the prefix cache), host_ms, call_ms, capture_ms and
+    step that ended it), prefix_ms (of which in the prefix cache), host_ms, host_cpu_ms, call_ms, capture_ms and
     calls, first_runs (`StepTimes`), between_ms (from the previous step's end to this one's start),
     previous_step_ms and previous_reset_ms (the previous step's time and, of it, the rows reset after
     its tokens: part of this gap, not of this step), prefill_tokens, decode_rows, admitted, and backend_ms: the backend's time counters that grew
@@ -597,6 +662,7 @@ def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
         rows.append({"gap_ms": round(gap * 1e3, 2), "step": record.step, "step_ms": round(record.seconds * 1e3, 2),
                      "prefix_ms": round(record.prefix_seconds * 1e3, 2),
                      "host_ms": round(record.times.host_seconds * 1e3, 2),
+                     "host_cpu_ms": round(record.times.host_cpu_seconds * 1e3, 2),
                      "call_ms": round(record.times.call_seconds * 1e3, 2),
                      "capture_ms": round(record.times.capture_seconds * 1e3, 2), "calls": record.times.calls,
                      "first_runs": record.times.first_runs,

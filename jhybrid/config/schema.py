@@ -18,6 +18,7 @@ config): every one of its fields can be set and swept, and it validates itself.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 
@@ -154,7 +155,12 @@ class BenchmarkSpec:
       serving_saturation: run the saturation phase (every request at once; saturated_over_fixed);
           false for points that only measure latency under the load.
       serving_repeats: how many times the saturation phase and the fixed batches each run (their
-          figures are the medians; the time budget may cut the repeats short, never the first)."""
+          figures are the medians; the time budget may cut the repeats short, never the first).
+      serving_switch_intervals_ms: the thread switch interval (ms, `jhybrid.serving.gil`) of each
+          pass of the load: the load runs once per entry on the same warm engine (the prefix cache
+          forgets its prompts between passes), the row's load fields are the last pass's and
+          `load_passes` lists each one's; saturation and the fixed batches run at the last entry.
+          null: one pass at the interpreter's interval."""
 
     task: str = dataclasses.field(default="perplexity", metadata=_choices(*TASKS))
     text: str = "paul_graham"  # a built-in text (TEXTS) or the path of a UTF-8 text file
@@ -202,6 +208,7 @@ class BenchmarkSpec:
     serving_slo_tbt_ms: float | None = None
     serving_saturation: bool = True
     serving_repeats: int = 1
+    serving_switch_intervals_ms: list[float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +330,11 @@ def _check_ranges(section: str, spec) -> None:
 
 
 def _check_serving(spec) -> None:
+    intervals = spec.serving_switch_intervals_ms
+    if intervals is not None and (not intervals or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in intervals)):
+        raise ConfigError(f"'benchmark.serving_switch_intervals_ms' = {list(intervals)!r}: expected a non-empty list "
+                          "of intervals in ms, each > 0 (or null)")
     if not 0.0 <= spec.serving_shared_share <= 1.0:
         raise ConfigError(f"'benchmark.serving_shared_share' = {spec.serving_shared_share}: expected a fraction "
                           "in [0, 1]")

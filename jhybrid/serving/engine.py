@@ -225,7 +225,9 @@ _sample = jax.jit(sample_rows)
 class StepTimes:
     """One step's model calls and their time: host_seconds in the backend's `before_step` (an
     offloading backend's host work before a call: evictions published, prefill copies, a mode's
-    recalls or re-scoring), call_seconds in each compiled call's dispatch and, for a call whose
+    recalls or re-scoring), host_cpu_seconds the engine thread's CPU time in it (`time.thread_time`:
+    host_seconds less it is time the thread waited, for the GIL or the device), call_seconds in each
+    compiled call's dispatch and, for a call whose
     tokens are read (a decode call, a prefill call that ends a prompt), the wait for them (the device
     work and the host attention before them; a prefill call that ends no prompt is not waited for:
     the next call's host work overlaps it), capture_seconds dispatching reads of prefilled K, V from
@@ -237,6 +239,7 @@ class StepTimes:
     evictions in flight, a delay the running requests' next token gap carries)."""
 
     host_seconds: float = 0.0
+    host_cpu_seconds: float = 0.0
     call_seconds: float = 0.0
     capture_seconds: float = 0.0
     calls: int = 0
@@ -832,11 +835,13 @@ class ServingEngine(Engine):
         """The backend's host work before a call (`AttentionBackend.before_step`; with decode_positions
         a packed call's, `before_packed_step`), timed; counts the call."""
         self._times.calls += 1
+        cpu = time.thread_time()
         with self._timed("host_seconds"):
             if decode_positions is None:
                 self._cache = self.backend.before_step(self._cache, positions)
             else:
                 self._cache = self.backend.before_packed_step(self._cache, positions, decode_positions)
+        self._times.host_cpu_seconds += time.thread_time() - cpu
 
     def _use_prefix_cache(self, run: _Run) -> None:
         with self._in_prefix_cache():

@@ -397,7 +397,9 @@ def apply_recall(pool, next_pool_blocks, b, h, r, block, k, v, now):
 
 @dataclasses.dataclass(eq=False)
 class ScoutCounters(Counters):
-    recall_s: float = 0.0          # step-start time spent triggering and applying recalls
+    recall_s: float = 0.0          # step-start time spent triggering and applying recalls (the two below)
+    recall_trigger_s: float = 0.0  # ... of it, triggering (snapshots, the jobs submitted)
+    recall_apply_s: float = 0.0    # ... of it, applying finished uploads (the scatters dispatched)
     recall_bg_s: float = 0.0       # background time of the recalls (plan, gather, upload)
     n_recall_triggers: int = 0
     n_recalls: int = 0             # recalls applied
@@ -631,7 +633,8 @@ class ScoutHost(ModeHost):
             self.last_recall[layer] = ctx.decode_steps
             started += 1
             self.next_trigger_layer = (layer + 1) % n_layers
-            self.stats.add(n_recall_triggers=1, recall_s=time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.stats.add(n_recall_triggers=1, recall_s=seconds, recall_trigger_s=seconds)
 
     def _job(self, plan: RecallPlan, store, cpu_ids, pool_ids, pool_used, last_pos, device, specs):
         """Background thread: plan, gather and upload one layer's recall, and compile its scatter
@@ -692,7 +695,8 @@ class ScoutHost(ModeHost):
                 self._log[self._log_n % self.HISTORY] = (layer, plan.trigger_step, ctx.decode_steps, plan.n, plan.warm)
                 self._log_n += 1
 
-            self.stats.add(recall_s=time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.stats.add(recall_s=seconds, recall_apply_s=seconds)
         return cache.replace(layers=tuple(layers))
 
     def _void_rows(self, plan: RecallPlan, staged: tuple) -> tuple:
