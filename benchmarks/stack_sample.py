@@ -1,8 +1,9 @@
 """Where do a command's threads spend their time? A small sampling profiler for device calls (no
 py-spy there): runs `python -m MODULE ARGS...` in this process while a thread reads every thread's
 stack (`sys._current_frames`, under the GIL: safe, unlike faulthandler's timed dumps, which crashed
-here) every --every seconds, then writes, per thread, its innermost project frames (jhybrid/, host/)
-seen most often, with the frame above each.
+here) every --every seconds, then writes, per thread and bench phase (the phase the bench reported
+last: `jhybrid.bench.progress.current_phase`), its innermost project frames (jhybrid/, host/) seen
+most often, with the frame above each.
 
   PYTHONPATH=. python3 benchmarks/stack_sample.py --out $OUT/stacks.txt --every 0.5 -- jhybrid.cli bench CONFIG ...
 """
@@ -31,6 +32,13 @@ def _place(frame) -> str | None:
     return " <- ".join(places) if places else None
 
 
+def _phase() -> str:
+    """The phase the bench reported last (jhybrid.bench.progress.current_phase; '' before it loads):
+    each sample counts under it, so the load's samples stand apart from the warm-up's."""
+    progress = sys.modules.get("jhybrid.bench.progress")
+    return getattr(progress, "current_phase", "") if progress is not None else ""
+
+
 class Sampler(threading.Thread):
     def __init__(self, every: float):
         super().__init__(name="stack-sampler", daemon=True)
@@ -44,12 +52,14 @@ class Sampler(threading.Thread):
         while not self.stop.wait(self.every):
             names = {t.ident: t.name for t in threading.enumerate()}
             self.samples += 1
+            phase = _phase()
             for ident, frame in sys._current_frames().items():
                 if ident == me:
                     continue
                 place = _place(frame)
                 if place is not None:
-                    self.counts[names.get(ident, str(ident))][place] += 1
+                    name = names.get(ident, str(ident))
+                    self.counts[f"{name} [{phase}]" if phase else name][place] += 1
 
     def report(self, top: int = 15) -> str:
         lines = [f"{self.samples} samples, every {self.every} s"]
@@ -63,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the summary's file")
     parser.add_argument("--every", type=float, default=0.5)
+    parser.add_argument("--top", type=int, default=15, help="places shown per thread (default 15)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -76,7 +87,7 @@ def main() -> None:
         sampler.stop.set()
         sampler.join(10)
         with open(args.out, "w") as f:
-            f.write(f"{time.perf_counter() - start:.0f} s\n{sampler.report()}\n")
+            f.write(f"{time.perf_counter() - start:.0f} s\n{sampler.report(args.top)}\n")
 
 
 if __name__ == "__main__":

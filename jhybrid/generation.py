@@ -240,6 +240,7 @@ class Generator:
         batch, lengths = len(prompts), np.array([len(p) for p in prompts])
         stop = set(int(t) for t in stop_tokens)
         cache = self._init_cache(batch, max_len)
+        overlaps = self.backend.overlap_dispatch()  # host work in each call's shadow (scout's recalls)
         key = jax.random.key(sampling.seed)
         compile_before = self.compile_seconds
 
@@ -258,6 +259,8 @@ class Generator:
             cache = self._before_step(cache, positions)
             logits, has_token, cache = self._run("prefill", self._prefill_fn, (3,), self.params,
                                                  tokens, positions, cache)
+            if overlaps:
+                cache = self.backend.after_dispatch(cache)
             last_logits = logits if last_logits is None else jnp.where(has_token[:, None], logits,
                                                                        last_logits)
         static = dataclasses.replace(sampling, seed=0)  # the seed lives in `key`: no recompiles
@@ -295,6 +298,8 @@ class Generator:
             next_tokens, cache = self._run(f"decode{static}", decode, (3,), self.params,
                                            next_tokens.astype(np.int32), positions, cache, key,
                                            np.int32(steps + 1))
+            if overlaps:
+                cache = self.backend.after_dispatch(cache)
             next_tokens = np.asarray(next_tokens)
             held += active
             steps += 1

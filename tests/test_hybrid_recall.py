@@ -162,6 +162,45 @@ def test_recall_layers_per_step_spreads_a_burst_over_steps(model, tokens, refere
     np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
 
 
+class OverlapRun(Run):
+    """A Run whose driver `overlap_dispatch`es: `after_dispatch` right after every step's call (as the
+    serving engine and Generator do)."""
+
+    def __init__(self, model, backend, prompt, continuation):
+        super().__init__(model, backend, prompt, continuation)
+        self.overlaps = backend.overlap_dispatch()
+
+    def next(self):
+        pos = np.full((B, 1), self.held, np.int32)
+        self.cache = self.hook(self.cache, pos)
+        logits, self.cache = self.step(self.params, self.continuation[:, self.i:self.i + 1], pos, self.cache)
+        self.cache = self.backend.after_dispatch(self.cache)
+        self.logits.append(np.asarray(logits[:, 0]))
+        self.held += 1
+        self.i += 1
+
+
+def test_recalls_applied_in_the_shadow_of_the_call_stay_exact(model, tokens, reference, exact_scout):
+    """overlap_dispatch (recall_lag_steps None): every recall is applied right after a call's dispatch,
+    none at a step start; each lands after its trigger, the pool holds the store's bytes and the
+    logits are full attention's (exact query, keep-all). With recall_lag_steps set, recalls keep their
+    step-start schedule (overlap_dispatch is False)."""
+    run = OverlapRun(model, exact_scout, *tokens)
+    assert run.overlaps
+    logits = run.run(STEPS, before=wait_all)
+    counters = run.runtime.counters()
+    assert counters["n_recalls"] > 0 and counters["n_recalls_after_dispatch"] == counters["n_recalls"]
+    assert all(entry["apply_step"] > entry["trigger_step"] for entry in run.scout.recall_log)
+    assert assert_pool_matches_store(run) > 0
+    np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
+
+    lagged = OverlapRun(model, make_backend("scout", predict_query=False, recall_lag_steps=1, **KEEP_ALL), *tokens)
+    assert not lagged.overlaps
+    lagged.run(STEPS)
+    counters = lagged.runtime.counters()
+    assert counters["n_recalls"] > 0 and counters["n_recalls_after_dispatch"] == 0
+
+
 def test_precompiled_host_work_leaves_no_recall_scatter_to_compile(model, tokens, exact_scout, monkeypatch):
     """`precompile_host` compiles `apply_recall` for every padded size and pool layout a recall can
     stage: a run's recalls then compile nothing (a compile on the recall thread holds the GIL the

@@ -145,3 +145,32 @@ def test_a_step_that_begins_with_requests_decoding_prefills_whole_chunks_within_
             left[request_id] -= n
             assert n % CHUNK == 0 or left[request_id] == 0, taken
     assert not any(left.values())
+
+
+def test_scout_recalls_applied_in_the_calls_shadow_keep_every_token(model, rng):
+    """scout at keep-all (exact query; every block selected, so any pool content is exact) with
+    recalls on their timing schedule (recall_lag_steps None): the engine applies every one right
+    after a call's dispatch (`overlap_dispatch`), none at a step start, and every request's greedy
+    tokens equal the `full` engine's."""
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (100, 70, 41)]
+    keep_all = {**POLICY, "budget": MAX_LEN, "recall_blocks": 2, "recall_threshold": 0.0, "recall_min_interval": 1,
+                "predict_query": False, "prefill_offloaded": "device"}
+    outs = {}
+    for name, backend in (("scout", make_backend("scout", **keep_all)), ("full", make_backend("full"))):
+        engine = ServingEngine(model, backend, slots=2, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                               step_token_budget=CHUNK, prefix_cache=None, prefill_order="arrival")
+        try:
+            handles = [engine.submit(Request(p, max_tokens=16)) for p in prompts]
+            for _ in range(400):  # bounded
+                if not engine.step():
+                    break
+            outs[name] = [h.result(0).tokens for h in handles]
+            counters = engine.backend.counters()
+        finally:
+            engine.close(drain=False)
+        if name == "scout":
+            assert counters["n_recalls"] > 0 and counters["n_recalls_after_dispatch"] == counters["n_recalls"]
+            overlap = sum(r.times.overlap_seconds for r in engine.step_log())
+            assert overlap > 0
+    assert outs["scout"] == outs["full"]
+    assert all(len(tokens) == 16 for tokens in outs["full"])

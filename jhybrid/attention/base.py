@@ -99,6 +99,18 @@ class AttentionBackend(abc.ABC):
         """Per-step host work before the step with positions [B, T] (NumPy int32); returns the cache."""
         return cache
 
+    def overlap_dispatch(self) -> bool:
+        """The driver will call `after_dispatch` right after every call it dispatches, from now on:
+        host work the backend can do in the call's shadow moves there from `before_step`. Returns
+        whether the backend has such work (False: after_dispatch is the identity)."""
+        return False
+
+    def after_dispatch(self, cache):
+        """(after `overlap_dispatch`) Host work right after a call's dispatch, while the device runs
+        it; `cache` is the call's output (not yet computed). Returns the cache for the next call. By
+        default the cache."""
+        return cache
+
     def can_pack(self, positions) -> bool:
         """(a backend that `packs_decode`) May the prefill chunks of positions [B, C] (NumPy int32,
         -1 = padding; rows without a token in them may decode) ride in one call with decode tokens?"""

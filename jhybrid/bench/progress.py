@@ -28,7 +28,14 @@ class PointProgress:
         self._update(description=f"{self.key[:36]}: {text}"[:72], completed=0, total=None)
 
 
+# The phase a task reported last (`report_phase`), for tools that sample the process from inside it
+# (benchmarks/stack_sample.py counts each sample under the phase it fell in).
+current_phase = ""
+
+
 def report_phase(progress: PointProgress | None, text: str) -> None:
+    global current_phase
+    current_phase = text
     if progress is not None:
         progress.phase(text)
 

@@ -183,6 +183,22 @@ class HybridAttention(AttentionBackend):
     def can_pack(self, positions) -> bool:
         return self.packs_decode and self.runtime is not None and self.runtime.packable(positions)
 
+    def overlap_dispatch(self) -> bool:
+        """(`AttentionBackend.overlap_dispatch`) The mode's host work that can run in a call's shadow
+        (`ModeHost.overlap_dispatch`: scout applies its finished recalls there)."""
+        if self.runtime is None:
+            raise RuntimeError("hybrid backend: call backend.open(model_config, batch, max_len) before "
+                               "overlap_dispatch")
+        return self.runtime.mode_host.overlap_dispatch()
+
+    def after_dispatch(self, cache):
+        runtime = self.runtime
+        if runtime is None or not runtime.mode_host.dispatch_work_due():
+            return cache
+        if not self._mixed:
+            return runtime.after_dispatch(cache)
+        return self._plan.merge(cache, runtime.after_dispatch(self._plan.offloaded_layers(cache)))
+
     def packed_variant(self, cache):
         """The cache with a packed step's meta (`StepMeta.decode_offloaded_blocks` set); None for a
         variant of chunks on the host path (no `LayerState.offloaded`), which never pack."""

@@ -576,6 +576,12 @@ class HostRuntime:
         meta = StepMeta(offloaded_blocks=jax.device_put(owned.astype(np.int32), self.device))
         return cache.replace(meta=meta)
 
+    def after_dispatch(self, cache):
+        """Right after a call's dispatch (the driver `overlap_dispatch`ed): the mode's host work in the
+        call's shadow (`ModeHost.after_dispatch`; a host error of the call is raised at the next step
+        start, as ever)."""
+        return self.mode_host.after_dispatch(cache)
+
     def packable(self, positions) -> bool:
         """May the prefill chunks of positions [B, C] (-1 = padding) ride in one call with the other
         rows' decode tokens (`before_step` with decode_positions)? When the mode `packs_decode` and

@@ -226,7 +226,9 @@ class StepTimes:
     """One step's model calls and their time: host_seconds in the backend's `before_step` (an
     offloading backend's host work before a call: evictions published, prefill copies, a mode's
     recalls or re-scoring), host_cpu_seconds the engine thread's CPU time in it (`time.thread_time`:
-    host_seconds less it is time the thread waited, for the GIL or the device), call_seconds in each
+    host_seconds less it is time the thread waited, for the GIL or the device), overlap_seconds in
+    the backend's `after_dispatch` (host work right after a call's dispatch, in the shadow of the
+    device running it: scout's finished recalls applied), call_seconds in each
     compiled call's dispatch and, for a call whose
     tokens are read (a decode call, a prefill call that ends a prompt), the wait for them (the device
     work and the host attention before them; a prefill call that ends no prompt is not waited for:
@@ -240,6 +242,7 @@ class StepTimes:
 
     host_seconds: float = 0.0
     host_cpu_seconds: float = 0.0
+    overlap_seconds: float = 0.0
     call_seconds: float = 0.0
     capture_seconds: float = 0.0
     calls: int = 0
@@ -464,6 +467,7 @@ class ServingEngine(Engine):
         self.compile_seconds = 0.0
 
         backend.open(config, slots, max_len)
+        self._overlaps = backend.overlap_dispatch()  # host work in each call's shadow (`_after_dispatch`)
         self._hybrid = False  # the prefix cache places hits with jhybrid.hybrid.ingest
         self._logged_unpacked = False
         try:
@@ -843,6 +847,13 @@ class ServingEngine(Engine):
                 self._cache = self.backend.before_packed_step(self._cache, positions, decode_positions)
         self._times.host_cpu_seconds += time.thread_time() - cpu
 
+    def _after_dispatch(self) -> None:
+        """The backend's host work in the shadow of the call just dispatched (`overlap_dispatch`),
+        timed."""
+        if self._overlaps:
+            with self._timed("overlap_seconds"):
+                self._cache = self.backend.after_dispatch(self._cache)
+
     def _use_prefix_cache(self, run: _Run) -> None:
         with self._in_prefix_cache():
             self._place_cached_prefix(run)
@@ -1068,6 +1079,7 @@ class ServingEngine(Engine):
             else:
                 logits, self._cache = self._run("prefill", self._prefill_fn, (3,), self.params, tokens,
                                                 positions, self._cache)
+        self._after_dispatch()
         self._submit_stores()  # the earlier calls' captures, while this call runs
         # A chunk's token is drawn only when it ends its prompt: other calls are not waited for, so
         # the next call's host work (its before_step) overlaps this one on the device. The draws come
@@ -1113,6 +1125,7 @@ class ServingEngine(Engine):
         with self._timed("call_seconds"):
             logits, self._cache = self._run("decode", self._decode_fn, (3,), self.params, tokens, positions,
                                             self._cache)
+        self._after_dispatch()
         self._submit_stores()
         with self._timed("call_seconds"):
             sampled = np.asarray(_sample(logits, self._row_sampling()))

@@ -264,6 +264,21 @@ class ModeHost:
         eviction."""
         return cache
 
+    def overlap_dispatch(self) -> bool:
+        """The driver calls `after_dispatch` after every call from now on (`AttentionBackend.
+        overlap_dispatch`): move what can run in a call's shadow there. Returns whether anything
+        moved."""
+        return False
+
+    def dispatch_work_due(self) -> bool:
+        """Whether `after_dispatch` has work now (cheap: asked after every call)."""
+        return False
+
+    def after_dispatch(self, cache):
+        """Right after a call's dispatch, while the device runs it (`overlap_dispatch`); `cache` is the
+        call's output. Returns the cache for the next call."""
+        return cache
+
     def precompile(self, cache) -> None:
         """Compile now what this mode's host work compiles on first use (`HostRuntime.precompile`)."""
 

@@ -403,6 +403,7 @@ class ScoutCounters(Counters):
     recall_bg_s: float = 0.0       # background time of the recalls (plan, gather, upload)
     n_recall_triggers: int = 0
     n_recalls: int = 0             # recalls applied
+    n_recalls_after_dispatch: int = 0  # ... of them, right after a call's dispatch (`overlap_dispatch`)
     recall_rows: int = 0           # (block, head) rows recalled
 
     def __post_init__(self):
@@ -430,6 +431,9 @@ class ScoutHost(ModeHost):
         self.epoch = 0  # bumped when the store is replaced: older recalls are void
         self.resets = np.zeros(shape.batch, np.int64)  # per row: how many times it was reset
         self.recall_hook = None  # tests: called at the start of each background recall job
+        # the driver calls after_dispatch after every call (`overlap_dispatch`): finished recalls are
+        # applied there, in the shadow of the call just dispatched, instead of at the decode step start
+        self.applies_after_dispatch = False
         # tensor parallelism: {layer: CPU blocks [B] of the last step over every shard} and the shards' KV heads
         self.shared_counts: dict[int, np.ndarray | None] | None = None
         self.shared_heads = shape.hkv
@@ -547,16 +551,35 @@ class ScoutHost(ModeHost):
     def step_start(self, cache):
         return _commit(cache)
 
+    def overlap_dispatch(self) -> bool:
+        """Finished recalls are applied right after each call's dispatch (`after_dispatch`), while the
+        device runs the call (their scatters queue behind it: the next call sees them, as it would
+        had they been applied at its start), no longer at decode step starts; with recall_lag_steps
+        set (a schedule in decode steps) they stay there. Returns whether they moved."""
+        cfg = self.ctx.config
+        self.applies_after_dispatch = bool(cfg.recall_blocks) and cfg.recall_lag_steps is None
+        return self.applies_after_dispatch
+
+    def dispatch_work_due(self) -> bool:
+        return self.applies_after_dispatch and any(plan.future.done() for plan in self.pending.values())
+
+    def after_dispatch(self, cache):
+        before = self.stats.n_recalls
+        cache = self._apply_ready(cache)
+        self.stats.add(n_recalls_after_dispatch=self.stats.n_recalls - before)
+        return cache
+
     def before_prefill_chunk(self, positions):
         rows = (positions >= 0).any(axis=1)
         self.stale |= rows
         self.warm[:, rows] = True
 
     def before_decode(self, cache, offloaded_before):
-        # Recalls land at decode step starts only: the pool serves decode steps, and a serving step's
-        # prefill call starts with the device idle (its host work is the step's critical path), while
-        # its decode call's host work overlaps the prefill on the device.
-        if self.pending:
+        # Recalls land at decode step starts only (unless the driver applies them after each call's
+        # dispatch: `overlap_dispatch`): the pool serves decode steps, and a serving step's prefill
+        # call starts with the device idle (its host work is the step's critical path), while its
+        # decode call's host work overlaps the prefill on the device.
+        if self.pending and not self.applies_after_dispatch:
             cache = self._apply_ready(cache)
         if self.ctx.config.recall_blocks and not self.stale.all():
             self._trigger(cache, offloaded_before)
