@@ -228,7 +228,9 @@ class StepTimes:
     recalls or re-scoring), host_cpu_seconds the engine thread's CPU time in it (`time.thread_time`:
     host_seconds less it is time the thread waited, for the GIL or the device), overlap_seconds in
     the backend's `after_dispatch` (host work right after a call's dispatch, in the shadow of the
-    device running it: scout's finished recalls applied), call_seconds in each
+    device running it: scout's finished recalls applied), launch_seconds in the compiled calls'
+    launches (`executable(*args)` until it returns: an asynchronous launch returns long before
+    the device is done; of call_seconds), call_seconds in each
     compiled call's dispatch and, for a call whose
     tokens are read (a decode call, a prefill call that ends a prompt), the wait for them (the device
     work and the host attention before them; a prefill call that ends no prompt is not waited for:
@@ -243,6 +245,7 @@ class StepTimes:
     host_seconds: float = 0.0
     host_cpu_seconds: float = 0.0
     overlap_seconds: float = 0.0
+    launch_seconds: float = 0.0
     call_seconds: float = 0.0
     capture_seconds: float = 0.0
     calls: int = 0
@@ -1391,7 +1394,11 @@ class ServingEngine(Engine):
             self._times.first_runs += 1
             with self._cond:
                 self._counts.first_runs += 1
-        return executable(*args)
+        start = time.perf_counter()
+        try:
+            return executable(*args)
+        finally:
+            self._times.launch_seconds += time.perf_counter() - start
 
     def _executable(self, name: str, fn, donate: tuple, *args: Any):
         """fn compiled ahead of time for these arguments' shapes (`Generator._run`), shared with other
