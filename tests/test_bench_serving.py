@@ -78,6 +78,7 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
             assert 0 < parts <= steps["seconds"] + 1e-3, (phase, kind, steps)
             assert 0 <= steps["host_cpu_s"] <= steps["host_s"] + 1e-3  # thread CPU time within the wall time
             assert 0 < steps["launch_s"] <= steps["call_s"] + 1e-3  # the launches are part of the calls
+            assert 0 <= steps["gc_s"] <= steps["seconds"] + 1e-3
             assert steps["median_ms"] <= steps["p90_ms"] <= steps["max_ms"]
 
 
@@ -210,7 +211,7 @@ def test_prefill_gaps_are_the_gaps_ended_by_steps_that_also_prefilled_another_re
     assert [round(g.seconds, 6) for g in gaps] == [0.03, 0.1]
     assert [g.step.step for g in gaps] == [3, 4] and [g.previous.step for g in gaps] == [2, 3]
     step_4 = {"gap_ms": 100.0, "step": 4, "step_ms": 80.0, "prefix_ms": 50.0, "host_ms": 10.0, "host_cpu_ms": 4.0,
-              "overlap_ms": 0.0, "launch_ms": 0.0, "call_ms": 15.0,
+              "overlap_ms": 0.0, "launch_ms": 0.0, "gc_ms": 0.0, "call_ms": 15.0,
               "capture_ms": 2.0, "calls": 2, "first_runs": 1, "between_ms": 20.0, "previous_step_ms": 30.0,
               "previous_reset_ms": 12.0,
               "prefill_tokens": 32, "decode_rows": 2,

@@ -722,3 +722,35 @@ def test_an_offloading_mode_serves_the_same_outputs(model, alone, rng, caplog, p
         else:
             assert counters["n_prefill_device_chunks"] == 0
     assert engine.closed
+
+
+def test_garbage_collections_count_in_the_thread_that_ran_them():
+    """thread_gc_seconds (StepTimes.gc_seconds): a collection's time counts in the thread that ran it."""
+    import gc
+    import threading
+
+    from jhybrid.serving.engine import thread_gc_seconds
+
+    junk = [[i] for i in range(200_000)]  # something for the collection to walk
+    seen = {}
+
+    def collect():
+        before = thread_gc_seconds()
+        gc.collect()
+        seen["other"] = thread_gc_seconds() - before
+
+    gc.disable()  # no automatic collection in this thread meanwhile
+    try:
+        mine = thread_gc_seconds()
+        thread = threading.Thread(target=collect)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive()
+        assert seen["other"] > 0
+        assert thread_gc_seconds() == mine  # none of it here
+    finally:
+        gc.enable()
+    before = thread_gc_seconds()
+    gc.collect()
+    assert thread_gc_seconds() > before
+    del junk

@@ -486,6 +486,7 @@ def _step_breakdown(records) -> dict:
     host_cpu_s (the engine thread's CPU time in host_s: the rest it waited, for the GIL or the device),
     overlap_s (the backend's host work in the calls' shadow, `ServingEngine._after_dispatch`),
     launch_s (of call_s, inside the compiled calls' launches: `StepTimes.launch_seconds`),
+    gc_s (garbage collections in the engine thread during the steps: `StepTimes.gc_seconds`),
     call_s, capture_s, reset_s, prefix_s (StepRecord's breakdown), calls, first_runs (calls of an
     executable run for the first time in the process), longest_first_runs (those of the longest
     step: was it a first run?), prompt_tokens}, the prefill steps
@@ -505,6 +506,7 @@ def _step_breakdown(records) -> dict:
                      "host_cpu_s": round(sum(r.times.host_cpu_seconds for r in chosen), 3),
                      "overlap_s": round(sum(r.times.overlap_seconds for r in chosen), 3),
                      "launch_s": round(sum(r.times.launch_seconds for r in chosen), 3),
+                     "gc_s": round(sum(r.times.gc_seconds for r in chosen), 3),
                      "call_s": round(sum(r.times.call_seconds for r in chosen), 3),
                      "capture_s": round(sum(r.times.capture_seconds for r in chosen), 3),
                      "reset_s": round(sum(r.times.reset_seconds for r in chosen), 3),
@@ -650,7 +652,8 @@ def _gaps_during_prefill(outputs, records) -> list[PrefillGap]:
 def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
     """The n longest gaps, one per step (the requests a step decodes share its gap), each with what
     its step did (what sets the p99): gap_ms, step_ms (the
-    step that ended it), prefix_ms (of which in the prefix cache), host_ms, host_cpu_ms, overlap_ms, launch_ms, call_ms,
+    step that ended it), prefix_ms (of which in the prefix cache), host_ms, host_cpu_ms, overlap_ms, launch_ms, gc_ms,
+    call_ms,
     capture_ms and
     calls, first_runs (`StepTimes`), between_ms (from the previous step's end to this one's start),
     previous_step_ms and previous_reset_ms (the previous step's time and, of it, the rows reset after
@@ -670,6 +673,7 @@ def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
                      "host_cpu_ms": round(record.times.host_cpu_seconds * 1e3, 2),
                      "overlap_ms": round(record.times.overlap_seconds * 1e3, 2),
                      "launch_ms": round(record.times.launch_seconds * 1e3, 2),
+                     "gc_ms": round(record.times.gc_seconds * 1e3, 2),
                      "call_ms": round(record.times.call_seconds * 1e3, 2),
                      "capture_ms": round(record.times.capture_seconds * 1e3, 2), "calls": record.times.calls,
                      "first_runs": record.times.first_runs,

@@ -97,6 +97,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import enum
+import gc
 import itertools
 import logging
 import os
@@ -230,7 +231,9 @@ class StepTimes:
     the backend's `after_dispatch` (host work right after a call's dispatch, in the shadow of the
     device running it: scout's finished recalls applied), launch_seconds in the compiled calls'
     launches (`executable(*args)` until it returns: an asynchronous launch returns long before
-    the device is done; of call_seconds), call_seconds in each
+    the device is done; of call_seconds), gc_seconds in the interpreter's garbage collections that
+    ran in the stepping thread (anywhere in the step: a collection of the older generations can
+    take a step's time again), call_seconds in each
     compiled call's dispatch and, for a call whose
     tokens are read (a decode call, a prefill call that ends a prompt), the wait for them (the device
     work and the host attention before them; a prefill call that ends no prompt is not waited for:
@@ -246,6 +249,7 @@ class StepTimes:
     host_cpu_seconds: float = 0.0
     overlap_seconds: float = 0.0
     launch_seconds: float = 0.0
+    gc_seconds: float = 0.0
     call_seconds: float = 0.0
     capture_seconds: float = 0.0
     calls: int = 0
@@ -276,6 +280,33 @@ class StepRecord:
     times: StepTimes = dataclasses.field(default_factory=StepTimes)
     backend_seconds: tuple[tuple[str, float], ...] = ()
     budget: int = 0
+
+
+class _GcClock(threading.local):
+    """Seconds of the interpreter's garbage collections run in this thread (`thread_gc_seconds`)."""
+
+    started: float = 0.0
+    total: float = 0.0
+
+
+_gc_clock = _GcClock()
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    """(gc.callbacks) A collection runs in the thread whose allocation triggered it: its time is that
+    thread's."""
+    if phase == "start":
+        _gc_clock.started = time.perf_counter()
+    else:
+        _gc_clock.total += time.perf_counter() - _gc_clock.started
+
+
+gc.callbacks.append(_on_gc)
+
+
+def thread_gc_seconds() -> float:
+    """The seconds this thread has spent in garbage collections since this module loaded."""
+    return _gc_clock.total
 
 
 def _time_counters(backend: AttentionBackend) -> dict[str, float]:
@@ -759,7 +790,7 @@ class ServingEngine(Engine):
         for run in cancelled:
             self._finish(run, FinishReason.CANCELLED)
         self._reset_released_rows()
-        start = time.perf_counter()
+        start, collected = time.perf_counter(), thread_gc_seconds()
         self._prefix_seconds, self._times = 0.0, StepTimes()
         counted = _time_counters(self.backend)
         admitted = self._admit()
@@ -773,6 +804,7 @@ class ServingEngine(Engine):
         else:  # the rest overlap the next step's calls
             self._join_stores(keep=STORE_BACKLOG)
         seconds = time.perf_counter() - start
+        self._times.gc_seconds = thread_gc_seconds() - collected
         with self._cond:
             if prefilled or decoded:
                 self._counts.steps += 1
