@@ -260,7 +260,7 @@ def test_repeats_report_the_median_of_each_phase(tmp_path):
 def test_each_switch_interval_is_a_pass_of_the_load_on_the_warm_engine(tmp_path, monkeypatch):
     """serving_switch_intervals_ms: [2, 0.5] runs the load twice on one engine, the first pass at
     2 ms and the second (the row's own fields, saturation and the fixed batches) at 0.5 ms; the
-    second pass starts with the first's prompts out of the prefix cache (as many hits as the first);
+    second pass starts with the first's prompts out of the prefix cache;
     the interpreter's interval is back afterwards."""
     import sys
 
@@ -282,7 +282,9 @@ def test_each_switch_interval_is_a_pass_of_the_load_on_the_warm_engine(tmp_path,
     for load_pass in (first, second):
         assert load_pass["tbt_p50_ms"] > 0 and load_pass["load_steps"]["prefill"]["steps"] > 0
     assert second["tbt_p50_ms"] == row["tbt_p50_ms"] and second["ttft_p50_s"] == row["ttft_p50_s"]
-    assert first["prefix_hits"] == second["prefix_hits"] == row["prefix_hits"]  # the second starts as cold
+    # the second pass starts as cold as the first: its first request finds nothing cached (hits
+    # between the pass's own requests depend on their timing)
+    assert row["per_request"][0]["cached"] == 0 and second["prefix_hits"] == row["prefix_hits"] <= 1
     assert row["saturated_tok_s"] > 0 and row["fixed_decode_tok_s"] > 0
 
 
