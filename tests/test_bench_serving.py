@@ -58,6 +58,7 @@ def test_serving_rows_have_every_field_and_every_request_completes(rows):
     assert row["served_over_fixed"] > 0 and row["fixed_decode_tok_s"] > 0
     assert row["saturated_tok_s"] > 0 and row["saturated_over_fixed"] > 0
     assert 0 <= row["slo_met"] <= 6
+    assert "device_memory" in row  # (None on the CPU: no allocator statistics)
     assert row["compiles_timed"] == 0  # the warm-up compiled every shape of the load ...
     assert row["first_runs_timed"] == 0  # ... and ran each (a GPU executable loads at its first run)
     for phase in ("load_jit_compiles", "saturated_jit_compiles"):  # every XLA compile in the phase

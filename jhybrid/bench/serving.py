@@ -81,6 +81,9 @@ shared_share, decode_tokens, max_len, prefill_chunk, step_tokens, decoding_step_
   engine's step log: the engine's host work before calls, the compiled calls, captures, the prefix
   cache), load_counters / saturated_counters (the backend's counters that changed over the phase),
   warmup_s, served_s, fixed_s (wall seconds of each phase), host_rss_bytes (after the load),
+  device_memory (the first device's allocator after the load: DEVICE_MEMORY_SHOWN of its
+  `memory_stats()`; None where the platform reports none, e.g. the CPU: how close the step
+  buffers come to the limit, where an allocation may have to wait for the device),
   switch_interval_ms (the thread switch interval of the last load pass, the saturation and the fixed
   batches: `serving_switch_intervals_ms`' last entry; None: the interpreter's), load_passes (with
   more than one pass: each pass's TTFT, TBT, first runs, prefix hits and step breakdown,
@@ -107,7 +110,7 @@ from jax import monitoring
 
 from jhybrid.bench.offload import PointSkipped, backend_for
 from jhybrid.bench.progress import PointProgress, report_phase
-from jhybrid.bench.throughput import host_rss_bytes
+from jhybrid.bench.throughput import device_memory, host_rss_bytes
 from jhybrid.hybrid.registry import mode_class
 from jhybrid.serving.gil import switch_interval
 from jhybrid.serving.warmup import WARM_TOKENS, packed_waves, random_tokens, run_warm_up, shape_waves, tail_waves
@@ -120,6 +123,8 @@ log = logging.getLogger(__name__)
 SEED = 0
 RESULT_TIMEOUT_S = 3600.0  # waiting for one request of the load (an engine that stopped raises sooner)
 GAPS_SHOWN = 8  # prefill_gap_longest: the longest token gaps while a prompt prefills, with their steps
+DEVICE_MEMORY_SHOWN = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_free_block_bytes",
+                       "num_allocs", "largest_alloc_size")  # device_memory: the allocator's state after the load
 BACKEND_SHOWN = 12  # prefill_gap_longest: the backend time counters shown per gap
 
 
@@ -297,6 +302,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         records, load_records, load_counters = last.records, last.load_records, last.counters
         served_s, load_compiles = last.served_s, last.compiles
         rss = host_rss_bytes()
+        memory = {k: v for k, v in device_memory().items() if k in DEVICE_MEMORY_SHOWN} or None
         saturated = None
         if bench.serving_saturation and (deadline is None or time.perf_counter() < deadline):
             report_phase(on_step, f"saturation: {n} requests at once")
@@ -326,7 +332,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "slow_steps": sum(r.seconds >= SLOW_STEP_S for r in load_records),
            "compiles_timed": after.compiles - before.compiles, "first_runs_timed": after.first_runs - before.first_runs,
            "warmup_s": round(warmup_s, 2), "warmup_unrun_steps": list(warm.unrun_steps),
-           "served_s": round(served_s, 2), "host_rss_bytes": rss,
+           "served_s": round(served_s, 2), "host_rss_bytes": rss, "device_memory": memory,
            "saturated_tok_s": None if saturated is None else saturated[0],
            "saturated_s": None if saturated is None else saturated[1],
            "saturated_tok_s_repeats": None if saturated is None else saturated[2],
