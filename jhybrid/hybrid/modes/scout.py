@@ -397,9 +397,10 @@ def apply_recall(pool, next_pool_blocks, b, h, r, block, k, v, now):
 
 @dataclasses.dataclass(eq=False)
 class ScoutCounters(Counters):
-    recall_s: float = 0.0          # step-start time spent triggering and applying recalls (the two below)
+    recall_s: float = 0.0          # time spent triggering and applying recalls on the stepping thread (the two below)
     recall_trigger_s: float = 0.0  # ... of it, triggering (snapshots, the jobs submitted)
-    recall_apply_s: float = 0.0    # ... of it, applying finished uploads (the scatters dispatched)
+    recall_apply_s: float = 0.0    # ... of it, applying finished uploads (the scatters dispatched; at a
+                                   # decode step start, or after a call's dispatch: `overlap_dispatch`)
     recall_bg_s: float = 0.0       # background time of the recalls (plan, gather, upload)
     n_recall_triggers: int = 0
     n_recalls: int = 0             # recalls applied
@@ -520,7 +521,8 @@ class ScoutHost(ModeHost):
         self.warm[:, rows] = False
 
     def wait(self, timeout: float | None = 60.0) -> None:
-        """Block until every in-flight recall is staged (tests); the next decode step start applies them."""
+        """Block until every in-flight recall is staged (tests); the next decode step start applies them
+        (after the next call's dispatch when the driver `overlap_dispatch`es)."""
         for plan in list(self.pending.values()):
             plan.future.exception(timeout=timeout)
 
