@@ -224,26 +224,28 @@ _sample = jax.jit(sample_rows)
 
 @dataclasses.dataclass
 class StepTimes:
-    """One step's model calls and their time: host_seconds in the backend's `before_step` (an
-    offloading backend's host work before a call: evictions published, prefill copies, a mode's
-    recalls or re-scoring), host_cpu_seconds the engine thread's CPU time in it (`time.thread_time`:
-    host_seconds less it is time the thread waited, for the GIL or the device), overlap_seconds in
-    the backend's `after_dispatch` (host work right after a call's dispatch, in the shadow of the
-    device running it: scout's finished recalls applied), launch_seconds in the compiled calls'
-    launches (`executable(*args)` until it returns: an asynchronous launch returns long before
-    the device is done; of call_seconds), gc_seconds in the interpreter's garbage collections that
-    ran in the stepping thread (anywhere in the step: a collection of the older generations can
-    take a step's time again), call_seconds in each
-    compiled call's dispatch and, for a call whose
-    tokens are read (a decode call, a prefill call that ends a prompt), the wait for them (the device
-    work and the host attention before them; a prefill call that ends no prompt is not waited for:
-    the next call's host work overlaps it), capture_seconds dispatching reads of prefilled K, V from
-    the device window for the prefix cache (offloading backends; the store worker waits for them);
-    calls: how many (first_runs: of them, calls of an executable that had never run in this process:
-    XLA loads a GPU executable's module at its first run, which can take a step's time again);
-    reset_seconds emptying the rows of the requests that ended in the step, after
-    their tokens (`backend.reset_rows`: an offloading backend first waits for the exchange and the
-    evictions in flight, a delay the running requests' next token gap carries)."""
+    """One step's model calls and where its time went:
+    host_seconds: in the backend's `before_step` (an offloading backend's host work before a call:
+        evictions published, prefill copies, a mode's recalls or re-scoring); host_cpu_seconds: the
+        engine thread's CPU time in it (`time.thread_time`; the rest the thread waited, for the GIL
+        or the device);
+    overlap_seconds: in the backend's `after_dispatch` (host work right after a call's launch, meant
+        for the device's shadow: scout's finished recalls applied);
+    call_seconds: in each compiled call's launch and, for a call whose tokens are read (a decode
+        call, a prefill call that ends a prompt), the wait for them (the device work and the host
+        attention before them; a prefill call that ends no prompt is not waited for: the next
+        call's host work overlaps it); launch_seconds: of it, inside the launches
+        (`executable(*args)` until it returns; an asynchronous launch returns before the device is
+        done);
+    capture_seconds: dispatching reads of prefilled K, V from the device window for the prefix
+        cache (offloading backends; the store worker waits for them);
+    calls: how many; first_runs: of them, calls of an executable that had never run in this process
+        (XLA loads a GPU executable's module at its first run, which can take a step's time again);
+    reset_seconds: emptying the rows of the requests that ended in the step, after their tokens
+        (`backend.reset_rows`: an offloading backend first waits for the exchange and the evictions
+        in flight, a delay the running requests' next token gap carries);
+    gc_seconds: in the interpreter's garbage collections that ran in the stepping thread, anywhere
+        in the step (a collection of the older generations can take a step's time again)."""
 
     host_seconds: float = 0.0
     host_cpu_seconds: float = 0.0
