@@ -116,6 +116,7 @@ from jhybrid.serving.gil import switch_interval
 from jhybrid.serving.warmup import WARM_TOKENS, packed_waves, random_tokens, run_warm_up, shape_waves, tail_waves
 
 if TYPE_CHECKING:
+    from jhybrid.serving.api import EngineStats, RequestOutput
     from jhybrid.serving.engine import StepRecord
 
 log = logging.getLogger(__name__)
@@ -366,15 +367,15 @@ class LoadPass:
     log then (`records`) and the pass's own steps (`load_records`), the backend's counters that
     changed over it, its wall seconds and the XLA compiles in it (`CompileRecorder`)."""
 
-    before: object
-    after: object
-    outputs: list
+    before: EngineStats
+    after: EngineStats
+    outputs: list[RequestOutput]
     submitted: list[float]
-    records: list
-    load_records: list
-    counters: dict
+    records: list[StepRecord]
+    load_records: list[StepRecord]
+    counters: dict[str, float]
     served_s: float
-    compiles: "CompileRecorder"
+    compiles: CompileRecorder
 
 
 def _run_load(engine, backend, load: "Load", bench, on_step: PointProgress | None) -> LoadPass:
