@@ -40,9 +40,9 @@ def _phase() -> str:
 
 
 class Sampler(threading.Thread):
-    def __init__(self, every: float):
+    def __init__(self, every: float, phases: tuple[str, ...] = ()):
         super().__init__(name="stack-sampler", daemon=True)
-        self.every = every
+        self.every, self.phases = every, phases
         self.samples = 0
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.stop = threading.Event()
@@ -50,9 +50,11 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         me = threading.get_ident()
         while not self.stop.wait(self.every):
+            phase = _phase()
+            if self.phases and not any(text in phase for text in self.phases):
+                continue  # (a phase not asked for: no stack walked, so the compiles run undisturbed)
             names = {t.ident: t.name for t in threading.enumerate()}
             self.samples += 1
-            phase = _phase()
             for ident, frame in sys._current_frames().items():
                 if ident == me:
                     continue
@@ -74,10 +76,12 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the summary's file")
     parser.add_argument("--every", type=float, default=0.5)
     parser.add_argument("--top", type=int, default=15, help="places shown per thread (default 15)")
+    parser.add_argument("--phase", action="append", default=[], metavar="TEXT",
+                        help="sample only while the bench's phase contains TEXT (repeatable; default: always)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    sampler = Sampler(args.every)
+    sampler = Sampler(args.every, tuple(args.phase))
     sampler.start()
     sys.argv = [command[0]] + command[1:]
     start = time.perf_counter()

@@ -9,7 +9,9 @@
 #    the timed load), so that the next call on the same warm machine finds them;
 # 2. configs/serving-h100-hybrid.yaml --only $MODE under benchmarks/stack_sample.py
 #    ($OUT/serving-h100-$MODE-stacks.txt; STACK_EVERY seconds between samples, default 0.5, STACK_TOP
-#    places per thread, default 15), cut by SIGINT at BENCH_S (default 520) seconds after the
+#    places per thread, default 15; STACK_PHASE=TEXT samples only in the bench phases containing TEXT,
+#    e.g. "requests at" for the load: a 50 Hz sampler over the compiles made session p's warm-up 90 s
+#    longer), cut by SIGINT at BENCH_S (default 520) seconds after the
 #    script's start: a process killed mid-run holding ~35 GiB of pinned host memory took over a minute
 #    to exit (a call ran past its 600 s and returned no row), so the margin is wide.
 # JHYBRID_PROFILE=START:SECONDS:DIR traces SECONDS of the load (JHYBRID_PROFILE_PHASE=warmup or saturation:
@@ -59,7 +61,7 @@ if [ -n "${BG_WARM:-}" ] && [ "$restored" = 0 ]; then warm_kernels "$BG_WARM" & 
 left=$(( ${BENCH_S:-520} - ($(date +%s) - start) ))
 [ -n "${hlo_flags:-}" ] && export XLA_FLAGS="${XLA_FLAGS:-} $hlo_flags"
 timeout -s INT -k 10 "$left" python3 benchmarks/stack_sample.py --out "$OUT/serving-h100-$mode-stacks.txt" \
-  --every "${STACK_EVERY:-0.5}" --top "${STACK_TOP:-15}" -- \
+  --every "${STACK_EVERY:-0.5}" --top "${STACK_TOP:-15}" ${STACK_PHASE:+--phase "$STACK_PHASE"} -- \
   jhybrid.cli bench configs/serving-h100-hybrid.yaml --output-dir "$OUT" --only "$mode" "$@" 2>&1 \
   | while IFS= read -r line; do echo "${SECONDS}s $line"; done \
   | tee -a "$OUT/bench.log" | grep -E "s (done|skipped)|rror|resumed|slow step|Traceback|request [0-9]+/|step [0-9]+ took|load served" | awk 'NR <= 80'  # reads to the end: head would close the pipe and kill the bench
