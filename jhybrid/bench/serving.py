@@ -253,7 +253,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
     load = make_load(bench, vocab)
     n = len(load.prompts)
     intervals_ms = list(bench.serving_switch_intervals_ms or [None])  # one load pass each
-    last_interval_s = None if intervals_ms[-1] is None else intervals_ms[-1] / 1e3
+    intervals_s = [None if ms is None else ms / 1e3 for ms in intervals_ms]
     base = {"task": "serving", "model": point.model.name, "layers": model.config.num_layers, "mode": offload.mode,
             "window": window, "slots": slots, "requests": n, "rate": bench.serving_rate,
             "contexts": contexts_of(bench), "shared_prefix": bench.serving_shared_prefix,
@@ -289,15 +289,16 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
             log.info("%s: the warm-up left %d step shape(s) unrun (a load's first run of one waits for its "
                      "module to load): %s", offload.mode, len(warm.unrun_steps), ", ".join(warm.unrun_steps))
         warmup_s = time.perf_counter() - t0
-        passes = []
-        for i, interval_ms in enumerate(intervals_ms):
+        passes, summaries = [], []  # (summaries: with more than one pass, `load_passes`)
+        for i, (interval_ms, interval_s) in enumerate(zip(intervals_ms, intervals_s)):
             if i:  # the former pass's prompts out of the prefix cache: each pass starts as cold as the first
                 engine.forget_prompts([p.tolist() for p in load.prompts])
-            with switch_interval(None if interval_ms is None else interval_ms / 1e3):
+            with switch_interval(interval_s):
                 passes.append(_run_load(engine, backend, load, bench, on_step))
             if len(intervals_ms) > 1:
+                summaries.append(_pass_summary(passes[-1], bench, load))
                 log.info("load pass %d of %d (switch interval %s ms): %s", i + 1, len(intervals_ms),
-                         interval_ms, json.dumps(_pass_summary(passes[-1], bench, load)))
+                         interval_ms, json.dumps(summaries[-1]))
         last = passes[-1]
         before, after, outputs, submitted = last.before, last.after, last.outputs, last.submitted
         records, load_records, load_counters = last.records, last.load_records, last.counters
@@ -308,7 +309,7 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
         if bench.serving_saturation and (deadline is None or time.perf_counter() < deadline):
             report_phase(on_step, f"saturation: {n} requests at once")
             counters_before = backend.counters()
-            with CompileRecorder() as saturated_compiles, switch_interval(last_interval_s):
+            with CompileRecorder() as saturated_compiles, switch_interval(intervals_s[-1]):
                 saturated = _run_saturated(engine, Request, load, bench, vocab, deadline)
             saturated_records = [r for r in engine.step_log() if r.step > after.steps]
             saturated_counters = _counter_delta(counters_before, backend.counters())
@@ -344,14 +345,14 @@ def run_serving(model, pretrained, point, on_step: PointProgress | None = None, 
            "saturated_steps": None if saturated is None else _step_breakdown(saturated_records),
            "saturated_counters": None if saturated is None else saturated_counters,
            "switch_interval_ms": intervals_ms[-1],
-           "load_passes": [_pass_summary(p, bench, load) for p in passes] if len(passes) > 1 else None}
+           "load_passes": summaries or None}
     if deadline is not None and time.perf_counter() >= deadline:
         row.update(fixed_decode_tok_s=None, fixed_tok_s=None, served_over_fixed=None, served_over_fixed_e2e=None,
                    saturated_over_fixed=None, fixed_note="time budget: the fixed batches were not run")
         return [row]
     report_phase(on_step, f"the same {n} requests as fixed batches of {slots}")
     fixed_backend, _ = backend_for(offload, longest_prompt(bench))
-    with switch_interval(last_interval_s):
+    with switch_interval(intervals_s[-1]):
         fixed = _run_fixed(model, fixed_backend, load, bench, slots, max_len, deadline)
     row.update(fixed)
     row["served_over_fixed"] = _round(_ratio(row["decode_tok_s"], fixed["fixed_decode_tok_s"]), 4)
@@ -659,10 +660,8 @@ def _gaps_during_prefill(outputs, records) -> list[PrefillGap]:
 def _longest_gaps(gaps: list[PrefillGap], n: int = GAPS_SHOWN) -> list[dict]:
     """The n longest gaps, one per step (the requests a step decodes share its gap), each with what
     its step did (what sets the p99): gap_ms, step_ms (the
-    step that ended it), prefix_ms (of which in the prefix cache), host_ms, host_cpu_ms, overlap_ms, launch_ms, gc_ms,
-    call_ms,
-    capture_ms and
-    calls, first_runs (`StepTimes`), between_ms (from the previous step's end to this one's start),
+    step that ended it), prefix_ms (of which in the prefix cache), host_ms, host_cpu_ms, overlap_ms,
+    launch_ms, gc_ms, call_ms, capture_ms and calls, first_runs (`StepTimes`), between_ms (from the previous step's end to this one's start),
     previous_step_ms and previous_reset_ms (the previous step's time and, of it, the rows reset after
     its tokens: part of this gap, not of this step), prefill_tokens, decode_rows, admitted, and backend_ms: the backend's time counters that grew
     in the step (the largest BACKEND_SHOWN, ms; background threads' included)."""
