@@ -40,6 +40,8 @@ def model():
     (dict(keep_after=2.5), r"keep_after=2.5 \(expected an int >= 0\)"),
     (dict(mode="scout", scout_exact_layers="all"), r"scout_exact_layers='all' \(expected 'auto', a tuple"),
     (dict(mode="scout", recall_layers_per_step=0), r"recall_layers_per_step=0 \(expected None \(every layer due\)"),
+    (dict(mode="scout", recall_after_dispatch="yes"), r"recall_after_dispatch='yes' \(expected true or false\)"),
+    (dict(mode="scout", recall_after_dispatch=True, recall_lag_steps=2), r"recall_after_dispatch=True \(with recall_lag_steps=2"),
     (dict(mode="scout", scout_min_cos=1.5), r"scout_min_cos=1.5 \(expected a cosine in \[-1, 1\]"),
     (dict(mode="scout", scout_exact_layers=True), r"scout_exact_layers=True \(expected"),
     (dict(mode="scout", scout_exact_layers=-2), r"scout_exact_layers=-2 \(expected an int N >= 0"),

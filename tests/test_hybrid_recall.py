@@ -181,11 +181,12 @@ class OverlapRun(Run):
 
 
 def test_recalls_applied_in_the_shadow_of_the_call_stay_exact(model, tokens, reference, exact_scout):
-    """overlap_dispatch (recall_lag_steps None): every recall is applied right after a call's dispatch,
+    """recall_after_dispatch: every recall is applied right after a call's dispatch (`overlap_dispatch`),
     none at a step start; each lands after its trigger, the pool holds the store's bytes and the
-    logits are full attention's (exact query, keep-all). With recall_lag_steps set, recalls keep their
+    logits are full attention's (exact query, keep-all). Without it (the default), recalls keep their
     step-start schedule (overlap_dispatch is False)."""
-    run = OverlapRun(model, exact_scout, *tokens)
+    run = OverlapRun(model, make_backend("scout", predict_query=False, recall_after_dispatch=True, **KEEP_ALL),
+                     *tokens)
     assert run.overlaps
     logits = run.run(STEPS, before=wait_all)
     counters = run.runtime.counters()
@@ -194,10 +195,10 @@ def test_recalls_applied_in_the_shadow_of_the_call_stay_exact(model, tokens, ref
     assert assert_pool_matches_store(run) > 0
     np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
 
-    lagged = OverlapRun(model, make_backend("scout", predict_query=False, recall_lag_steps=1, **KEEP_ALL), *tokens)
-    assert not lagged.overlaps
-    lagged.run(STEPS)
-    counters = lagged.runtime.counters()
+    at_starts = OverlapRun(model, exact_scout, *tokens)
+    assert not at_starts.overlaps
+    at_starts.run(STEPS)
+    counters = at_starts.runtime.counters()
     assert counters["n_recalls"] > 0 and counters["n_recalls_after_dispatch"] == 0
 
 

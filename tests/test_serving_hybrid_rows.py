@@ -149,12 +149,12 @@ def test_a_step_that_begins_with_requests_decoding_prefills_whole_chunks_within_
 
 def test_scout_recalls_applied_in_the_calls_shadow_keep_every_token(model, rng):
     """scout at keep-all (exact query; every block selected, so any pool content is exact) with
-    recalls on their timing schedule (recall_lag_steps None): the engine applies every one right
+    recall_after_dispatch: the engine applies every recall right
     after a call's dispatch (`overlap_dispatch`), none at a step start, and every request's greedy
     tokens equal the `full` engine's."""
     prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (100, 70, 41)]
     keep_all = {**POLICY, "budget": MAX_LEN, "recall_blocks": 2, "recall_threshold": 0.0, "recall_min_interval": 1,
-                "predict_query": False, "prefill_offloaded": "device"}
+                "predict_query": False, "prefill_offloaded": "device", "recall_after_dispatch": True}
     outs = {}
     for name, backend in (("scout", make_backend("scout", **keep_all)), ("full", make_backend("full"))):
         engine = ServingEngine(model, backend, slots=2, max_len=MAX_LEN, prefill_chunk=CHUNK,

@@ -95,6 +95,11 @@ class OffloadConfig:
         start after its upload finished, never waited for; an int N = exactly N decode steps after
         its trigger, waiting for the upload if needed: results do not depend on timing (accuracy
         runs, tests).
+    recall_after_dispatch: scout (recall_lag_steps None): apply finished recalls right after each
+        call's dispatch, in its shadow (True), instead of at decode step starts (False, default). Off
+        by default because it measured slower on the H200: decode steps of 26.7 ms against 23.7 ms at
+        step starts (BENCHMARKS.md, session q): a call's launch returns only near its end, and the
+        scatter's launch then waits behind it.
     recall_layers_per_step: scout: None (default) = every layer due recalls at a step start; an int N
         = at most N layers start a recall at one step start, and (recall_lag_steps None) at most N
         recalls are applied at one: the others wait for the next steps (the layers taken in turn
@@ -153,6 +158,7 @@ class OffloadConfig:
     recall_threshold: float = 0.12
     recall_min_interval: int = 4
     recall_lag_steps: int | None = None
+    recall_after_dispatch: bool = False
     recall_layers_per_step: int | None = None
     predict_query: bool = True
     scout_exact_layers: tuple[int, ...] | int | str = "auto"
@@ -199,6 +205,10 @@ class OffloadConfig:
         check("recall_lag_steps", self.recall_lag_steps is None or (_is_int(self.recall_lag_steps)
                                                                 and self.recall_lag_steps >= 1),
               "expected None (apply when ready) or an int >= 1 (decode steps after the trigger)")
+        check("recall_after_dispatch", isinstance(self.recall_after_dispatch, bool), "expected true or false")
+        if not bad and self.recall_after_dispatch and self.recall_lag_steps is not None:
+            bad.append(("recall_after_dispatch", True, f"with recall_lag_steps={self.recall_lag_steps}: a lagged "
+                        "recall is applied at a decode step start (set one of them only)"))
         check("recall_layers_per_step", self.recall_layers_per_step is None
               or (_is_int(self.recall_layers_per_step) and self.recall_layers_per_step >= 1),
               "expected None (every layer due) or an int >= 1 (layers a step start)")

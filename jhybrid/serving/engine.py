@@ -21,7 +21,9 @@ each request runs in one row (slot) from admission to its end, then the row is e
      not taking part), each taking a chunk of every prefilling request and spending slots x
      prefill_chunk of the budget (it computes every row: a step makes ceil(budget / (slots x
      prefill_chunk)) of them, at least one); a request whose
-     prompt is done samples its first token, and its prompt's blocks enter the prefix cache (full
+     prompt is done samples its first token (the tokens a call draws are read only once the step's
+     last prefill call is dispatched: the host work of its later calls overlaps it on the device),
+     and its prompt's blocks enter the prefix cache (full
      attention: PREFIX_INSERT_BLOCKS_PER_STEP a step from this one, copied from its row, and all
      that are left when the request ends; an offloading backend: each call's whole blocks after the
      call, read from the device window as they are prefilled);
@@ -339,6 +341,23 @@ class _Counters:
     compiles: int = 0
     first_runs: int = 0
     prefix_unusable: int = 0
+
+
+@dataclasses.dataclass
+class _Draws:
+    """The tokens one prefill call drew, still on the device: read (`ServingEngine._accept_draws`)
+    only once the step's last prefill call is dispatched, so the host work and dispatch of the
+    step's later calls overlap this one on the device instead of waiting for it.
+
+    decoded: int32 [slots] device array, the decode tokens that rode in the call (None: none did);
+    decoding: the requests those belong to (row = slot);
+    first: int32 [R] device array, the tokens drawn at the call's rows (None: no prompt ended);
+    prompts_done: (request, its row in the call) for each prompt the call ended."""
+
+    decoded: jax.Array | None = None
+    decoding: list[_Run] = dataclasses.field(default_factory=list)
+    first: jax.Array | None = None
+    prompts_done: list[tuple[_Run, int]] = dataclasses.field(default_factory=list)
 
 
 class _Run(RequestHandle):
@@ -932,7 +951,7 @@ class ServingEngine(Engine):
         strict = self._decoding_budget_applies(decoding_now)
         budget = self.decoding_step_token_budget if strict else self.step_token_budget
         self._step_budget = budget
-        done, first_call = collections.Counter(), True
+        done, first_call, draws = collections.Counter(), True, []
         packs = self.backend.packs_decode
         decoding = decoding_now if packs else []  # decided before the prefill: they ride in it
         packed, unpacked = decoding, False
@@ -952,8 +971,12 @@ class ServingEngine(Engine):
                 break
             first_call = False
             budget -= self._call_cost(taken)
-            unpacked = not self._prefill_call(taken, size, done, packed) and bool(packed)
+            rode, call_draws = self._prefill_call(taken, size, done, packed)
+            draws.append(call_draws)
+            unpacked = not rode and bool(packed)
             packed = []  # the decode tokens ride with the first call only
+        for call_draws in draws:  # read once every prefill call is dispatched (`_Draws`)
+            self._accept_draws(call_draws)
         if not packs:  # a request whose prefill just ended decodes in this step too
             decoding = self._decoding()
         if decoding and (not (packs and done) or unpacked):  # (packs: they rode in the first call)
@@ -1074,12 +1097,13 @@ class ServingEngine(Engine):
         return [r for r in self._rows if r is not None and r.state is _State.DECODE and not r.cancel_requested]
 
     def _prefill_call(self, taken: list[tuple[_Run, int]], size: int, done: collections.Counter,
-                      packed: list[_Run]) -> bool:
+                      packed: list[_Run]) -> tuple[bool, "_Draws"]:
         """One prefill call of `taken` ((request, prompt tokens) each) over `size` rows (`_take`), with
         the decode tokens of `packed` (the backend packs_decode) in the same call when the backend
         `can_pack` these chunks (an offloading mode whose chunk attends to its offloaded prompt on
         the host cannot: the step then decodes in a call of its own, logged once); their tokens
-        sampled and accepted. Returns whether the decode tokens rode in the call."""
+        sampled (drawn on the device, read and accepted by the caller once the step's last prefill call
+        is dispatched: `_accept_draws`). Returns (whether the decode tokens rode in the call, its draws)."""
         whole = size == self.slots and not packed  # a call of every row runs over the whole batch
         if self.backend.prefills_rows and not whole:  # only the rows taking part (+ idle ones as padding)
             width = self._call_width(size)
@@ -1121,19 +1145,17 @@ class ServingEngine(Engine):
         # A chunk's token is drawn only when it ends its prompt: other calls are not waited for, so
         # the next call's host work (its before_step) overlaps this one on the device. The draws come
         # before any token of this call is accepted (`_row_sampling`: each row at its next token).
-        if any(run.prefilled + n == len(run.prompt) for run, n in taken):
-            with self._timed("call_seconds"):
+        draws = _Draws()
+        with self._timed("call_seconds"):
+            if packed:
+                draws.decoded, draws.decoding = _sample(decode_logits, self._row_sampling()), packed
+            if any(run.prefilled + n == len(run.prompt) for run, n in taken):
                 chunk_sampling = jax.tree_util.tree_map(lambda x: x[rows], self._row_sampling())
-                sampled = np.asarray(_sample(logits, chunk_sampling))
+                draws.first = _sample(logits, chunk_sampling)
         with self._cond:
             self._counts.prefill_calls += 1
             self._counts.prefill_tokens += sum(n for _, n in taken)
             self._counts.decode_steps += bool(packed)
-        if packed:
-            with self._timed("call_seconds"):
-                decoded = np.asarray(_sample(decode_logits, self._row_sampling()))
-            for run in packed:
-                self._accept(run, int(decoded[run.slot]))
         for run, n in taken:
             if self._hybrid:
                 self._capture(run, n)
@@ -1143,8 +1165,20 @@ class ServingEngine(Engine):
             if run.prefilled == len(run.prompt):
                 self._store_prefix(run)
                 run.state = _State.DECODE
-                self._accept(run, int(sampled[index[run.slot]]))
-        return bool(packed)
+                draws.prompts_done.append((run, index[run.slot]))
+        return bool(packed), draws
+
+    def _accept_draws(self, draws: "_Draws") -> None:
+        """A prefill call's drawn tokens read (waiting for the call) and accepted: the decode tokens
+        that rode in it, then the first token of each prompt it ended."""
+        with self._timed("call_seconds"):
+            decoded = None if draws.decoded is None else np.asarray(draws.decoded)
+            first = None if draws.first is None else np.asarray(draws.first)
+        for run in draws.decoding:
+            self._accept(run, int(decoded[run.slot]))
+        for run, row in draws.prompts_done:
+            self._accept(run, int(first[row]))
+
 
     def _decode_inputs(self, runs: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
         """Each slot's decode token and position ([slots] int32; position -1 for a slot not in `runs`)."""
@@ -1464,17 +1498,22 @@ class ServingEngine(Engine):
         return executable
 
     @staticmethod
-    def _lowered(fn, donate: tuple, args: tuple):
-        """fn traced and lowered for args (Python: holds the GIL)."""
-        return jax.jit(fn, donate_argnums=donate).lower(*args)
+    def _lowered(fn, donate: tuple, args: tuple) -> tuple[jax.stages.Lowered, float]:
+        """fn traced and lowered for args (Python: holds the GIL) -> (lowered, seconds it took)."""
+        start = time.perf_counter()
+        lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+        return lowered, time.perf_counter() - start
 
-    def _compiled(self, name: str, key: tuple, args: tuple, lowered):
-        """`lowered` compiled by XLA (which releases the GIL: compile_steps runs several at once) and
-        kept under `key`."""
+    def _compiled(self, name: str, key: tuple, args: tuple, lowering: tuple[jax.stages.Lowered, float]):
+        """`lowering` (`_lowered`) compiled by XLA (which releases the GIL: compile_steps runs several at
+        once) and kept under `key`. The log line gives the tracing and the compile apart: JAX's
+        persistent compilation cache saves the compile only."""
+        lowered, lowered_seconds = lowering
         start = time.perf_counter()
         executable = lowered.compile(compiler_options=self._compiler_options or None)
         seconds = time.perf_counter() - start
-        log.info("compiled the %s step in %.1f s (its 4-D inputs: %s)", name, seconds,
+        log.info("compiled the %s step in %.1f s, after %.1f s tracing it (its 4-D inputs: %s)", name, seconds,
+                 lowered_seconds,
                  sorted({tuple(a.shape) for a in jax.tree_util.tree_leaves([a for a in args if a is not self.params])
                          if getattr(a, "ndim", 0) == 4}))
         with self._cond:

@@ -554,12 +554,12 @@ class ScoutHost(ModeHost):
         return _commit(cache)
 
     def overlap_dispatch(self) -> bool:
-        """Finished recalls are applied right after each call's dispatch (`after_dispatch`), while the
-        device runs the call (their scatters queue behind it: the next call sees them, as it would
-        had they been applied at its start), no longer at decode step starts; with recall_lag_steps
-        set (a schedule in decode steps) they stay there. Returns whether they moved."""
+        """With recall_after_dispatch set, finished recalls are applied right after each call's
+        dispatch (`after_dispatch`), while the device runs the call (their scatters queue behind it:
+        the next call sees them, as it would had they been applied at its start), no longer at
+        decode step starts. Returns whether they moved."""
         cfg = self.ctx.config
-        self.applies_after_dispatch = bool(cfg.recall_blocks) and cfg.recall_lag_steps is None
+        self.applies_after_dispatch = bool(cfg.recall_blocks) and cfg.recall_after_dispatch
         return self.applies_after_dispatch
 
     def dispatch_work_due(self) -> bool:
