@@ -97,7 +97,7 @@ class OffloadConfig:
         runs, tests).
     recall_after_dispatch: scout (recall_lag_steps None): apply finished recalls right after each
         call's dispatch, in its shadow (True), instead of at decode step starts (False, default). Off
-        by default because it measured slower on the H200: decode steps of 26.7 ms against 23.7 ms at
+        by default because it measured slower on the H200: decode steps of 26.7 ms against 25.4 ms at
         step starts (BENCHMARKS.md, session q): a call's launch returns only near its end, and the
         scatter's launch then waits behind it.
     recall_layers_per_step: scout: None (default) = every layer due recalls at a step start; an int N

@@ -1097,7 +1097,7 @@ class ServingEngine(Engine):
         return [r for r in self._rows if r is not None and r.state is _State.DECODE and not r.cancel_requested]
 
     def _prefill_call(self, taken: list[tuple[_Run, int]], size: int, done: collections.Counter,
-                      packed: list[_Run]) -> tuple[bool, "_Draws"]:
+                      packed: list[_Run]) -> tuple[bool, _Draws]:
         """One prefill call of `taken` ((request, prompt tokens) each) over `size` rows (`_take`), with
         the decode tokens of `packed` (the backend packs_decode) in the same call when the backend
         `can_pack` these chunks (an offloading mode whose chunk attends to its offloaded prompt on
@@ -1168,7 +1168,7 @@ class ServingEngine(Engine):
                 draws.prompts_done.append((run, index[run.slot]))
         return bool(packed), draws
 
-    def _accept_draws(self, draws: "_Draws") -> None:
+    def _accept_draws(self, draws: _Draws) -> None:
         """A prefill call's drawn tokens read (waiting for the call) and accepted: the decode tokens
         that rode in it, then the first token of each prompt it ended."""
         with self._timed("call_seconds"):
@@ -1178,7 +1178,6 @@ class ServingEngine(Engine):
             self._accept(run, int(decoded[run.slot]))
         for run, row in draws.prompts_done:
             self._accept(run, int(first[row]))
-
 
     def _decode_inputs(self, runs: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
         """Each slot's decode token and position ([slots] int32; position -1 for a slot not in `runs`)."""
