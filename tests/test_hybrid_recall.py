@@ -203,20 +203,20 @@ def test_recalls_applied_in_the_shadow_of_the_call_stay_exact(model, tokens, ref
 
 
 def test_precompiled_host_work_leaves_no_recall_scatter_to_compile(model, tokens, exact_scout, monkeypatch):
-    """`precompile_host` compiles `apply_recall` for every padded size and pool layout a recall can
+    """`precompile_host` compiles `apply_recalls` for every padded size and pool layout a recall can
     stage: a run's recalls then compile nothing (a compile on the recall thread holds the GIL the
     serving engine's thread needs). With an empty compile cache, so the run would compile its sizes."""
     from jhybrid.hybrid.modes import scout as scout_module
 
     lowered = []
-    real = scout_module.apply_recall
+    real = scout_module.apply_recalls
 
     class Counting:
         def lower(self, *specs):
             lowered.append(specs)
             return real.lower(*specs)
 
-    monkeypatch.setattr(scout_module, "apply_recall", Counting())
+    monkeypatch.setattr(scout_module, "apply_recalls", Counting())
     monkeypatch.setattr(scout_module, "_compiled", {})
     run = Run(model, exact_scout, *tokens)
     exact_scout.precompile_host(run.cache)
@@ -317,3 +317,105 @@ def test_plan_recall_fills_free_then_lru_slots_never_used_ones():
     assert block.tolist() == [7, 8]      # the CPU's blocks in selection order
     b, h, r, block = plan_recall(cpu_ids, pool_ids, pool_used, np.array([10]))  # nothing used at 10
     assert list(zip(h.tolist(), r.tolist(), block.tolist())) == [(0, 2, 7), (0, 1, 8), (1, 0, 2), (1, 1, 3)]
+
+
+def _reference_scatter(pools, next_blocks, b, h, r, block, layer, k, v, now):
+    """NumPy oracle of `apply_recalls`: entry i (b < B) goes to slot r of (b, h) of layer `layer`."""
+    pools = [None if p is None else {name: np.array(x) for name, x in p.items()} for p in pools]
+    next_blocks = [None if x is None else np.array(x) for x in next_blocks]
+    batch = now.shape[0]
+    for i in range(b.shape[0]):
+        n = int(layer[i])
+        if b[i] >= batch or n < 0 or pools[n] is None:
+            continue
+        slots = pools[n]["blocks"].shape[2]
+        row = b[i] * slots + r[i]
+        pools[n]["k"][row, h[i]] = k[i]
+        pools[n]["v"][row, h[i]] = v[i]
+        pools[n]["blocks"][b[i], h[i], r[i]] = block[i]
+        pools[n]["used"][b[i], h[i], r[i]] = now[b[i]]
+        if n > 0 and next_blocks[n - 1] is not None:
+            next_blocks[n - 1][b[i], h[i], r[i]] = block[i]
+    return pools, next_blocks
+
+
+def test_apply_recalls_matches_a_numpy_scatter_per_layer():
+    """One group's scatter over several layers: each layer takes exactly its own entries (a layer
+    without a pool, one without next_pool_blocks, one with no entry; padding and void rows
+    dropped), against a NumPy oracle; every output poisoned first (random, not zeros)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jhybrid.hybrid.modes.scout import apply_recalls
+    from jhybrid.hybrid.state import Pool
+
+    rng = np.random.default_rng(7)
+    batch, hkv, slots, bs, d = 3, 2, 4, 4, 8
+    layers = 5  # layer 1: no pool (a sliding layer); layer 4: no entry; layer 3: no next_pool_blocks
+
+    def pool():
+        return {"k": rng.standard_normal((batch * slots, hkv, bs, d)).astype(np.float32),
+                "v": rng.standard_normal((batch * slots, hkv, bs, d)).astype(np.float32),
+                "blocks": rng.integers(-1, 50, (batch, hkv, slots)).astype(np.int32),
+                "used": rng.integers(-1, 50, (batch, hkv, slots)).astype(np.int32)}
+
+    pools = [pool(), None, pool(), pool(), pool()]
+    next_blocks = [rng.integers(-1, 50, (batch, hkv, slots)).astype(np.int32) for _ in range(layers)]
+    next_blocks[0] = None  # layer 1 has no pool: layer 0 keeps no copy of its table
+    next_blocks[2] = None  # layer 3 has no layer-ahead copy kept by layer 2
+    entries = []  # distinct (layer, b, h, r) per layer, as plan_recall makes them
+    for n in (0, 2, 3):
+        for b in range(batch):
+            for h in range(hkv):
+                for r in rng.choice(slots, 2, replace=False):
+                    entries.append((b, h, r, rng.integers(0, 99), n))
+    entries = np.array(entries, np.int32)
+    entries[rng.choice(len(entries), 3, replace=False), 0] = batch  # rows voided since the trigger
+    size = 64
+    assert size >= len(entries)
+    pad = np.array([[batch, 0, 0, -1, -1]] * (size - len(entries)), np.int32)
+    b, h, r, block, layer = np.concatenate([entries, pad]).T
+    k = rng.standard_normal((size, bs, d)).astype(np.float32)
+    v = rng.standard_normal((size, bs, d)).astype(np.float32)
+    now = rng.integers(0, 1000, batch).astype(np.int32)
+
+    as_pool = lambda p: None if p is None else Pool(**{name: jnp.asarray(x) for name, x in p.items()})  # noqa: E731
+    got_pools, got_next = apply_recalls(tuple(as_pool(p) for p in pools),
+                                        tuple(None if x is None else jnp.asarray(x) for x in next_blocks),
+                                        *(jnp.asarray(x) for x in (b, h, r, block, layer, k, v, now)))
+    want_pools, want_next = _reference_scatter(pools, next_blocks, b, h, r, block, layer, k, v, now)
+    for n in range(layers):
+        if want_pools[n] is None:
+            assert got_pools[n] is None
+        else:
+            for name in ("k", "v", "blocks", "used"):
+                np.testing.assert_array_equal(np.asarray(getattr(got_pools[n], name)), want_pools[n][name],
+                                              err_msg=f"layer {n} {name}")
+        if want_next[n] is None:
+            assert got_next[n] is None
+        else:
+            np.testing.assert_array_equal(np.asarray(got_next[n]), want_next[n], err_msg=f"next of layer {n}")
+    np.testing.assert_array_equal(np.asarray(got_pools[4].k), pools[4]["k"])  # no entry: unchanged
+    jax.block_until_ready(got_pools)
+
+
+def test_recall_groups_of_one_layer_apply_each_layer_exactly(model, tokens, reference, exact_scout, monkeypatch):
+    """With GROUP_LAYERS = 1 every layer's recall is a group of its own (one scatter each); with the
+    default one group holds both layers of the tiny model (one scatter for both): the logits equal
+    `full` and the pool equals the host store either way, and the scatters counted are the groups."""
+    from jhybrid.hybrid.modes import scout as scout_module
+
+    together = Run(model, exact_scout, *tokens)
+    logits = together.run(STEPS, before=wait_all)
+    np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
+    counters = together.runtime.counters()
+    assert counters["n_recalls"] > counters["n_recall_applies"] > 0  # a warm start moves both layers at once
+    assert assert_pool_matches_store(together) > 0
+
+    monkeypatch.setattr(scout_module, "GROUP_LAYERS", 1)
+    apart = Run(model, exact_scout, *tokens)
+    logits = apart.run(STEPS, before=wait_all)
+    np.testing.assert_allclose(logits, reference, atol=TOL, rtol=0)
+    counters = apart.runtime.counters()
+    assert counters["n_recalls"] == counters["n_recall_applies"] > 0
+    assert assert_pool_matches_store(apart) > 0

@@ -385,3 +385,120 @@ def test_a_failing_store_job_fails_the_step_and_ends_every_request(model, rng, m
         assert all("injected store failure" in o.error for o in outs)
         with pytest.raises(EngineClosed, match="injected store failure"):
             engine.submit(Request([1, 2, 3], max_tokens=2))
+
+
+# ----------------------------------------------------------------------------- batched window reads
+
+
+def filled_cache(model, backend, batch, rng):
+    """An open batch of `batch` rows whose every floating array (windows, sinks, sliding rings) holds
+    random values: a read is a pure gather, so any content tells its rows and positions apart."""
+    backend.open(model.config, batch, MAX_LEN)
+    cache = model.init_cache(batch, MAX_LEN, backend)
+
+    def fill(x):
+        if isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+            return jax.numpy.asarray(rng.standard_normal(x.shape), x.dtype)
+        return x
+
+    return cache.replace(layers=jax.tree_util.tree_map(fill, cache.layers))
+
+
+def window_tokens(backend, cache, row, start, count):
+    """K, V [L, 2, count, Hkv, D] of row `row` at start .. start + count - 1, gathered in NumPy from
+    the windows as a prefill leaves them (sinks, ring slot (p - sink) % capacity; sliding: p % W)."""
+    cfg = backend.config
+    out = []
+    for state in cache.layers:
+        positions = np.arange(start, start + count)
+        if hasattr(state, "window"):
+            w = state.window
+            ring = (positions - cfg.sink) % cfg.ring_capacity
+            kv = [np.asarray(x[row])[:, ring] for x in (w.k_ring, w.v_ring)]  # [Hkv, count, D]
+            for x, sink in zip(kv, (w.sink_k, w.sink_v)):
+                in_sink = positions < cfg.sink
+                x[:, in_sink] = np.asarray(sink[row])[:, positions[in_sink]]
+            kv = [x.transpose(1, 0, 2) for x in kv]
+        else:  # a sliding-window layer
+            kv = [np.asarray(x[row])[positions % x.shape[1]] for x in (state.k, state.v)]
+        out.append(np.stack(kv))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("config", ["tiny", "gemma3_like"])
+def test_a_batched_read_equals_each_row_read_alone(model, rng, config):
+    """`start_read_rows` of 3 rows of a batch of 4 (padded to 4: the padding reads rows[0]), ragged
+    starts (sinks, ring wrap-around) and counts (one below the width): each row's array is bit for bit
+    that row's `read_tokens` and the windows' tokens; fewer rows pad to 1, 2 and 4."""
+    from jhybrid.hybrid import ingest
+    from tests.hybrid_support import GEMMA3_LIKE
+
+    if config == "gemma3_like":  # sliding-window layers (window 24) between the global ones
+        model = create_model(GEMMA3_LIKE, seed=0)
+    backend = backend_of("scout")
+    cache = filled_cache(model, backend, 4, rng)
+    # row 3 from the sinks on; row 0 across the ring's end (ring capacity 96: slots 92 .. 95, 0 .. 11)
+    rows, starts, counts = [3, 0, 2], [0, 100, 5], [CHUNK, CHUNK, 7]
+    ingest._read_rows.clear_cache()
+    reads = ingest.start_read_rows(backend, cache, rows, starts, counts, CHUNK)
+    assert [read.count for read in reads] == counts
+    for read, row, start, count in zip(reads, rows, starts, counts):
+        got = read()
+        alone_ = read_tokens(backend, cache, row, start, count, CHUNK)
+        assert got.shape == (model.config.num_layers, 2, count, model.config.num_kv_heads, model.config.head_dim)
+        assert got.dtype == alone_.dtype
+        np.testing.assert_array_equal(got, alone_)
+        np.testing.assert_array_equal(got, window_tokens(backend, cache, row, start, count))
+    assert [ingest.read_rows_padded(n, 4) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert ingest.read_rows_padded(5, 6) == 6
+    (single,) = ingest.start_read_rows(backend, cache, [1], [20], [3], CHUNK)
+    np.testing.assert_array_equal(single(), window_tokens(backend, cache, 1, 20, 3))
+    assert ingest._read_rows._cache_size() == 2  # 4 rows (3 padded) and 1 row: one compile each
+
+
+def test_a_batched_read_refuses_bad_inputs(model, rng):
+    from jhybrid.hybrid.ingest import start_read_rows
+
+    backend = backend_of("scout")
+    cache = filled_cache(model, backend, SLOTS, rng)
+    with pytest.raises(ValueError, match="0 tokens of row 0 in a read of width 16"):
+        start_read_rows(backend, cache, [0], [0], [0], CHUNK)
+    with pytest.raises(ValueError, match="17 tokens of row 1 in a read of width 16"):
+        start_read_rows(backend, cache, [0, 1], [0, 0], [4, 17], CHUNK)
+    with pytest.raises(ValueError, match="2 rows, 1 starts and 2 counts"):
+        start_read_rows(backend, cache, [0, 1], [0], [4, 4], CHUNK)
+    with pytest.raises(ValueError, match="no rows"):
+        start_read_rows(backend, cache, [], [], [], CHUNK)
+    with pytest.raises(ValueError, match="row 2 is out of range for a batch of 2"):
+        start_read_rows(backend, cache, [2], [0], [1], CHUNK)
+    with pytest.raises(ValueError, match="3 rows read from a batch of 2"):
+        start_read_rows(backend, cache, [0, 1, 0], [0, 0, 0], [1, 1, 1], CHUNK)
+
+
+def test_a_prefill_call_reads_the_captures_of_all_its_rows_at_once(model, rng, monkeypatch):
+    """An offloading backend's prefill call stages the new whole blocks of every row it prefilled
+    with ONE window read (`ingest.start_read_rows`), not one per request: two prompts (70 and 50
+    tokens) prefilled side by side in calls of 16 tokens a row read rows [0, 1] after each of the
+    first 3 calls, row 0 alone after the 4th (the 50-token prompt's whole blocks end at 48), nothing
+    after the 5th; their 4 + 3 whole blocks enter the prefix cache."""
+    from jhybrid.hybrid import ingest
+
+    reads = []
+    start_read_rows = ingest.start_read_rows
+
+    def counted(backend, cache, rows, starts, counts, width):
+        reads.append((list(rows), list(starts), list(counts)))
+        return start_read_rows(backend, cache, rows, starts, counts, width)
+
+    monkeypatch.setattr(ingest, "start_read_rows", counted)
+    engine = ServingEngine(model, backend_of("scout"), slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                           step_token_budget=SLOTS * CHUNK,  # both rows prefill in every step
+                           prefix_cache=PrefixCacheConfig(block_size=BLOCK, device_bytes=64 * BLOCK_BYTES))
+    with engine:
+        run_all(engine, [engine.submit(Request(rng.integers(0, TINY.vocab_size, n).tolist(), max_tokens=4))
+                         for n in (70, 50)])
+        engine.step()  # out of work: the last store jobs joined
+        stored = engine.stats().prefix_bytes_device // BLOCK_BYTES
+    assert reads == [([0, 1], [0, 0], [16, 16]), ([0, 1], [16, 16], [16, 16]), ([0, 1], [32, 32], [16, 16]),
+                     ([0], [48], [16])]
+    assert stored == 4 + 3

@@ -68,6 +68,7 @@ would (the ring MAW of the prompt's own tokens depends on its chunks).
 
     cache = place_history(backend, model_config, cache, row, kv)   # kv [L, 2, n, Hkv, D] host
     kv = read_tokens(backend, cache, row, start, count, width)     # a step's tokens, from the window
+    reads = start_read_rows(backend, cache, rows, starts, counts, width)  # several rows, one dispatch
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 import time
 
 import jax
@@ -85,6 +87,7 @@ from jhybrid.hybrid.sliding import LayerPlan, SlidingWindow
 from jhybrid.hybrid.state import StepMeta
 from jhybrid.hybrid.transfer import start_to_host, to_host
 from jhybrid.hybrid.window import evicted_blocks
+from pallas_kernels._common import next_pow2
 
 log = logging.getLogger(__name__)
 
@@ -318,59 +321,130 @@ def reusable_prefix(backend, prompt_len: int, cached: int, chunk: int, block: in
     return max(0, limit) // step * step
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _read_tokens(cfg, layers, row, positions):
-    """K, V [L, 2, T, Hkv, D] of row `row` at positions [T] (each still in its layer's window)."""
-    out = []
+def _token_sources(cfg, layers) -> tuple[tuple[bool, ...], tuple[tuple[jax.Array, ...], ...]]:
+    """What a read of window tokens gathers from, per layer (only these arrays go to the jitted read,
+    not the whole layer states: fewer leaves to flatten at each dispatch): (whether the layer is a
+    sliding-window one, its arrays): a `SlidingWindow`'s k, v [B, W, Hkv, D]; else its `Window`'s
+    k_ring, v_ring [B, Hkv, C, D] and, when cfg.sink, sink_k, sink_v [B, Hkv, S, D] (model dtype)."""
+    sliding, sources = [], []
     for state in layers:
         if isinstance(state, SlidingWindow):
-            slots = positions % state.k.shape[1]
-            k, v = (jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False)[slots] for x in (state.k, state.v))
+            sliding.append(True)
+            sources.append((state.k, state.v))
         else:
             w = state.window
+            sliding.append(False)
+            sources.append((w.k_ring, w.v_ring) + ((w.sink_k, w.sink_v) if cfg.sink else ()))
+    return tuple(sliding), tuple(sources)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _read_rows(cfg, sliding, sources, rows, positions):
+    """K, V [R, L, 2, T, Hkv, D] (model dtype) of rows [R] int32 at positions [R, T] int32 (each
+    still in its layer's window), gathered from `_token_sources`' arrays; row r's part [L, 2, T,
+    Hkv, D] is contiguous."""
+    r = rows[:, None]  # [R, 1], against the positions' [R, T]
+    out = []
+    for is_sliding, arrays in zip(sliding, sources):
+        if is_sliding:
+            slots = positions % arrays[0].shape[1]
+            k, v = (x[r, slots] for x in arrays)  # [R, T, Hkv, D]
+        else:
             ring = (positions - cfg.sink) % cfg.ring_capacity
-            k, v = (jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False)[:, ring] for x in (w.k_ring, w.v_ring))
+            k, v = (x[r, :, ring] for x in arrays[:2])  # [R, T, Hkv, D]: the gathered axes lead
             if cfg.sink:
                 sink = jnp.clip(positions, 0, cfg.sink - 1)
-                in_sink = (positions < cfg.sink)[None, :, None]
-                k = jnp.where(in_sink, jax.lax.dynamic_index_in_dim(w.sink_k, row, 0, keepdims=False)[:, sink], k)
-                v = jnp.where(in_sink, jax.lax.dynamic_index_in_dim(w.sink_v, row, 0, keepdims=False)[:, sink], v)
-            k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # [T, Hkv, D]
-        out.append(jnp.stack([k, v]))
-    return jnp.stack(out)
+                in_sink = (positions < cfg.sink)[:, :, None, None]
+                k = jnp.where(in_sink, arrays[2][r, :, sink], k)
+                v = jnp.where(in_sink, arrays[3][r, :, sink], v)
+        out.append(jnp.stack([k, v], axis=1))  # [R, 2, T, Hkv, D]
+    return jnp.stack(out, axis=1)
 
 
 def read_tokens(backend, cache, row: int, start: int, count: int, width: int) -> np.ndarray:
-    """K, V [L, 2, count, Hkv, D] (host) of positions start .. start + count - 1 of row `row`, every
-    layer, read from the device windows: valid right after the step that wrote them (a step's
-    tokens are all in its layers' windows until the next step start evicts; a sliding-window layer
-    holds a step's last `sliding_window` tokens). width >= count: the read's padded length (one
-    compile per width)."""
+    """K, V [L, 2, count, Hkv, D] (host, model dtype) of positions start .. start + count - 1 of row
+    `row`, every layer, read from the device windows: valid right after the step that wrote them (a
+    step's tokens are all in its layers' windows until the next step start evicts; a sliding-window
+    layer holds a step's last `sliding_window` tokens). width >= count: the read's padded length
+    (one compile per width)."""
     return start_read_tokens(backend, cache, row, start, count, width)()
 
 
-class PendingTokens:
-    """A dispatched `read_tokens` whose device -> host copy is under way: calling it waits for that
-    copy and returns the K, V [L, 2, count, Hkv, D] host array. The read is its own device buffer,
-    taken when dispatched: later steps (evictions, a reset row) do not change it."""
+class _HostCopy:
+    """A started device -> host copy (`start_to_host`) of a batched read, made a NumPy array once,
+    by whichever thread asks first (the store worker calls its rows' `PendingTokens`); the device
+    reference is dropped then."""
 
-    def __init__(self, copy: jax.Array, count: int):
-        self._copy, self.count = copy, count
+    def __init__(self, copy: jax.Array):
+        self._copy, self._host = copy, None
+        self._lock = threading.Lock()
 
     def __call__(self) -> np.ndarray:
-        return np.asarray(self._copy)[:, :, :self.count]
+        with self._lock:
+            if self._host is None:
+                self._host, self._copy = np.asarray(self._copy), None
+            return self._host
+
+
+class PendingTokens:
+    """One row of a dispatched `start_read_rows` whose device -> host copy is under way: calling it
+    waits for that copy and returns the row's K, V [L, 2, count, Hkv, D] host array (a view of the
+    read's shared host copy [R, L, 2, width, Hkv, D]). The read is its own device buffer, taken when
+    dispatched: later steps (evictions, a reset row) do not change it."""
+
+    def __init__(self, copy: _HostCopy, index: int, count: int):
+        self._copy, self.index, self.count = copy, index, count
+
+    def __call__(self) -> np.ndarray:
+        return self._copy()[self.index, :, :, :self.count]
+
+
+def read_rows_padded(n: int, batch: int) -> int:
+    """The row count a batched read of n rows of a batch of `batch` is padded to: min(next_pow2(n),
+    batch), so at most log2(batch) + 1 shapes are ever compiled (`start_read_rows`)."""
+    return min(next_pow2(n), batch)
+
+
+def start_read_rows(backend, cache, rows, starts, counts, width: int) -> list[PendingTokens]:
+    """`read_tokens` of several rows in ONE dispatch, without waiting for it (nor for the step that
+    wrote the tokens): row rows[i]'s positions starts[i] .. starts[i] + counts[i] - 1 (rows, starts,
+    counts: int sequences of one length n, 1 <= n <= batch; 0 < counts[i] <= width, the reads'
+    padded length). One jitted gather of [R, L, 2, width, Hkv, D] (R = `read_rows_padded(n, batch)`;
+    the padding rows read row rows[0] at starts[0]) and one device -> host copy, queued behind that
+    step (the serving engine dispatches its next call before it needs them). Returns each row's
+    `PendingTokens`, in order."""
+    n = len(rows)
+    if n == 0:
+        raise ValueError("start_read_rows: no rows to read")
+    if len(starts) != n or len(counts) != n:
+        raise ValueError(f"start_read_rows: {n} rows, {len(starts)} starts and {len(counts)} counts; "
+                         "expected one of each per row")
+    sliding, sources = _token_sources(backend.config, cache.layers)
+    batch = sources[0][0].shape[0]
+    if n > batch:
+        raise ValueError(f"start_read_rows: {n} rows read from a batch of {batch}")
+    padded = read_rows_padded(n, batch)
+    row_index = np.full(padded, int(rows[0]), np.int32)
+    positions = np.full((padded, width), int(starts[0]), np.int32)
+    for i, (row, start, count) in enumerate(zip(rows, starts, counts)):
+        if not 0 <= int(row) < batch:
+            raise ValueError(f"start_read_rows: row {row} is out of range for a batch of {batch}")
+        if int(start) < 0:
+            raise ValueError(f"start_read_rows: row {row} starts at position {start}; expected >= 0")
+        if not 0 < int(count) <= width:
+            raise ValueError(f"start_read_rows: {count} tokens of row {row} in a read of width {width}")
+        row_index[i] = row
+        positions[i] = start
+        positions[i, :count] = np.arange(start, start + count)
+    copy = _HostCopy(start_to_host(_read_rows(backend.config, sliding, sources, row_index, positions)))
+    return [PendingTokens(copy, i, int(count)) for i, count in enumerate(counts)]
 
 
 def start_read_tokens(backend, cache, row: int, start: int, count: int, width: int) -> PendingTokens:
-    """`read_tokens` without waiting for it (nor for the step that wrote the tokens): the read and
-    its copy to the host are queued behind that step (the serving engine dispatches its next call
-    before it needs them)."""
-    if not 0 < count <= width:
-        raise ValueError(f"read_tokens: {count} tokens in a read of width {width}")
-    positions = np.full(width, start, np.int32)
-    positions[:count] = np.arange(start, start + count)
-    return PendingTokens(start_to_host(_read_tokens(backend.config, cache.layers, np.int32(row), positions)), count)
+    """`read_tokens` without waiting for it: `start_read_rows` of the one row."""
+    (pending,) = start_read_rows(backend, cache, [row], [start], [count], width)
+    return pending
 
 
 __all__ = ["HybridCacheWriter", "place_history", "reusable_prefix", "read_tokens", "start_read_tokens",
-           "PendingTokens"]
+           "start_read_rows", "read_rows_padded", "PendingTokens"]

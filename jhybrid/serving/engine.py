@@ -64,8 +64,9 @@ The prefix cache holds every layer's true K, V of whole prompt blocks, with eith
     result is exactly a plain prefill's (hgca: the prompt's own prefill evicts every placed ring
     token, covers its last reevaluate_queries tokens and starts on a chunk boundary). The K, V of
     the prompt blocks a request may add to the cache are read from the device window after each
-    prefill call that wrote them (`ingest.start_read_tokens`: the window holds a call's tokens until
-    the next step evicts; the read and its copy to the host are dispatched behind the call) and,
+    prefill call that wrote them (`ingest.start_read_rows`, one read of every row of the call: the
+    window holds a call's tokens until the next step evicts; the read and its copy to the host are
+    dispatched behind the call) and,
     after the next call's dispatch, handed to the store worker thread, which waits for them and
     inserts a call's whole blocks at a time into the cache (`_store_job`, `_store_staged`) while
     the engine thread goes on; a step leaves at most STORE_BACKLOG jobs running when it ends (the
@@ -1156,10 +1157,9 @@ class ServingEngine(Engine):
             self._counts.prefill_calls += 1
             self._counts.prefill_tokens += sum(n for _, n in taken)
             self._counts.decode_steps += bool(packed)
+        if self._hybrid:
+            self._capture_call(taken)  # from each run's prefilled, before it advances
         for run, n in taken:
-            if self._hybrid:
-                self._capture(run, n)
-                self._unstored.append(run)  # stored after the next call's dispatch (`_submit_stores`)
             run.prefilled += n
             done[run.request_id] += n
             if run.prefilled == len(run.prompt):
@@ -1209,14 +1209,37 @@ class ServingEngine(Engine):
         index = np.array([len(r.tokens) if r is not None else 0 for r in self._rows], np.int32)
         return self._sampling.replace(index=index)
 
-    def _capture(self, run: _Run, n: int) -> None:
-        """Stages the K, V of the prompt tokens the last prefill call wrote into the row (n from
-        run.prefilled) that the prefix cache may take, read from the device window."""
-        lo, hi = max(run.prefilled, run.capture_from), min(run.prefilled + n, run.capture_to)
-        if hi > lo:
-            with self._timed("capture_seconds"):
-                run.captured.append(self._ingest.start_read_tokens(self.backend, self._cache, run.slot, lo,
-                                                                   hi - lo, self.prefill_chunk))
+    def _capture_call(self, taken: list[tuple[_Run, int]]) -> None:
+        """Stages the K, V of the prompt tokens the last prefill call wrote ((request, n tokens from
+        its run.prefilled) each, before prefilled advances) that the prefix cache may take, read from
+        the device windows in ONE dispatch for the whole call (`ingest.start_read_rows`: a launch per
+        request and call queued behind the device work cost ~0.9 s of a 14 s load on the H200). Every
+        run is stored after the next call's dispatch (`_submit_stores`)."""
+        captures = []  # (run, lo, hi): the positions [lo, hi) of its row to read
+        for run, n in taken:
+            lo, hi = max(run.prefilled, run.capture_from), min(run.prefilled + n, run.capture_to)
+            if hi > lo:
+                captures.append((run, lo, hi))
+            self._unstored.append(run)
+        if not captures:
+            return
+        with self._timed("capture_seconds"):
+            reads = self._ingest.start_read_rows(self.backend, self._cache, [run.slot for run, _, _ in captures],
+                                                 [lo for _, lo, _ in captures],
+                                                 [hi - lo for _, lo, hi in captures], self.prefill_chunk)
+        for (run, _, _), read in zip(captures, reads):
+            run.captured.append(read)
+
+    def _precompile_captures(self) -> None:
+        """The capture reads (`_capture_call`) of each padded row count a call can use (1, 2, 4, ...
+        up to slots; `ingest.read_rows_padded`) compiled on the current cache (a read changes
+        nothing; its result is dropped), so that no timed request compiles one."""
+        if not self._hybrid:
+            return
+        padded = sorted({self._ingest.read_rows_padded(n, self.slots) for n in range(1, self.slots + 1)})
+        for rows in padded:
+            self._ingest.start_read_rows(self.backend, self._cache, list(range(rows)), [0] * rows, [1] * rows,
+                                         self.prefill_chunk)
 
     def _submit_stores(self) -> None:
         """The captures of the prefill calls so far, handed to the store worker (`_store_job`):
@@ -1577,8 +1600,9 @@ class ServingEngine(Engine):
         """Compiles every step shape this engine can run (decode; prefill of each row count, alone and
         packed with decode tokens, over each of the backend's `prefill_variants`, e.g. an offloading
         mode's prefill copies of each size), the token draw of each and the backend's host-side
-        compiles (`precompile_host`), without running the steps, so that no request waits for a
-        compile. The prefix cache's copies compile on their first use. Returns how many steps were
+        compiles (`precompile_host`), and with an offloading backend's prefix cache its capture reads
+        (`_precompile_captures`), without running the steps, so that no request waits for a compile.
+        The prefix cache's other copies compile on their first use. Returns how many steps were
         compiled now.
 
         workers: XLA compiles run at once (default: COMPILE_WORKERS, at most the host's cores, on an
@@ -1608,6 +1632,7 @@ class ServingEngine(Engine):
                 for compile_ in compiles:  # XLA's errors raised here; the pool waits for the rest
                     compile_.result()
             self.backend.precompile_host(self._cache)  # e.g. scout's recall scatters
+            self._precompile_captures()
             sampling = self._row_sampling()
             for size in sorted(set(self._row_counts()) | {self.slots}):  # logits as a step leaves them
                 logits = jax.device_put(np.zeros((size, self.config.vocab_size), np.float32),
