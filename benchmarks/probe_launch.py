@@ -43,6 +43,45 @@ def busy_program(n: int):
     return busy
 
 
+def queued_work(busy_ms: float, size: int, device, rng):
+    """(busy, x, w, n): `busy(x, w)` queues ~busy_ms of work on `device` (n chained bf16 size² matmuls,
+    calibrated here; compiled and run once)."""
+    x = jax.device_put(rng.standard_normal((size,) * 2, np.float32).astype(jnp.bfloat16) * 0.01, device)
+    w = jax.device_put(rng.standard_normal((size,) * 2, np.float32).astype(jnp.bfloat16) * 0.011, device)
+    probe = busy_program(1)
+    jax.block_until_ready(probe(x, w))
+    one = min(timed_launch(probe, x, w)[1] for _ in range(5))
+    n = max(1, int(busy_ms / 1e3 / one))
+    busy = busy_program(n)
+    jax.block_until_ready(busy(x, w))
+    return busy, x, w, n
+
+
+def add_output_args(parser) -> None:
+    """--output (JSON), --plot (PNG), --replot (a former JSON to draw; run nothing)."""
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--plot", default=None, help="PNG of the medians")
+    parser.add_argument("--replot", default=None, help="draw --plot from this former JSON output; run nothing")
+
+
+def replotted(args, draw) -> bool:
+    """With --replot: draw(former result, PNG path) and True; else False."""
+    if not args.replot:
+        return False
+    with open(args.replot) as f:
+        draw(json.load(f), args.plot or args.replot.replace(".json", ".png"))
+    return True
+
+
+def write_outputs(result: dict, args, draw) -> None:
+    """result as JSON to --output and drawn to --plot (each when given)."""
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        draw(result, args.plot)
+
+
 def chain_program(k: int, options: dict | None):
     def chain(y):
         for i in range(k):
@@ -94,25 +133,13 @@ def main() -> None:
     parser.add_argument("--busy-ms", type=float, default=60.0, help="queued work in front of each launch")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--size", type=int, default=8192, help="busy's square matrices (a CPU check: 256)")
-    parser.add_argument("--output", default=None)
-    parser.add_argument("--plot", default=None, help="PNG of the launch medians")
-    parser.add_argument("--replot", default=None, help="draw --plot from this former JSON output; run nothing")
+    add_output_args(parser)
     args = parser.parse_args()
-    if args.replot:
-        with open(args.replot) as f:
-            plot(json.load(f), args.plot or args.replot.replace(".json", ".png"))
+    if replotted(args, plot):
         return
     dev = jax.devices()[0]
     rng = np.random.default_rng(0)
-    x = jax.device_put(rng.standard_normal((args.size,) * 2, np.float32).astype(jnp.bfloat16) * 0.01, dev)
-    w = jax.device_put(rng.standard_normal((args.size,) * 2, np.float32).astype(jnp.bfloat16) * 0.011, dev)
-
-    probe = busy_program(1)
-    jax.block_until_ready(probe(x, w))
-    one = min(timed_launch(probe, x, w)[1] for _ in range(5))
-    n = max(1, int(args.busy_ms / 1e3 / one))
-    busy = busy_program(n)
-    jax.block_until_ready(busy(x, w))
+    busy, x, w, n = queued_work(args.busy_ms, args.size, dev, rng)
     busy_launch, busy_total, _ = timed_launch(busy, x, w)
     print(f"device {dev.device_kind}; jax {jax.__version__}; busy = {n} matmuls, {1e3 * busy_total:.1f} ms "
           f"(its launch {1e3 * busy_launch:.2f} ms)", flush=True)
@@ -223,11 +250,7 @@ def main() -> None:
     result = {"device": dev.device_kind, "jax": jax.__version__, "busy_ms": round(1e3 * busy_total, 2),
               "busy_matmuls": n, "repeats": args.repeats, "rows": rows,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": "python3 benchmarks/probe_launch.py"}
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot:
-        plot(result, args.plot)
+    write_outputs(result, args, plot)
 
 
 if __name__ == "__main__":

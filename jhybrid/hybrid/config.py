@@ -104,8 +104,8 @@ class OffloadConfig:
         = at most N layers start a recall at one step start, and (recall_lag_steps None) at most N
         recalls are applied at one: the others wait for the next steps (the layers taken in turn
         from where the last step stopped). Spreads a burst (every layer's warm start after a
-        prefill) over steps: each recall costs the step start a dispatch and its background job
-        CPU time beside the host attention.
+        prefill) over steps: each group of recalls costs the step start a dispatch, and each layer
+        background CPU time beside the host attention.
     predict_query: scout: CPU attention uses the layer-ahead predicted query (True, the paper's
         design, approximate) or each layer's exact query (False; exact).
     scout_exact_layers: scout with predict_query: the layers that select and attend with their exact

@@ -16,8 +16,9 @@ Host side (`ScoutHost`): asynchronous incremental recall into the pool (§3.4; "
 below): at a step start, per layer, when the CPU's share of the
 layer's selected blocks at the last step exceeded `recall_threshold` (and `recall_min_interval`
 steps passed, and none of its recalls is in flight), a background thread plans, gathers and
-uploads the recall; the first decode step start at which it has finished applies it with one
-jitted, buffer-donating scatter (`recall_layers_per_step` bounds both per step start); no step
+uploads the recall, the layers triggered at one step start together (`RecallGroup`); the first
+decode step start at which a group has finished applies it with one jitted, buffer-donating
+scatter over every layer's pool (`recall_layers_per_step` bounds both per step start); no step
 waits for it (recall_lag_steps None; an int N applies each one exactly N steps after its trigger,
 for replayable runs). Warm start, as the paper's GPU keeps the
 blocks selected after prefill: at the second decode step after a row's prefill (or an adopted store)
