@@ -425,3 +425,25 @@ def test_a_prompt_paused_by_window_only_chunks_keeps_its_copies(model):
     counters = got[2].counters()
     assert counters["n_prefill_window_chunks"] >= 4  # row 2's, row 1's (and row 0's first two)
     assert counters["n_prefill_rows_from_evicted"] == 1 and counters["n_prefill_row_uploads"] == 0
+
+
+@pytest.mark.parametrize("max_len", [128, 152, 200, 264])
+def test_copy_sizes_cover_every_reachable_chunk_and_no_more(max_len):
+    """`PrefillCopies.sizes` against an oracle that walks every length a chunk can bring a row to
+    (1 .. max_len): the P `_tokens` gives each length's offloaded blocks is one of the sizes, and
+    every size is given by some length (the serving engine compiles a step shape per size: an
+    unreachable one is minutes of tracing on a 32-layer model). max_len 152 = 9 blocks past the
+    8 sinks: nb_max 9 is out of reach (the ring keeps 32 tokens), the sizes stop at 8 blocks."""
+    from jhybrid.hybrid.window import evicted_blocks
+
+    backend = make_backend("hgca", **WINDOW, prefill_offloaded="device")
+    backend.open(CONFIG, 2, max_len)
+    try:
+        copies, cfg = backend.runtime.prefill, backend.config
+        reached = {copies._tokens(np.array([int(evicted_blocks(np.int64(n), cfg)), 0]))
+                   for n in range(1, max_len + 1)}
+        assert sorted(reached) == copies.sizes()
+        if max_len == 152:
+            assert backend.runtime.nb_max == 9 and copies.sizes() == [32, 64, 128]
+    finally:
+        backend.close()

@@ -201,13 +201,19 @@ class PrefillCopies:
         return max(p, self._kept[0][0].shape[2]) if self._kept is not None else p
 
     def sizes(self) -> list[int]:
-        """Every P `_tokens` can give (the copies' token counts, ascending): the step compiles once
-        for each."""
-        nb_max, bs = self.runtime.nb_max, self.runtime.config.block_size
+        """Every P `_tokens` can give a prefill chunk (the copies' token counts, ascending): the step
+        compiles once for each. A chunk's rows hold at most evicted_blocks(max_len) offloaded blocks
+        (the ring keeps the last ring_tokens), so the sizes stop at the first that covers it: with
+        max_len just past a power of two of blocks (the serving benchmark's 16448 tokens = 257
+        blocks) nb_max itself is out of reach, and its steps (6 shapes, ~50 s of tracing on the
+        H200) are not compiled."""
+        runtime = self.runtime
+        nb_max, bs = runtime.nb_max, runtime.config.block_size
+        reach = int(evicted_blocks(np.int64(runtime.max_len), runtime.config))
         blocks, out = max(1, next_pow2(nb_max) // 8), []
         while True:
             out.append(min(blocks, nb_max) * bs)
-            if blocks >= nb_max:
+            if blocks >= nb_max or blocks >= reach:
                 return out
             blocks *= 2
 
