@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import threading
+import types
+
 import numpy as np
 import pytest
 
@@ -235,3 +238,42 @@ def test_serve_warm_up_tokens_warms_the_engine_up_before_listening(model, capsys
                 assert report is None and err == "" and engine.stats().steps == 0
         finally:
             engine.close(drain=False)
+
+
+def test_a_lead_wave_packs_however_late_the_warm_up_thread_runs(model, monkeypatch):
+    """A loaded machine: the warm-up's own thread resumes only after the lead request has finished
+    (its wait for the lead's first token is held until then). The others were submitted by the
+    lead's first token's callback, on the engine thread, so they still prefilled beside the lead's
+    decoding: the packed call ran (submitted after the wait, as before, it never did)."""
+    from jhybrid.serving import warmup as warmup_module
+
+    engine = new_engine(model)
+    try:
+        engine.compile_steps()
+        calls = recording(engine)
+        leads = []
+        submit = engine.submit
+
+        def submitted(request, on_token=None, on_finish=None):
+            handle = submit(request, on_token=on_token, on_finish=on_finish)
+            if request.request_id.endswith("-0"):
+                leads.append(handle)
+            return handle
+
+        engine.submit = submitted
+
+        class LateEvent(threading.Event):
+            def wait(self, timeout=None):
+                leads[-1].result(TIMEOUT)  # this thread "descheduled" until the lead is done
+                return super().wait(timeout)
+
+        # the warm-up module's Events only (the engine's own stay plain)
+        monkeypatch.setattr(warmup_module, "threading", types.SimpleNamespace(Event=LateEvent))
+        waves = packed_waves(LONGEST, SLOTS, CHUNK, WARM_TOKENS, MAX_LEN, engine.packed_row_counts(),
+                             np.random.default_rng(0), TINY.vocab_size, engine.call_widths())
+        assert waves and all(isinstance(wave, LeadWave) for wave in waves)
+        report = run_warm_up(engine, waves, TIMEOUT)
+        assert report.requests == sum(len(wave) for wave in waves)
+        assert any(name == "packed" for name, _ in calls), calls
+    finally:
+        engine.close(drain=False)

@@ -18,7 +18,9 @@ the previous one finished):
      the first request's most tokens, then the call's);
   4. for each row count C a packed call can have (`ServingEngine.packed_row_counts`; none: the
      engine does not pack), a one-chunk prompt whose request runs alone until its first token
-     (`LeadWave`), then decodes while R = min(C, slots - 1) prompts prefill beside it (R rows take
+     (`LeadWave`; its first token's callback submits the others, so they join before its next step
+     however late the warm-up's own thread runs), then decodes while R = min(C, slots - 1) prompts
+     prefill beside it (R rows take
      the call of C rows, the row counts being powers of two and slots): the longest length (the
      packed calls over every size of an offloading mode's copies), or prefill_chunk + W for a
      width W < prefill_chunk of C rows (their tails' [C, W] calls).
@@ -176,11 +178,7 @@ def run_warm_up(engine: "ServingEngine", waves: Sequence[Wave], timeout_s: float
         requests_of = [Request(prompt=prompt.tolist(), max_tokens=max_tokens, request_id=f"warm-{w}-{i}")
                        for i, (prompt, max_tokens) in enumerate(wave)]
         if isinstance(wave, LeadWave) and len(requests_of) > 1:
-            first_token = threading.Event()
-            handles = [engine.submit(requests_of[0], on_token=lambda *_: first_token.set())]
-            if not first_token.wait(timeout_s) and not handles[0].done:
-                raise TimeoutError(f"warm-up request {requests_of[0].request_id!r} had no token in {timeout_s} s")
-            handles += [engine.submit(request) for request in requests_of[1:]]
+            handles = _lead_then_rest(engine, requests_of, timeout_s)
         else:
             handles = [engine.submit(request) for request in requests_of]
         for handle in handles:
@@ -193,6 +191,36 @@ def run_warm_up(engine: "ServingEngine", waves: Sequence[Wave], timeout_s: float
     return WarmUpReport(waves=len(waves), requests=requests, seconds=seconds,
                         compiles=after.compiles - before.compiles, first_runs=after.first_runs - before.first_runs,
                         unrun_steps=tuple(engine.unrun_steps()))
+
+
+def _lead_then_rest(engine: "ServingEngine", requests: list[Request], timeout_s: float) -> list:
+    """A `LeadWave`'s handles: requests[0] submitted, the rest submitted by its first token's callback
+    (on the engine thread, before its next step: they prefill while the lead decodes whatever this
+    thread's own timing; submitted from here, after the wait, a loaded machine's lead could finish
+    its few tokens first and the packed calls never run). The rest is submitted here instead when
+    the lead ends without a token."""
+    rest: list = []
+    failures: list[BaseException] = []
+    submitted = threading.Event()
+
+    def submit_rest(*_) -> None:
+        if submitted.is_set():
+            return
+        try:
+            rest.extend(engine.submit(request) for request in requests[1:])
+        except BaseException as error:  # raised on the warm-up's thread below (the engine ignores it)
+            failures.append(error)
+        finally:
+            submitted.set()
+
+    lead = engine.submit(requests[0], on_token=submit_rest)
+    if not submitted.wait(timeout_s) and not lead.done:
+        raise TimeoutError(f"warm-up request {requests[0].request_id!r} had no token in {timeout_s} s")
+    if failures:
+        raise failures[0]
+    if not submitted.is_set():  # the lead ended without a token (an error, reported with its result)
+        rest = [engine.submit(request) for request in requests[1:]]
+    return [lead, *rest]
 
 
 def engine_warm_up_waves(engine: "ServingEngine", longest: int, warm_tokens: int = WARM_TOKENS,
