@@ -367,7 +367,8 @@ def read_tokens(backend, cache, row: int, start: int, count: int, width: int) ->
     step's tokens are all in its layers' windows until the next step start evicts; a sliding-window
     layer holds a step's last `sliding_window` tokens). width >= count: the read's padded length
     (one compile per width)."""
-    return start_read_tokens(backend, cache, row, start, count, width)()
+    (pending,) = start_read_rows(backend, cache, [row], [start], [count], width)
+    return pending()
 
 
 class _HostCopy:
@@ -440,11 +441,5 @@ def start_read_rows(backend, cache, rows, starts, counts, width: int) -> list[Pe
     return [PendingTokens(copy, i, int(count)) for i, count in enumerate(counts)]
 
 
-def start_read_tokens(backend, cache, row: int, start: int, count: int, width: int) -> PendingTokens:
-    """`read_tokens` without waiting for it: `start_read_rows` of the one row."""
-    (pending,) = start_read_rows(backend, cache, [row], [start], [count], width)
-    return pending
-
-
-__all__ = ["HybridCacheWriter", "place_history", "reusable_prefix", "read_tokens", "start_read_tokens",
-           "start_read_rows", "read_rows_padded", "PendingTokens"]
+__all__ = ["HybridCacheWriter", "place_history", "reusable_prefix", "read_tokens", "start_read_rows",
+           "read_rows_padded", "PendingTokens"]

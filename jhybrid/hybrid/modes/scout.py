@@ -350,7 +350,7 @@ def stage_recall(store, group: RecallGroup, batch: int, dtype, device, hook=None
                for name, fill in (("b", batch), ("h", 0), ("r", 0), ("block", -1))]
     layer = np.concatenate([*[np.full(plan.n, plan.layer, np.int32) for plan in group.plans],
                             np.full(pad, -1, np.int32)])
-    out = _upload([*[x.astype(np.int32) for x in columns], layer], k_st, v_st, c.kv_dtype, np.dtype(dtype), device)
+    out = _upload([*columns, layer], k_st, v_st, c.kv_dtype, np.dtype(dtype), device)
     apply = None if pool_specs is None else _apply_for(pool_specs, out, batch, device)
     jax.block_until_ready(out)
     group.bg_s = time.perf_counter() - start
